@@ -1,0 +1,43 @@
+# streamrover: `make demo` runs the main job, `make test` the whole suite.
+# Both set themselves up: virtualenv, the package with its extras, generated code checks.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Extras the test suite needs; grows as issues land (kafka, torch, ...).
+TEST_EXTRAS ?= dev,ckpt
+PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
+
+.PHONY: install demo test lint bench clean proto
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install $(PIP_FLAGS) -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install $(PIP_FLAGS) -q -e ".[$(TEST_EXTRAS)]"
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python examples/backfill/demo.py
+
+lint: install
+	$(BIN)/ruff check streamrover tests benchmarks examples
+	$(BIN)/mypy
+	PYTHON=$(BIN)/python scripts/gen-proto.sh --check
+
+test: install lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+proto: install
+	PYTHON=$(BIN)/python scripts/gen-proto.sh
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

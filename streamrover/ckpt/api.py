@@ -1,0 +1,139 @@
+"""The flash-checkpoint contract: what a checkpoint is, how it binds to the data cursor, its errors.
+
+A *snapshot* is one rank's state at one training step, held in shared memory. A
+*checkpoint* is a set of snapshots of the same step (one *part* per rank) persisted
+to storage with a manifest; it exists exactly when its manifest exists. The manifest
+holds the data cursor of that step, so a model state is never restored without the
+positions whose effect is in it.
+
+Reading this module alone tells what the package promises; the rest is mechanism.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from streamrover.cursor import DataCursor
+
+#: Bumped when the on-storage or shared-memory layout changes incompatibly.
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every error this package raises."""
+
+
+class SharedMemoryTooSmallError(CheckpointError):
+    """``/dev/shm`` cannot hold the snapshot buffers; the message says how much is needed and how to fix it."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint on storage is partial or fails its checksums; the loader falls back to an older one."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No consistent checkpoint exists, neither in shared memory nor on storage."""
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """The state holds a value that cannot be checkpointed (a key that is not str/int, an object...)."""
+
+
+class SaverError(CheckpointError):
+    """The saver process could not be started or reached, or reported a failed persist."""
+
+
+class Source(enum.Enum):
+    """Where a loaded checkpoint came from."""
+
+    MEMORY = "memory"
+    STORAGE = "storage"
+
+
+@runtime_checkable
+class CursorBinder(Protocol):
+    """The shard service as seen by checkpoints (``ShardClient`` implements it).
+
+    The cut protocol (ARCHITECTURE.md, "The exactly-once contract", steps 2-4):
+
+    * :meth:`prepare_cut` is called by :meth:`Checkpointer.save` before the state is
+      copied; its cursor is stored with that snapshot (and so in the manifest).
+    * :meth:`commit_cut` is called once the manifest holding that cursor is durable.
+      It is called from a background thread, at most once per published manifest, by
+      the rank whose saver published it; it must be idempotent (two savers finishing at
+      the same moment may both publish the same manifest). A cut whose snapshot is
+      superseded in memory before it is persisted is never committed: the shard service
+      must tolerate abandoned cuts.
+    * :meth:`restore_cursor` is called after a load, with the loaded cursor.
+    """
+
+    def prepare_cut(self, step: int | None) -> tuple[int, DataCursor]:
+        """Take a cut for ``step``: return its id and the cursor of positions applied up to it."""
+        ...
+
+    def commit_cut(self, cut_id: int) -> None:
+        """Mark cut ``cut_id`` committed: its manifest is durable."""
+        ...
+
+    def restore_cursor(self, cursor: DataCursor) -> None:
+        """Reset the shard service to ``cursor``: everything acked or leased after it is read again."""
+        ...
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Which persisted checkpoints to keep.
+
+    The newest ``keep_last`` checkpoints are kept, and so is every checkpoint whose
+    step is a multiple of ``keep_every`` (when set). ``keep_last`` must be at least 1:
+    the newest checkpoint is never deleted. Partial checkpoints (no manifest) older than
+    the newest complete one are deleted too.
+    """
+
+    keep_last: int = 3
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1 or None, got {self.keep_every}")
+
+    def to_delete(self, steps: list[int]) -> list[int]:
+        """Of the complete checkpoints at ``steps``, the ones this policy drops (ascending)."""
+        ordered = sorted(set(steps))
+        keep = set(ordered[-self.keep_last :])
+        if self.keep_every:
+            keep.update(s for s in ordered if s % self.keep_every == 0)
+        return [s for s in ordered if s not in keep]
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :meth:`Checkpointer.load` returns.
+
+    ``state`` has the nested structure that was saved. With ``Source.MEMORY`` and
+    ``zero_copy=True`` its tensors are views of shared memory, valid until this
+    rank's next save: copy them into the model (``load_state_dict`` does) first.
+    """
+
+    step: int
+    state: dict[str, Any]
+    cursor: DataCursor
+    source: Source
+    cut_id: int | None = None
+    path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PersistResult:
+    """The saver's report on one persist of one rank's snapshot."""
+
+    step: int
+    ok: bool
+    manifest_published: bool
+    cut_id: int | None
+    error: str | None = None

@@ -1,0 +1,207 @@
+"""The memory engine: one rank's ring of shared-memory snapshot buffers.
+
+Saves go to a buffer that the saver is not reading (``busy``), preferring the one
+with the oldest snapshot, so a save never waits for a persist and the newest
+complete snapshot is only overwritten when every other buffer is being persisted.
+Buffers are allocated on first use (or by :meth:`MemoryEngine.prepare`), pre-faulted,
+and reused; they grow when the state grows.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from streamrover.ckpt.api import FORMAT_VERSION
+from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
+from streamrover.ckpt.shm import ALIGN, DATA_START, SHM_DIR, SharedBuffer, align, check_shm_space
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+HEADER_RESERVE = 1 << 20  # room for the header JSON (tensor table, cursor) beyond the tensor bytes
+
+
+def buffer_name(namespace: str, rank: int, index: int) -> str:
+    return f"srckpt-{_SAFE.sub('_', namespace)}-r{rank}-b{index}"
+
+
+@dataclass
+class Snapshot:
+    """A complete snapshot found in a buffer: where, which generation, and its header."""
+
+    index: int
+    name: str
+    generation: int
+    header: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.header["step"])
+
+    @property
+    def seq(self) -> int:
+        return int(self.header["seq"])
+
+
+def plan_layout(entries: list[TensorEntry]) -> tuple[list[int], int]:
+    """Offsets of each tensor in a buffer and the end of the data region."""
+    offsets = []
+    pos = DATA_START
+    for entry in entries:
+        offsets.append(pos)
+        pos = align(pos + entry.nbytes, ALIGN)
+    return offsets, pos
+
+
+class MemoryEngine:
+    """The snapshot buffers of one rank, as the trainer process sees them."""
+
+    def __init__(self, namespace: str, rank: int, num_buffers: int = 2) -> None:
+        if num_buffers < 2:
+            raise ValueError(f"num_buffers must be >= 2 (double buffering), got {num_buffers}")
+        self.namespace = namespace
+        self.rank = rank
+        self.num_buffers = num_buffers
+        self.buffers: list[SharedBuffer | None] = [None] * num_buffers
+        self._seq = 0
+        self._prefault: threading.Thread | None = None
+        self.attach()
+
+    def names(self) -> list[str]:
+        return [buffer_name(self.namespace, self.rank, i) for i in range(self.num_buffers)]
+
+    def attach(self) -> None:
+        """Map buffers left by an earlier trainer of this rank (process restart on a live node)."""
+        for i, name in enumerate(self.names()):
+            if self.buffers[i] is None:
+                self.buffers[i] = SharedBuffer.open(name, writable=True)
+        newest = self.newest()
+        if newest is not None:
+            self._seq = max(self._seq, newest.seq)
+
+    def capacity_needed(self, entries: list[TensorEntry]) -> int:
+        _, data_end = plan_layout(entries)
+        return data_end + HEADER_RESERVE
+
+    def prepare(self, state: Any) -> None:
+        """Allocate and pre-fault every buffer for ``state`` now, off the critical path of the first save."""
+        _, entries = flatten(state)
+        self._ensure_all(self.capacity_needed(entries))
+
+    def _ensure_all(self, size: int) -> None:
+        self._join_prefault()
+        missing = sum(size - (b.size if b else 0) for b in self.buffers if b is None or b.size < size)
+        check_shm_space(missing, f"{self.num_buffers} snapshot buffers of {size / (1 << 20):.1f} MiB (rank {self.rank})")
+        for i in range(self.num_buffers):
+            self._ensure(i, size)
+
+    def _ensure(self, index: int, size: int) -> SharedBuffer:
+        buf = self.buffers[index]
+        if buf is not None and buf.size >= size:
+            return buf
+        grown = size + size // 16 if buf is not None else size  # grow with slack, the state grew once already
+        if buf is not None:
+            buf.close()
+        new = SharedBuffer.create(self.names()[index], align(grown, 1 << 21))
+        self.buffers[index] = new
+        return new
+
+    # -- reading -------------------------------------------------------------
+    def snapshots(self) -> list[Snapshot]:
+        out = []
+        for i, buf in enumerate(self.buffers):
+            if buf is None:
+                continue
+            found = buf.read_header()
+            if found is not None:
+                out.append(Snapshot(i, buf.name, found[0], found[1]))
+        return out
+
+    def newest(self) -> Snapshot | None:
+        snaps = self.snapshots()
+        return max(snaps, key=lambda s: s.seq) if snaps else None
+
+    def load(self, snap: Snapshot, zero_copy: bool) -> Any:
+        """The state held by ``snap``: views of shared memory if ``zero_copy``, private copies otherwise."""
+        buf = self.buffers[snap.index]
+        assert buf is not None
+        return read_state(buf.mm, snap.header, zero_copy)
+
+    # -- writing -------------------------------------------------------------
+    def choose(self, busy: Iterable[int]) -> int:
+        """The buffer the next save writes: not busy, holding the oldest (or no) snapshot."""
+        busy = set(busy)
+        free = [i for i in range(self.num_buffers) if i not in busy]
+        if not free:
+            raise RuntimeError("every snapshot buffer is busy; the saver holds more buffers than it may")
+        seqs = {s.index: s.seq for s in self.snapshots()}
+        return min(free, key=lambda i: (seqs.get(i, -1), i))
+
+    def write(self, index: int, step: int, state: Any, meta: dict[str, Any]) -> Snapshot:
+        """Copy ``state`` into buffer ``index`` and publish it; return the new snapshot."""
+        skeleton, entries = flatten(state)
+        offsets, data_end = plan_layout(entries)
+        header: dict[str, Any] = {
+            "format": FORMAT_VERSION,
+            "seq": self._seq + 1,
+            "step": step,
+            "rank": self.rank,
+            "skeleton": skeleton,
+            "tensors": [e.table_row(o) for e, o in zip(entries, offsets)],
+            "data_end": data_end,
+            "header_offset": data_end,
+            **meta,
+        }
+        size_needed = data_end + HEADER_RESERVE
+        self._join_prefault()
+        if all(b is None or b.size < size_needed for b in self.buffers):
+            # First save (or the state outgrew every buffer): check the whole ring fits, allocate the
+            # buffer written now, and pre-fault the others in the background, off the critical path.
+            missing = sum(size_needed - (b.size if b else 0) for b in self.buffers)
+            check_shm_space(missing, f"{self.num_buffers} snapshot buffers of {size_needed / (1 << 20):.1f} MiB")
+            others = [i for i in range(self.num_buffers) if i != index]
+            buf = self._ensure(index, size_needed)
+            self._prefault = threading.Thread(
+                target=lambda: [self._ensure(i, size_needed) for i in others], name="ckpt-prefault", daemon=True
+            )
+            self._prefault.start()
+        else:
+            buf = self._ensure(index, size_needed)
+        odd = buf.begin_write()
+        for entry, offset in zip(entries, offsets):
+            copy_into(entry, buf.mm, offset)
+        gen = buf.end_write(odd, header)
+        self._seq += 1
+        return Snapshot(index, buf.name, gen, header)
+
+    def _join_prefault(self) -> None:
+        if self._prefault is not None:
+            self._prefault.join()
+            self._prefault = None
+
+    def unlink(self) -> None:
+        self._join_prefault()
+        for buf in self.buffers:
+            if buf is not None:
+                buf.close()
+        for name in self.names():
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+        self.buffers = [None] * self.num_buffers
+
+
+def read_state(buffer: Any, header: dict[str, Any], zero_copy: bool) -> Any:
+    """Rebuild the state of a snapshot header from ``buffer`` (mmap or bytes-like)."""
+    rows = header["tensors"]
+
+    def make(i: int) -> Any:
+        row = rows[i]
+        t = make_tensor(row["kind"], row["dtype"], row["shape"], buffer, int(row["offset"]))
+        return t if zero_copy else t.copy() if row["kind"] == "numpy" else t.clone()
+
+    return unflatten(header["skeleton"], make)

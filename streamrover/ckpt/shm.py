@@ -1,0 +1,186 @@
+"""One POSIX shared-memory snapshot buffer: allocation, pre-faulting, and its seqlock header.
+
+Layout of a buffer (all integers little-endian)::
+
+    0      8      16             24           32       36          4096
+    | magic | gen | header_offset | header_len | hdr_crc | ...        | tensor data ... | header JSON |
+
+``gen`` is a seqlock generation: odd while a snapshot is being written, even once it
+is complete. A writer sets it odd, copies the tensors, writes the header JSON and its
+offset/length/CRC, then sets it even. A reader takes ``gen``, reads the header, and
+re-reads ``gen``: the snapshot is valid only if both reads are equal and even. A
+trainer killed mid-copy leaves ``gen`` odd, so its torn snapshot is never used.
+
+Buffers live in ``/dev/shm`` (Linux POSIX shm) under a deterministic name, so a
+restarted trainer or the saver can open them by name; they outlive the process that
+created them until :meth:`SharedBuffer.unlink`. No ``multiprocessing.shared_memory``:
+its resource tracker unlinks segments when their creator dies, which is exactly when
+they are needed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import struct
+import zlib
+from typing import Any
+
+from streamrover.ckpt.api import SharedMemoryTooSmallError
+
+SHM_DIR = "/dev/shm"
+MAGIC = b"SRCKPT01"
+DATA_START = 4096
+ALIGN = 64
+_GEN = struct.Struct("<Q")
+_HDR = struct.Struct("<QQI")  # header_offset, header_len, header_crc
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def shm_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def check_shm_space(extra_bytes: int, what: str) -> None:
+    """Raise :class:`SharedMemoryTooSmallError` if ``/dev/shm`` cannot take ``extra_bytes`` more."""
+    if extra_bytes <= 0:
+        return
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        raise SharedMemoryTooSmallError(f"{SHM_DIR} is not usable ({exc}); flash checkpoints need POSIX shared memory") from exc
+    free = st.f_bavail * st.f_frsize
+    total = st.f_blocks * st.f_frsize
+    if extra_bytes > free:
+        raise SharedMemoryTooSmallError(_too_small_message(extra_bytes, free, total, what))
+
+
+def _too_small_message(needed: int, free: int, total: int, what: str) -> str:
+    mib = 1 << 20
+    return (
+        f"{SHM_DIR} is too small for {what}: needs {needed / mib:.1f} MiB more, "
+        f"{free / mib:.1f} MiB free of {total / mib:.1f} MiB. Enlarge it (docker run --shm-size=..., "
+        "Kubernetes: mount an emptyDir with medium: Memory and a sizeLimit at /dev/shm), "
+        "or use fewer snapshot buffers (Checkpointer(num_buffers=...)), or save a smaller state per rank."
+    )
+
+
+class SharedBuffer:
+    """A named, memory-mapped ``/dev/shm`` file holding at most one snapshot."""
+
+    def __init__(self, name: str, mm: mmap.mmap, size: int, writable: bool) -> None:
+        self.name = name
+        self.mm = mm
+        self.size = size
+        self.writable = writable
+
+    # -- lifecycle -----------------------------------------------------------
+    @classmethod
+    def create(cls, name: str, size: int) -> SharedBuffer:
+        """Create (or grow) ``name`` to ``size`` bytes, allocate every page and map it pre-faulted."""
+        path = shm_path(name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            current = os.fstat(fd).st_size
+            if size > current:
+                check_shm_space(size - current, f"a {size / (1 << 20):.1f} MiB snapshot buffer {name!r}")
+                try:
+                    os.posix_fallocate(fd, 0, size)  # tmpfs: allocates the pages now, or fails with ENOSPC
+                except OSError as exc:
+                    if exc.errno == errno.ENOSPC:
+                        st = os.statvfs(SHM_DIR)
+                        raise SharedMemoryTooSmallError(
+                            _too_small_message(size - current, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, name)
+                        ) from exc
+                    raise
+            size = max(size, current)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        if mm[:8] != MAGIC:
+            mm[:8] = MAGIC
+            _GEN.pack_into(mm, 8, 0)
+        return cls(name, mm, size, writable=True)
+
+    @classmethod
+    def open(cls, name: str, writable: bool = False) -> SharedBuffer | None:
+        """Map an existing buffer, or return None if it does not exist or is not a snapshot buffer."""
+        path = shm_path(name)
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size < DATA_START:
+                return None
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)
+        if mm[:8] != MAGIC:
+            mm.close()
+            return None
+        return cls(name, mm, size, writable)
+
+    def close(self) -> None:
+        """Unmap; tolerates live zero-copy views (the mapping then lives until they are gone)."""
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(shm_path(self.name))
+        except FileNotFoundError:
+            pass
+
+    # -- seqlock ---------------------------------------------------------------
+    def generation(self) -> int:
+        value: int = _GEN.unpack_from(self.mm, 8)[0]
+        return value
+
+    def begin_write(self) -> int:
+        """Mark the buffer as being written (odd generation); return that odd generation."""
+        gen = self.generation()
+        gen = gen + 1 if gen % 2 == 0 else gen + 2  # a crashed writer may have left it odd
+        _GEN.pack_into(self.mm, 8, gen)
+        return gen
+
+    def end_write(self, odd_gen: int, header: dict[str, Any]) -> int:
+        """Write ``header`` after the data and publish the snapshot; return its (even) generation."""
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        offset = int(header["header_offset"])
+        if offset + len(blob) > self.size:
+            raise ValueError(f"snapshot header does not fit in buffer {self.name!r} ({offset + len(blob)} > {self.size})")
+        self.mm[offset : offset + len(blob)] = blob
+        _HDR.pack_into(self.mm, 16, offset, len(blob), zlib.crc32(blob))
+        _GEN.pack_into(self.mm, 8, odd_gen + 1)
+        return odd_gen + 1
+
+    def read_header(self) -> tuple[int, dict[str, Any]] | None:
+        """``(generation, header)`` of the complete snapshot in this buffer, or None if there is none."""
+        gen = self.generation()
+        if gen == 0 or gen % 2 == 1:
+            return None
+        offset, length, crc = _HDR.unpack_from(self.mm, 16)
+        if offset < DATA_START or offset + length > self.size:
+            return None
+        blob = bytes(self.mm[offset : offset + length])
+        if zlib.crc32(blob) != crc or self.generation() != gen:
+            return None
+        try:
+            header: dict[str, Any] = json.loads(blob)
+        except ValueError:
+            return None
+        return gen, header
+
+    def still_valid(self, gen: int) -> bool:
+        """True while the snapshot read at generation ``gen`` has not been overwritten."""
+        return self.generation() == gen

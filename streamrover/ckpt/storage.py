@@ -1,0 +1,211 @@
+"""Where checkpoints are persisted: a local directory (default) or any fsspec URL.
+
+Every file is written under a temporary name and renamed into place; on local disk it
+is fsync'd first and its directory after, so a file that exists under its final name
+is complete. Checksums are computed while writing, on a second core.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import shutil
+import threading
+import uuid
+import zlib
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+CHECKSUM_ALGO = "sha256"
+
+
+class Hasher(Protocol):
+    def update(self, data: Any, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def new_hasher(algo: str) -> Hasher:
+    if algo == "crc32":
+        return _Crc32()
+    return hashlib.new(algo)  # type: ignore[return-value]
+
+
+def checksum(data: Any, algo: str = CHECKSUM_ALGO) -> str:
+    h = new_hasher(algo)
+    h.update(data)
+    return f"{algo}:{h.hexdigest()}"
+
+
+class _ParallelHasher:
+    """Hashes chunks on another thread while the caller writes them (hashlib releases the GIL)."""
+
+    def __init__(self, algo: str) -> None:
+        self.algo = algo
+        self._hasher = new_hasher(algo)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=4)
+        self._thread = threading.Thread(target=self._run, name="ckpt-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            self._hasher.update(chunk)
+
+    def update(self, chunk: Any) -> None:
+        self._queue.put(chunk)
+
+    def result(self) -> str:
+        self._queue.put(None)
+        self._thread.join()
+        return f"{self.algo}:{self._hasher.hexdigest()}"
+
+
+CHUNK = 32 << 20
+
+
+def _chunks(parts: Iterable[Any]) -> Iterable[memoryview]:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), CHUNK):
+            yield view[start : start + CHUNK]
+
+
+class Storage:
+    """A checkpoint root: a local directory or an fsspec URL."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        if "://" in url:
+            import fsspec
+
+            self.fs: Any = fsspec.filesystem(url.split("://", 1)[0], **self.storage_options)
+            self.root = url
+            self.local = False
+        else:
+            self.fs = None
+            self.root = os.path.abspath(url)
+            self.local = True
+
+    def join(self, *parts: str) -> str:
+        if self.local:
+            return os.path.join(self.root, *parts)
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    # -- writes ------------------------------------------------------------------
+    def write(self, path: str, parts: Iterable[Any], algo: str = CHECKSUM_ALGO) -> tuple[int, str]:
+        """Write the concatenation of ``parts`` atomically to ``path``; return (bytes, checksum)."""
+        hasher = _ParallelHasher(algo)
+        tmp = self._tmp_name(path)
+        written = 0
+        try:
+            if self.local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    for chunk in _chunks(parts):
+                        hasher.update(chunk)
+                        view = chunk
+                        while view:
+                            n = os.write(fd, view)
+                            view = view[n:]
+                        written += len(chunk)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+                self._fsync_dir(os.path.dirname(path))
+            else:
+                self.fs.makedirs(self._parent(path), exist_ok=True)
+                with self.fs.open(tmp, "wb") as fh:
+                    for chunk in _chunks(parts):
+                        hasher.update(chunk)
+                        fh.write(chunk)
+                        written += len(chunk)
+                self.fs.mv(tmp, path)
+        except BaseException:
+            digest = hasher.result()
+            self._remove_quietly(tmp)
+            raise
+        digest = hasher.result()
+        return written, digest
+
+    def write_bytes(self, path: str, data: bytes, algo: str = CHECKSUM_ALGO) -> str:
+        return self.write(path, [data], algo)[1]
+
+    def _tmp_name(self, path: str) -> str:
+        head, _, name = path.rpartition("/")
+        return f"{head}/.{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    @staticmethod
+    def _parent(path: str) -> str:
+        return path.rpartition("/")[0]
+
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _remove_quietly(self, path: str) -> None:
+        try:
+            if self.local:
+                os.unlink(path)
+            elif self.fs.exists(path):
+                self.fs.rm(path)
+        except OSError:
+            pass
+
+    # -- reads -------------------------------------------------------------------
+    def read(self, path: str) -> bytearray:
+        """The whole file, in a writable buffer (tensors are built on it without copying)."""
+        if self.local:
+            with open(path, "rb", buffering=0) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                out = bytearray(size)
+                view = memoryview(out)
+                got = 0
+                while got < size:
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        raise OSError(f"{path} shrank while being read")
+                    got += n
+                return out
+        with self.fs.open(path, "rb") as fh:
+            return bytearray(fh.read())
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path) if self.local else bool(self.fs.exists(path))
+
+    def listdir(self, path: str) -> list[str]:
+        """Names (not paths) in directory ``path``; empty if it does not exist."""
+        if self.local:
+            try:
+                return sorted(os.listdir(path))
+            except FileNotFoundError:
+                return []
+        if not self.fs.exists(path):
+            return []
+        return sorted(p.rstrip("/").rpartition("/")[2] for p in self.fs.ls(path, detail=False))
+
+    def remove(self, path: str) -> None:
+        self._remove_quietly(path)
+
+    def remove_tree(self, path: str) -> None:
+        if self.local:
+            shutil.rmtree(path, ignore_errors=True)
+        elif self.fs.exists(path):
+            self.fs.rm(path, recursive=True)

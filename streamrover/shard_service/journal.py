@@ -1,0 +1,198 @@
+"""The shard service's durable journal: SQLite in WAL mode.
+
+The journal holds the service's state as tables (datasets, shards, workers,
+committed cursor, cuts, counters), not as an ever-growing log: every RPC that
+changes state writes its rows and commits one transaction before it answers,
+and compaction is deleting rows — shards inside the committed cursor, old cuts,
+dead workers — so the file stays proportional to the live state.
+
+Durability: with ``synchronous=NORMAL`` (the default) a commit reaches the
+operating system before the RPC answers, which survives the master process
+being killed at any point (SIGKILL); an operating-system crash or power loss
+may lose the last transactions. ``durability="fsync"`` (``synchronous=FULL``)
+survives those too, at the cost of an fsync per state change.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
+from streamrover.shard_service.api import DatasetSpec, PartitionPlan, ShardState
+from streamrover.shard_service.records import CutRecord, CutState, DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.sources.api import SourceKind
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS datasets (
+    name TEXT PRIMARY KEY, spec TEXT NOT NULL, kind TEXT NOT NULL, partitions TEXT NOT NULL,
+    schema TEXT NOT NULL, epochs_planned INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS shards (
+    id TEXT PRIMARY KEY, dataset TEXT NOT NULL, epoch INTEGER NOT NULL, pindex INTEGER NOT NULL,
+    start INTEGER NOT NULL, "end" INTEGER NOT NULL, state TEXT NOT NULL, attempt INTEGER NOT NULL,
+    worker TEXT, acked_to INTEGER NOT NULL, acks TEXT NOT NULL, acked_by TEXT NOT NULL, priority REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS workers (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, last_request_id INTEGER NOT NULL, last_lease_ids TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS cursor (
+    dataset TEXT NOT NULL, epoch INTEGER NOT NULL, partition TEXT NOT NULL, intervals TEXT NOT NULL,
+    PRIMARY KEY (dataset, epoch, partition));
+CREATE TABLE IF NOT EXISTS cuts (
+    id INTEGER PRIMARY KEY, step INTEGER, cursor TEXT NOT NULL, state TEXT NOT NULL);
+"""
+
+
+class JournalError(Exception):
+    """The journal cannot be opened or written (wrong version, disk full...)."""
+
+
+class Journal:
+    """Write-through storage of the core's records. Not thread-safe: the core serialises access."""
+
+    def __init__(self, path: str | Path, durability: str = "normal") -> None:
+        if durability not in ("normal", "fsync"):
+            raise JournalError(f"durability must be 'normal' or 'fsync', got {durability!r}")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={'FULL' if durability == 'fsync' else 'NORMAL'}")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+        self._depth = 0
+        version = self.get_meta("schema_version")
+        if version is None:
+            self.put_meta("schema_version", str(SCHEMA_VERSION))
+        elif int(version) != SCHEMA_VERSION:
+            raise JournalError(f"journal {self.path} has schema version {version}; this build reads {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One atomic unit: everything written inside is committed together, or not at all."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._depth = 1
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        else:
+            self._db.execute("COMMIT")
+        finally:
+            self._depth = 0
+
+    # -- meta ----------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def put_meta(self, key: str, value: str) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    # -- datasets ------------------------------------------------------------
+    def put_dataset(self, ds: DatasetRecord) -> None:
+        parts = json.dumps([[p.index, p.id, p.start, p.end] for p in ds.partitions])
+        self._db.execute(
+            "INSERT OR REPLACE INTO datasets VALUES (?, ?, ?, ?, ?, ?)",
+            (ds.name, ds.spec.to_json(), ds.kind.value, parts, ds.schema_json, ds.epochs_planned),
+        )
+
+    def load_datasets(self) -> list[DatasetRecord]:
+        out = []
+        for name, spec, kind, parts, schema, epochs in self._db.execute("SELECT * FROM datasets ORDER BY name"):
+            partitions = [PartitionPlan(int(i), str(pid), int(s), int(e)) for i, pid, s, e in json.loads(parts)]
+            out.append(DatasetRecord(DatasetSpec.from_json(spec), SourceKind(kind), partitions, schema, int(epochs)))
+        return out
+
+    # -- shards --------------------------------------------------------------
+    def put_shard(self, s: ShardRecord) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                s.id, s.dataset, s.epoch, s.pindex, s.start, s.end, s.state.value, s.attempt, s.worker,
+                s.acked_to, json.dumps(s.acks), json.dumps(sorted(s.acked_by.items())), s.priority,
+            ),
+        )
+
+    def delete_shard(self, shard_id: str) -> None:
+        self._db.execute("DELETE FROM shards WHERE id = ?", (shard_id,))
+
+    def delete_shards_of(self, dataset: str) -> None:
+        self._db.execute("DELETE FROM shards WHERE dataset = ?", (dataset,))
+
+    def load_shards(self) -> list[ShardRecord]:
+        out = []
+        for row in self._db.execute("SELECT * FROM shards"):
+            sid, ds, epoch, pindex, start, end, state, attempt, worker, acked_to, acks, acked_by, prio = row
+            out.append(
+                ShardRecord(
+                    id=sid, dataset=ds, epoch=epoch, pindex=pindex, start=start, end=end,
+                    state=ShardState(state), attempt=attempt, worker=worker, acked_to=acked_to,
+                    acks=[(a[0], a[1]) for a in json.loads(acks)],
+                    acked_by={int(k): int(v) for k, v in json.loads(acked_by)}, priority=prio,
+                )
+            )
+        return out
+
+    # -- workers -------------------------------------------------------------
+    def put_worker(self, w: WorkerRecord) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?)",
+            (w.id, w.name, w.last_request_id, json.dumps(w.last_lease_ids)),
+        )
+
+    def delete_worker(self, worker_id: str) -> None:
+        self._db.execute("DELETE FROM workers WHERE id = ?", (worker_id,))
+
+    def load_workers(self) -> list[WorkerRecord]:
+        return [
+            WorkerRecord(id=i, name=n, last_request_id=r, last_lease_ids=json.loads(ids))
+            for i, n, r, ids in self._db.execute("SELECT * FROM workers")
+        ]
+
+    # -- committed cursor ------------------------------------------------------
+    def put_cursor(self, cursor: DataCursor) -> None:
+        """Replace the committed cursor."""
+        self._db.execute("DELETE FROM cursor")
+        self._db.executemany(
+            "INSERT INTO cursor VALUES (?, ?, ?, ?)",
+            [(k.dataset, k.epoch, k.partition, json.dumps(v.to_list())) for k, v in cursor.items()],
+        )
+
+    def load_cursor(self) -> DataCursor:
+        entries = {
+            PartitionKey(ds, epoch, part): IntervalSet.from_list(json.loads(ivs))
+            for ds, epoch, part, ivs in self._db.execute("SELECT * FROM cursor")
+        }
+        return DataCursor(entries)
+
+    # -- cuts ----------------------------------------------------------------
+    def put_cut(self, cut: CutRecord) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO cuts VALUES (?, ?, ?, ?)", (cut.id, cut.step, cut.cursor.to_json(), cut.state.value)
+        )
+
+    def delete_cut(self, cut_id: int) -> None:
+        self._db.execute("DELETE FROM cuts WHERE id = ?", (cut_id,))
+
+    def load_cuts(self) -> list[CutRecord]:
+        return [
+            CutRecord(int(i), None if step is None else int(step), DataCursor.from_json(c), CutState(state))
+            for i, step, c, state in self._db.execute("SELECT * FROM cuts ORDER BY id")
+        ]

@@ -1,0 +1,78 @@
+"""The mutable records the core keeps in memory and the journal keeps on disk."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from streamrover.cursor import DataCursor
+from streamrover.shard_service.api import DatasetSpec, PartitionPlan, ShardState
+from streamrover.sources.api import SourceKind
+
+
+@dataclass
+class ShardRecord:
+    id: str
+    dataset: str
+    epoch: int
+    pindex: int
+    start: int
+    end: int
+    state: ShardState = ShardState.TODO
+    attempt: int = 0                 # the current or last lease number; 0 = never leased
+    worker: str | None = None
+    deadline: float = 0.0            # memory only: a restarted master grants a fresh lease TTL
+    acked_to: int = -1               # first position not acked; set to start on creation
+    # Acks not yet folded into the committed cursor: (step or None, position), in position order.
+    acks: list[tuple[int | None, int]] = field(default_factory=list)
+    acked_by: dict[int, int] = field(default_factory=dict)   # attempt -> highest position it acked
+    priority: float = 0.0            # queue order: lower is leased first
+
+    def __post_init__(self) -> None:
+        if self.acked_to < 0:
+            self.acked_to = self.start
+
+
+@dataclass
+class DatasetRecord:
+    spec: DatasetSpec
+    kind: SourceKind
+    partitions: list[PartitionPlan]
+    schema_json: str
+    epochs_planned: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def shard_size(self) -> int:
+        return self.spec.records_per_shard
+
+    def partition_by_id(self) -> dict[str, PartitionPlan]:
+        return {p.id: p for p in self.partitions}
+
+
+@dataclass
+class WorkerRecord:
+    id: str
+    name: str
+    last_seen: float = 0.0                            # memory only
+    leases: set[str] = field(default_factory=set)     # derived from shards on load
+    revoked: set[str] = field(default_factory=set)    # memory only: told on the next heartbeat
+    last_request_id: int = 0
+    last_lease_ids: list[str] = field(default_factory=list)
+    records_acked: int = 0                            # memory only (status)
+
+
+class CutState(enum.Enum):
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+
+
+@dataclass
+class CutRecord:
+    id: int
+    step: int | None
+    cursor: DataCursor
+    state: CutState
