@@ -136,6 +136,8 @@ def build_manifest(storage: Storage, step: int, world_size: int) -> bytes | None
             "tensors_checksum": part["tensors_checksum"],
             "tensors_bytes": part["tensors_bytes"],
         }
+    if len(cut_ids) > 1:
+        return None  # parts of different cuts (a rank re-saved this step after a restart): not one checkpoint
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,

@@ -412,7 +412,7 @@ class Lease(google.protobuf.message.Message):
     shard_id: builtins.str
     """derived from (dataset, epoch, partition, start, end)"""
     attempt: builtins.int
-    """fences acks: only the newest attempt may ack"""
+    """lease number, unique in the job; only the current lease may ack"""
     dataset: builtins.str
     epoch: builtins.int
     start: builtins.int
@@ -450,12 +450,15 @@ class LeaseRequest(google.protobuf.message.Message):
     DATASET_FIELD_NUMBER: builtins.int
     MAX_SHARDS_FIELD_NUMBER: builtins.int
     REQUEST_ID_FIELD_NUMBER: builtins.int
+    WAIT_SECONDS_FIELD_NUMBER: builtins.int
     worker_id: builtins.str
     dataset: builtins.str
     max_shards: builtins.int
     """0 = 1"""
     request_id: builtins.int
     """per worker, increasing; a retry with the same id returns the same leases"""
+    wait_seconds: builtins.float
+    """when nothing can be leased now, wait up to this long for a shard"""
     def __init__(
         self,
         *,
@@ -463,8 +466,9 @@ class LeaseRequest(google.protobuf.message.Message):
         dataset: builtins.str = ...,
         max_shards: builtins.int = ...,
         request_id: builtins.int = ...,
+        wait_seconds: builtins.float = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "max_shards", b"max_shards", "request_id", b"request_id", "worker_id", b"worker_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "max_shards", b"max_shards", "request_id", b"request_id", "wait_seconds", b"wait_seconds", "worker_id", b"worker_id"]) -> None: ...
 
 global___LeaseRequest = LeaseRequest
 

@@ -1,0 +1,248 @@
+"""The saver: a process (or an agent's thread) that persists trainers' snapshots and outlives them.
+
+One saver serves every rank of one checkpoint namespace on a node. Each trainer
+connection is a *session* with its own thread: it persists the buffers the trainer
+names, one at a time, and when the connection reaches EOF without a ``close`` (the
+trainer died) it persists every snapshot still in that rank's buffers that is not on
+storage yet, oldest first, at once.
+
+Run it in-process (``CheckpointSaver(address).serve_forever()`` in the elastic agent)
+or as a subprocess: ``python -m streamrover.ckpt.saver --address ADDR [--linger S]``,
+which prints ``READY`` (or ``BUSY`` if another saver serves ADDR) on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import select
+import socket
+import sys
+import threading
+from typing import Any
+
+from streamrover.ckpt import wire
+from streamrover.ckpt.api import RetentionPolicy
+from streamrover.ckpt.persist import PersistTarget, SupersededError, already_persisted, persist_buffer
+from streamrover.ckpt.shm import SharedBuffer, shm_path
+from streamrover.ckpt.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class _Session:
+    """One trainer rank connected to the saver."""
+
+    def __init__(self, saver: CheckpointSaver, sock: socket.socket) -> None:
+        self.saver = saver
+        self.sock = sock
+        self.key: tuple[str, int] | None = None
+        self.names: list[str] = []
+        self.buffers: dict[str, SharedBuffer] = {}
+        self.target: PersistTarget | None = None
+        self.persist_on_exit = True
+
+    def run(self) -> None:
+        try:
+            self._serve()
+        except Exception:  # a session must never take the saver down; the trainer sees EOF
+            log.exception("checkpoint saver session failed")
+        finally:
+            self.sock.close()
+            for buf in self.buffers.values():
+                buf.close()
+            self.saver._session_ended(self)
+
+    def _serve(self) -> None:
+        hello = wire.recv(self.sock)
+        if hello is None or hello.get("kind") != "hello":
+            return
+        self.key = (str(hello["namespace"]), int(hello["rank"]))
+        self.saver._adopt(self)
+        self.names = list(hello["buffers"])
+        retention = RetentionPolicy(**hello.get("retention", {}))
+        storage = Storage(hello["url"], hello.get("storage_options"))
+        self.target = PersistTarget(storage, int(hello["rank"]), int(hello["world_size"]), retention,
+                                    hello.get("checksum", "sha256"))
+        self.persist_on_exit = bool(hello.get("persist_on_exit", True))
+        wire.send(self.sock, "ready", pid=os.getpid())
+        while True:
+            msg = wire.recv(self.sock)
+            if msg is None:
+                self._trainer_died()
+                return
+            if msg["kind"] == "persist":
+                self._persist(msg)
+            elif msg["kind"] == "close":
+                wire.send(self.sock, "closed")
+                return
+
+    def _buffer(self, name: str) -> SharedBuffer | None:
+        buf = self.buffers.get(name)
+        try:
+            size = os.stat(shm_path(name)).st_size
+        except FileNotFoundError:
+            return None
+        if buf is None or buf.size < size:  # new, or grown by the trainer: map it again
+            if buf is not None:
+                buf.close()
+            opened = SharedBuffer.open(name)
+            if opened is None:
+                return None
+            self.buffers[name] = buf = opened
+        return buf
+
+    def _persist(self, msg: dict[str, Any]) -> None:
+        assert self.target is not None
+        buf = self._buffer(str(msg["name"]))
+        try:
+            if buf is None:
+                raise SupersededError(f"snapshot buffer {msg['name']} does not exist")
+            result = persist_buffer(self.target, buf, int(msg["generation"]))
+            wire.send(self.sock, "done", index=msg["index"], step=result.step, ok=True,
+                      published=result.manifest_published, cut_id=result.cut_id, error=None)
+        except Exception as exc:  # report any failure to the trainer, which raises it from wait()
+            log.warning("persist of %s failed: %s", msg.get("name"), exc)
+            wire.send(self.sock, "done", index=msg["index"], step=msg.get("step"), ok=False,
+                      published=False, cut_id=None, error=f"{type(exc).__name__}: {exc}")
+
+    def _trainer_died(self) -> None:
+        """Persist, oldest first, every complete snapshot of this rank that storage does not hold yet."""
+        if not self.persist_on_exit or self.target is None:
+            return
+        snaps = []
+        for name in self.names:
+            buf = self._buffer(name)
+            found = buf.read_header() if buf is not None else None
+            if buf is not None and found is not None:
+                snaps.append((int(found[1]["seq"]), int(found[1]["step"]), found[0], buf))
+        for seq, step, gen, buf in sorted(snaps, key=lambda s: s[0]):
+            if already_persisted(self.target, step, seq):
+                continue
+            try:
+                result = persist_buffer(self.target, buf, gen)
+                log.info("trainer rank %d died: persisted its snapshot of step %d (manifest published: %s)",
+                         self.target.rank, result.step, result.manifest_published)
+            except Exception as exc:  # keep going with the next snapshot
+                log.warning("persisting step %d after the trainer died failed: %s", step, exc)
+        self.saver._orphan(self)
+
+
+class CheckpointSaver:
+    """Serves trainer sessions on ``address`` until stopped or idle for ``linger`` seconds.
+
+    ``linger=None`` serves until :meth:`stop` (an agent hosting it). On an idle exit the
+    shared-memory buffers of trainers that died and never came back are unlinked.
+    """
+
+    def __init__(self, address: str, linger: float | None = 600.0) -> None:
+        self.address = address
+        self.linger = linger
+        self._listener: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._sessions: dict[tuple[str, int], threading.Thread] = {}
+        self._threads: set[threading.Thread] = set()
+        self._orphans: dict[tuple[str, int], list[str]] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = False
+
+    def bind(self) -> None:
+        """Take the address; raises OSError(EADDRINUSE) when another saver serves it."""
+        self._listener = wire.listen(self.address)
+
+    def serve_forever(self) -> None:
+        if self._listener is None:
+            self.bind()
+        assert self._listener is not None
+        try:
+            while not self._stopping:
+                with self._lock:
+                    idle = not self._threads
+                timeout = self.linger if idle else None
+                ready, _, _ = select.select([self._listener, self._wake_r], [], [], timeout)
+                if not ready:
+                    break  # idle for `linger` seconds
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                if self._listener in ready:
+                    sock, _ = self._listener.accept()
+                    session = _Session(self, sock)
+                    thread = threading.Thread(target=session.run, name="ckpt-session", daemon=True)
+                    with self._lock:
+                        self._threads.add(thread)
+                    thread.start()
+        finally:
+            self._listener.close()
+            self._listener = None
+            with self._lock:
+                threads = list(self._threads)
+            for thread in threads:
+                thread.join()
+            self._unlink_orphans()
+
+    def stop(self) -> None:
+        self._stopping = True
+        os.write(self._wake_w, b"x")
+
+    # -- called by sessions --------------------------------------------------------
+    def _adopt(self, session: _Session) -> None:
+        """A rank (re)connects: wait for its previous session (e.g. persisting after a death) to finish."""
+        assert session.key is not None
+        with self._lock:
+            previous = self._sessions.get(session.key)
+            self._sessions[session.key] = threading.current_thread()
+            self._orphans.pop(session.key, None)
+        if previous is not None and previous is not threading.current_thread():
+            previous.join()
+
+    def _orphan(self, session: _Session) -> None:
+        assert session.key is not None
+        with self._lock:
+            if self._sessions.get(session.key) is threading.current_thread():
+                self._orphans[session.key] = list(session.names)
+
+    def _session_ended(self, session: _Session) -> None:
+        with self._lock:
+            self._threads.discard(threading.current_thread())
+            if session.key is not None and self._sessions.get(session.key) is threading.current_thread():
+                del self._sessions[session.key]
+        os.write(self._wake_w, b"x")
+
+    def _unlink_orphans(self) -> None:
+        with self._lock:
+            names = [n for names in self._orphans.values() for n in names]
+            self._orphans.clear()
+        for name in names:
+            try:
+                os.unlink(shm_path(name))
+            except FileNotFoundError:
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m streamrover.ckpt.saver", description=__doc__)
+    parser.add_argument("--address", required=True, help="abstract socket address (a leading '@' means NUL)")
+    parser.add_argument("--linger", type=float, default=600.0, help="seconds to stay up with no trainer connected")
+    args = parser.parse_args(argv)
+    address = "\0" + args.address[1:] if args.address.startswith("@") else args.address
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s ckpt-saver %(levelname)s %(message)s")
+    saver = CheckpointSaver(address, linger=args.linger)
+    try:
+        saver.bind()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            print("BUSY", flush=True)
+            return 0
+        raise
+    print("READY", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the trainer that started us may die: never write to its pipe again
+    os.close(devnull)
+    saver.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""``streamrover``: run a job master, manage datasets, watch status.
+
+Client commands find the master with ``--master HOST:PORT`` (or ``$STREAMROVER_MASTER``)
+and authenticate with ``--token`` (or ``$STREAMROVER_TOKEN``, or ``--token-file``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+from rich.table import Table
+
+from streamrover.shard_service.api import DEFAULT_LEASE_TTL, DatasetSpec, ShardServiceError
+from streamrover.sources.api import SourceError
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--master", default=os.environ.get("STREAMROVER_MASTER", "127.0.0.1:7070"), help="HOST:PORT")
+    p.add_argument("--token", default=None, help="job token (default: $STREAMROVER_TOKEN)")
+    p.add_argument("--token-file", default=None, help="read the token from this file (e.g. STATE_DIR/token)")
+    p.add_argument("--timeout", type=float, default=15.0, help="seconds to keep retrying an unreachable master")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamrover", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("master", help="run the job master (shard service)")
+    m.add_argument("--state-dir", required=True, help="directory of the durable journal (and the token file)")
+    m.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1 only)")
+    m.add_argument("--port", type=int, default=7070, help="port (0 = pick a free one)")
+    m.add_argument("--token", default=os.environ.get("STREAMROVER_TOKEN"), help="auth token (default: STATE_DIR/token)")
+    m.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL, help="seconds a lease lives without heartbeat")
+    m.add_argument("--durability", choices=["normal", "fsync"], default="normal")
+    m.add_argument("--address-file", default=None, help="write HOST:PORT here once listening")
+
+    d = sub.add_parser("dataset", help="register and inspect datasets")
+    dsub = d.add_subparsers(dest="dataset_command", required=True)
+    add = dsub.add_parser("add", help="register a dataset")
+    add.add_argument("name")
+    add.add_argument("uri", help="path, glob, directory or fsspec URL")
+    add.add_argument("--format", default="", choices=["", "parquet", "csv", "jsonl"])
+    add.add_argument("--records-per-shard", type=int, default=0)
+    add.add_argument("--epochs", type=int, default=1)
+    add.add_argument("--shuffle", action="store_true")
+    add.add_argument("--seed", type=int, default=0)
+    add.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="source option (repeatable)")
+    _client_args(add)
+    lst = dsub.add_parser("list", help="list datasets")
+    _client_args(lst)
+    desc = dsub.add_parser("describe", help="show one dataset")
+    desc.add_argument("name")
+    desc.add_argument("--json", action="store_true")
+    _client_args(desc)
+
+    st = sub.add_parser("status", help="datasets, shards, workers and rates")
+    st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS")
+    _client_args(st)
+    return parser
+
+
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from streamrover.shard_service.client import ShardClient
+
+    token = args.token
+    if token is None and args.token_file:
+        token = Path(args.token_file).read_text().strip()
+    return ShardClient(args.master, token=token, heartbeat=False, timeout=args.timeout)
+
+
+def _run_master(args: argparse.Namespace) -> int:
+    from streamrover.shard_service.server import MasterServer, load_or_create_token
+
+    state_dir = Path(args.state_dir)
+    token = args.token or load_or_create_token(state_dir)
+    server = MasterServer(state_dir, token, host=args.host, port=args.port, lease_ttl=args.lease_ttl,
+                          durability=args.durability)
+    if args.address_file:
+        tmp = Path(args.address_file + ".tmp")
+        tmp.write_text(server.address + "\n")
+        tmp.rename(args.address_file)
+    print(f"streamrover master listening on {server.address}; state in {state_dir}", flush=True)
+    if not args.token:
+        print(f"token: {state_dir / 'token'}", flush=True)
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server.wait()
+    return 0
+
+
+def _dataset_table(infos: list) -> Table:  # type: ignore[type-arg]
+    table = Table(title="datasets")
+    for col in ("name", "kind", "partitions", "records", "todo", "leased", "acked", "committed", "records acked",
+                "records committed", "done"):
+        table.add_column(col, justify="right" if col not in ("name", "kind") else "left")
+    for info in infos:
+        kind = "batch" if info.kind == 1 else "stream"
+        table.add_row(
+            info.spec.name, kind, str(len(info.partitions)), f"{info.total_records:,}", str(info.shards.todo),
+            str(info.shards.leased), str(info.shards.acked), str(info.shards.committed), f"{info.records_acked:,}",
+            f"{info.records_committed:,}", "yes" if info.finished else "",
+        )
+    return table
+
+
+def _status_view(client) -> Table:  # type: ignore[no-untyped-def]
+    st = client.status()
+    outer = Table.grid()
+    outer.add_row(_dataset_table(list(st.datasets)))
+    workers = Table(title="workers")
+    for col in ("worker", "name", "leases", "records acked", "last seen"):
+        workers.add_column(col)
+    for w in st.workers:
+        workers.add_row(w.worker_id, w.name, str(w.leases), f"{w.records_acked:,}", f"{w.last_seen_seconds_ago:.1f}s ago")
+    outer.add_row(workers)
+    outer.add_row(
+        f"{st.records_per_second:,.0f} records/s  {st.acks_per_second:,.1f} acks/s  "
+        f"last committed cut {st.last_committed_cut}  up {st.uptime_seconds:,.0f}s"
+    )
+    return outer
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
+    console = Console()
+    try:
+        if args.command == "master":
+            return _run_master(args)
+        with _client(args) as client:
+            if args.command == "status":
+                if not args.watch:
+                    console.print(_status_view(client))
+                    return 0
+                from rich.live import Live
+
+                with Live(_status_view(client), console=console, refresh_per_second=4) as live:
+                    while True:
+                        time.sleep(args.watch)  # display refresh interval
+                        live.update(_status_view(client))
+            if args.dataset_command == "add":
+                options = dict(kv.split("=", 1) for kv in args.option)
+                spec = DatasetSpec(args.name, args.uri, args.format, options, args.records_per_shard, args.epochs,
+                                   args.shuffle, args.seed)
+                resp = client.register_dataset(spec)
+                verb = "registered" if resp.created else "already registered (same spec)"
+                console.print(f"dataset {args.name!r} {verb}")
+                console.print(_dataset_table([resp.dataset]))
+            elif args.dataset_command == "list":
+                console.print(_dataset_table(client.list_datasets()))
+            elif args.dataset_command == "describe":
+                from google.protobuf.json_format import MessageToDict
+
+                info = client.describe_dataset(args.name)
+                if args.json:
+                    print(json.dumps(MessageToDict(info), indent=2))
+                else:
+                    console.print(_dataset_table([info]))
+                    parts = Table(title="partitions")
+                    for col in ("#", "id", "start", "end"):
+                        parts.add_column(col)
+                    for p in info.partitions:
+                        parts.add_row(str(p.index), p.id, str(p.start), str(p.end))
+                    console.print(parts)
+        return 0
+    except (ShardServiceError, SourceError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The shard service (job master): datasets, shards, fenced leases and acks, the durable cursor.
+
+Public API: :class:`ShardClient` for workers and tools, :class:`MasterServer` to
+run a master in-process, :class:`DatasetSpec`, and the error types.
+"""
+
+from streamrover.shard_service.api import (
+    AckResult,
+    AlreadyExistsError,
+    DatasetSpec,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    LeaseGrant,
+    NotFoundError,
+    ShardServiceError,
+    StaleLeaseError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from streamrover.shard_service.client import LeasedShard, LeaseLostError, ShardClient
+from streamrover.shard_service.server import MasterServer, load_or_create_token
+
+__all__ = [
+    "AckResult",
+    "AlreadyExistsError",
+    "DatasetSpec",
+    "FailedPreconditionError",
+    "InvalidArgumentError",
+    "LeaseGrant",
+    "LeaseLostError",
+    "LeasedShard",
+    "MasterServer",
+    "NotFoundError",
+    "ShardClient",
+    "ShardServiceError",
+    "StaleLeaseError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "load_or_create_token",
+]

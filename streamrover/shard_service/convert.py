@@ -1,0 +1,93 @@
+"""Conversions between the protobuf messages and the Python types of the service."""
+
+from __future__ import annotations
+
+from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
+from streamrover.shard_service.api import DatasetSpec, LeaseGrant, PartitionPlan
+from streamrover.shard_service.v1 import shard_service_pb2 as pb
+
+
+def cursor_to_pb(cursor: DataCursor) -> pb.Cursor:
+    return pb.Cursor(
+        partitions=[
+            pb.PartitionCursor(
+                dataset=k.dataset,
+                epoch=k.epoch,
+                partition=k.partition,
+                intervals=[pb.Interval(start=s, end=e) for s, e in ivs],
+            )
+            for k, ivs in cursor.items()
+        ]
+    )
+
+
+def cursor_from_pb(msg: pb.Cursor) -> DataCursor:
+    entries: dict[PartitionKey, IntervalSet] = {}
+    for pc in msg.partitions:
+        key = PartitionKey(pc.dataset, pc.epoch, pc.partition)
+        ivs = entries.setdefault(key, IntervalSet())
+        for iv in pc.intervals:
+            ivs.add(iv.start, iv.end)
+    return DataCursor(entries)
+
+
+def spec_to_pb(spec: DatasetSpec) -> pb.DatasetSpec:
+    return pb.DatasetSpec(
+        name=spec.name,
+        uri=spec.uri,
+        format=spec.format,
+        options=dict(spec.options),
+        records_per_shard=spec.records_per_shard,
+        epochs=spec.epochs,
+        shuffle=spec.shuffle,
+        seed=spec.seed,
+    )
+
+
+def spec_from_pb(msg: pb.DatasetSpec) -> DatasetSpec:
+    return DatasetSpec(
+        name=msg.name,
+        uri=msg.uri,
+        format=msg.format,
+        options=dict(msg.options),
+        records_per_shard=msg.records_per_shard,
+        epochs=msg.epochs or 1,
+        shuffle=msg.shuffle,
+        seed=msg.seed,
+    )
+
+
+def partition_to_pb(p: PartitionPlan) -> pb.PartitionInfo:
+    return pb.PartitionInfo(index=p.index, id=p.id, start=p.start, end=p.end)
+
+
+def partition_from_pb(msg: pb.PartitionInfo) -> PartitionPlan:
+    return PartitionPlan(msg.index, msg.id, msg.start, msg.end)
+
+
+def lease_to_pb(g: LeaseGrant) -> pb.Lease:
+    return pb.Lease(
+        shard_id=g.shard_id,
+        attempt=g.attempt,
+        dataset=g.dataset,
+        epoch=g.epoch,
+        partition=partition_to_pb(g.partition),
+        start=g.start,
+        end=g.end,
+        resume=g.resume,
+        deadline_unix=g.deadline,
+    )
+
+
+def lease_from_pb(msg: pb.Lease) -> LeaseGrant:
+    return LeaseGrant(
+        shard_id=msg.shard_id,
+        attempt=msg.attempt,
+        dataset=msg.dataset,
+        epoch=msg.epoch,
+        partition=partition_from_pb(msg.partition),
+        start=msg.start,
+        end=msg.end,
+        resume=msg.resume,
+        deadline=msg.deadline_unix,
+    )

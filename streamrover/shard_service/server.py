@@ -1,0 +1,320 @@
+"""The job master's gRPC server: auth, locking, long-poll leases and the lease reaper."""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import json
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from streamrover.shard_service import convert
+from streamrover.shard_service.api import (
+    DEFAULT_LEASE_TTL,
+    InvalidArgumentError,
+    LeaseStatus,
+    ShardServiceError,
+)
+from streamrover.shard_service.core import ShardCore
+from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.records import DatasetRecord
+from streamrover.shard_service.v1 import shard_service_pb2 as pb
+from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
+from streamrover.sources.api import (
+    SourceError,
+    SourceNotFoundError,
+    open_source,
+    validate_dataset_name,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_LEASE_WAIT = 30.0
+
+
+def _rpc(method: Callable[..., T]) -> Callable[..., T]:
+    """Turn the service's typed errors into precise gRPC statuses."""
+
+    @functools.wraps(method)
+    def wrapper(self: ShardServicer, request: Any, context: grpc.ServicerContext) -> T:
+        try:
+            return method(self, request, context)
+        except ShardServiceError as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except SourceNotFoundError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except SourceError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise AssertionError("unreachable: context.abort raises")
+
+    return wrapper
+
+
+class ShardServicer(pb_grpc.ShardServiceServicer):
+    """Serialises every call on one condition variable around the :class:`ShardCore`."""
+
+    def __init__(self, core: ShardCore) -> None:
+        self.core = core
+        self.cond = threading.Condition()
+        self._closed = False
+        self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
+        self._reaper.start()
+
+    def close(self) -> None:
+        with self.cond:
+            self._closed = True
+            self.cond.notify_all()
+        self._reaper.join(timeout=5)
+
+    def _reap(self) -> None:
+        """Expire leases and dead workers at their deadlines, and wake waiting lease calls."""
+        with self.cond:
+            while not self._closed:
+                deadline = self.core.next_deadline()
+                timeout = None if deadline is None else max(deadline - self.core.clock(), 0.0) + 0.01
+                self.cond.wait(timeout)
+                if not self._closed and self.core.expire():
+                    self.cond.notify_all()
+
+    # ----------------------------------------------------------------- datasets
+    def _info(self, ds: DatasetRecord) -> pb.DatasetInfo:
+        counts = self.core.counts(ds)
+        kind = pb.DATASET_KIND_BATCH if ds.kind.value == "batch" else pb.DATASET_KIND_STREAM
+        return pb.DatasetInfo(
+            spec=convert.spec_to_pb(ds.spec),
+            kind=kind,
+            partitions=[convert.partition_to_pb(p) for p in ds.partitions],
+            total_records=sum(p.end - p.start for p in ds.partitions),
+            epochs_planned=ds.epochs_planned,
+            shards=pb.ShardCounts(todo=counts.todo, leased=counts.leased, acked=counts.acked, committed=counts.committed),
+            finished=counts.finished,
+            schema_json=ds.schema_json,
+            records_acked=counts.records_acked,
+            records_committed=counts.records_committed,
+        )
+
+    @_rpc
+    def RegisterDataset(self, request: pb.RegisterDatasetRequest, context: Any) -> pb.RegisterDatasetResponse:
+        spec = convert.spec_from_pb(request.spec)
+        validate_dataset_name(spec.name)
+        spec.validate()
+        with self.cond:
+            existing = self.core.datasets.get(spec.name)
+            if existing is not None and existing.spec == spec.normalized():
+                return pb.RegisterDatasetResponse(dataset=self._info(existing), created=False)
+        source = open_source(spec.uri, spec.format, spec.options)  # I/O outside the lock
+        try:
+            partitions = source.partitions()
+            schema = source.schema()
+            schema_json = json.dumps([[f.name, str(f.type)] for f in schema])
+        finally:
+            source.close()
+        with self.cond:
+            ds, created = self.core.register_dataset(spec, source.kind, partitions, schema_json)
+            self.cond.notify_all()
+            return pb.RegisterDatasetResponse(dataset=self._info(ds), created=created)
+
+    @_rpc
+    def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: Any) -> pb.DatasetInfo:
+        with self.cond:
+            return self._info(self.core.dataset(request.name))
+
+    @_rpc
+    def ListDatasets(self, request: pb.ListDatasetsRequest, context: Any) -> pb.ListDatasetsResponse:
+        with self.cond:
+            return pb.ListDatasetsResponse(datasets=[self._info(d) for _, d in sorted(self.core.datasets.items())])
+
+    # ------------------------------------------------------------------ workers
+    @_rpc
+    def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
+        if not request.name:
+            raise InvalidArgumentError("join: a worker name is required (for example host:pid)")
+        with self.cond:
+            w = self.core.join(request.name, request.worker_id)
+            self.cond.notify_all()  # the reaper's next deadline may have moved
+            ttl = self.core.lease_ttl
+            return pb.JoinResponse(worker_id=w.id, lease_ttl_seconds=ttl, heartbeat_interval_seconds=ttl / 4)
+
+    @_rpc
+    def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
+        with self.cond:
+            returned = self.core.leave(request.worker_id)
+            self.cond.notify_all()
+            return pb.LeaveResponse(leases_returned=returned)
+
+    @_rpc
+    def LeaseShards(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
+        wait = min(max(request.wait_seconds, 0.0), MAX_LEASE_WAIT)
+        with self.cond:
+            give_up = self.core.clock() + wait
+            while True:
+                outcome = self.core.lease(request.worker_id, request.dataset, request.max_shards, request.request_id)
+                remaining = give_up - self.core.clock()
+                if outcome.status is not LeaseStatus.WAIT or remaining <= 0 or not context.is_active():
+                    break
+                self.cond.wait(min(remaining, max(outcome.retry_after, 0.01)))
+            status = {
+                LeaseStatus.OK: pb.LEASE_STATUS_OK,
+                LeaseStatus.WAIT: pb.LEASE_STATUS_WAIT,
+                LeaseStatus.END: pb.LEASE_STATUS_END,
+            }[outcome.status]
+            return pb.LeaseResponse(
+                status=status,
+                leases=[convert.lease_to_pb(g) for g in outcome.leases],
+                retry_after_seconds=outcome.retry_after,
+            )
+
+    @_rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        with self.cond:
+            deadline, revoked = self.core.heartbeat(request.worker_id)
+            return pb.HeartbeatResponse(deadline_unix=deadline, revoked_shard_ids=revoked)
+
+    @_rpc
+    def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
+        step = request.step if request.has_step else None
+        with self.cond:
+            result = self.core.ack(request.worker_id, request.shard_id, request.attempt, request.position, step)
+            return pb.AckResponse(shard_done=result.shard_done, duplicate=result.duplicate)
+
+    # ------------------------------------------------------------------- cursor
+    @_rpc
+    def CutPrepare(self, request: pb.CutPrepareRequest, context: Any) -> pb.CutPrepareResponse:
+        with self.cond:
+            cut = self.core.cut_prepare(request.step if request.has_step else None)
+            return pb.CutPrepareResponse(cut_id=cut.id, cursor=convert.cursor_to_pb(cut.cursor))
+
+    @_rpc
+    def CutCommit(self, request: pb.CutCommitRequest, context: Any) -> pb.CutCommitResponse:
+        with self.cond:
+            committed = self.core.cut_commit(request.cut_id)
+            return pb.CutCommitResponse(committed=convert.cursor_to_pb(committed))
+
+    @_rpc
+    def GetCursor(self, request: pb.GetCursorRequest, context: Any) -> pb.GetCursorResponse:
+        with self.cond:
+            return pb.GetCursorResponse(
+                committed=convert.cursor_to_pb(self.core.committed),
+                acked=convert.cursor_to_pb(self.core.acked_cursor()),
+            )
+
+    @_rpc
+    def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.RestoreResponse:
+        which = request.WhichOneof("target")
+        if which is None:
+            raise InvalidArgumentError("restore: give a cut_id or a cursor")
+        with self.cond:
+            if which == "cursor":
+                revoked, requeued = self.core.restore(cursor=convert.cursor_from_pb(request.cursor))
+            else:
+                revoked, requeued = self.core.restore(cut_id=request.cut_id)
+            self.cond.notify_all()
+            return pb.RestoreResponse(leases_revoked=revoked, records_requeued=requeued)
+
+    # ------------------------------------------------------------------- status
+    @_rpc
+    def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+        with self.cond:
+            now = self.core.clock()
+            rps, aps = self.core.rates()
+            workers = [
+                pb.WorkerStatus(
+                    worker_id=w.id,
+                    name=w.name,
+                    leases=len(w.leases),
+                    last_seen_seconds_ago=now - w.last_seen,
+                    records_acked=w.records_acked,
+                )
+                for _, w in sorted(self.core.workers.items())
+            ]
+            return pb.StatusResponse(
+                datasets=[self._info(d) for _, d in sorted(self.core.datasets.items())],
+                workers=workers,
+                records_per_second=rps,
+                acks_per_second=aps,
+                last_committed_cut=self.core.last_committed_cut,
+                uptime_seconds=now - self.core.started,
+            )
+
+
+class _TokenAuth(grpc.ServerInterceptor):
+    """Refuse every call that lacks ``authorization: Bearer <token>`` metadata."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: pass the job token the master uses")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(got, self._expected):
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+class MasterServer:
+    """A running job master: journal, core, servicer and gRPC server."""
+
+    def __init__(
+        self,
+        state_dir: str | Path,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        durability: str = "normal",
+        max_workers: int = 64,
+    ) -> None:
+        if not token:
+            raise InvalidArgumentError("the master needs an auth token")
+        self.state_dir = Path(state_dir)
+        self.journal = Journal(self.state_dir / "journal.db", durability=durability)
+        self.core = ShardCore(self.journal, lease_ttl=lease_ttl)
+        self.servicer = ShardServicer(self.core)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+            interceptors=[_TokenAuth(token)],
+            options=[("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self._server.start()
+        log.info("shard service listening on %s (state in %s)", self.address, self.state_dir)
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._server.stop(grace).wait()
+        self.servicer.close()
+        self.journal.close()
+
+
+def load_or_create_token(state_dir: Path) -> str:
+    """The token in ``state_dir/token`` (mode 0600), created on first use."""
+    path = state_dir / "token"
+    if path.exists():
+        return path.read_text().strip()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    return token
+
+
+__all__ = ["MasterServer", "ShardServicer", "load_or_create_token"]
