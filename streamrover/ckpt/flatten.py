@@ -53,7 +53,13 @@ class TensorEntry:
     value: Any  # the torch.Tensor or np.ndarray (None once read back from a header)
 
     def table_row(self, offset: int) -> dict[str, Any]:
-        return {"kind": self.kind, "dtype": self.dtype, "shape": list(self.shape), "offset": offset, "nbytes": self.nbytes}
+        return {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": offset,
+            "nbytes": self.nbytes,
+        }
 
 
 def _is_torch_tensor(value: object) -> bool:
@@ -67,7 +73,9 @@ def torch_dtype_name(value: Any) -> str:
     try:
         return _TORCH_TO_ST[name]
     except KeyError:
-        raise UnsupportedStateError(f"torch dtype {value.dtype} cannot be checkpointed (supported: {sorted(_TORCH_TO_ST)})") from None
+        raise UnsupportedStateError(
+            f"torch dtype {value.dtype} cannot be checkpointed (supported: {sorted(_TORCH_TO_ST)})"
+        ) from None
 
 
 def numpy_dtype_name(value: np.ndarray | np.generic) -> str:
@@ -135,7 +143,7 @@ def unflatten(skeleton: Any, make_tensor: Callable[[int], Any]) -> Any:
     def walk(node: Any) -> Any:
         if not isinstance(node, dict) or len(node) != 1:
             raise ValueError(f"malformed state skeleton node {node!r}")
-        (tag, body), = node.items()
+        ((tag, body),) = node.items()
         if tag == "v":
             return body
         if tag == "t":
@@ -162,7 +170,7 @@ def make_tensor(kind: str, dtype: str, shape: list[int] | tuple[int, ...], buffe
     Never unpickles: the bytes are reinterpreted, nothing is executed.
     """
     try:
-        np_name, torch_name, itemsize = DTYPES[dtype]
+        np_name, torch_name, _ = DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unknown tensor dtype {dtype!r}") from None
     count = 1

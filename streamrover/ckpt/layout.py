@@ -157,7 +157,9 @@ def read_manifest(storage: Storage, step: int) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{step_dir(step)} has no manifest (partial checkpoint)") from exc
     manifest = unseal(blob, f"{step_dir(step)}/{MANIFEST}")
     if manifest.get("format") != FORMAT_VERSION or manifest.get("step") != step:
-        raise CorruptCheckpointError(f"{step_dir(step)}/{MANIFEST} has format {manifest.get('format')} step {manifest.get('step')}")
+        raise CorruptCheckpointError(
+            f"{step_dir(step)}/{MANIFEST} has format {manifest.get('format')} step {manifest.get('step')}"
+        )
     return manifest
 
 

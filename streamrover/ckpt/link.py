@@ -30,7 +30,7 @@ def start_saver_process(address: str, linger: float) -> None:
     """Start a detached saver on ``address`` and wait until it serves it (or another saver does)."""
     printable = "@" + address[1:] if address.startswith("\0") else address
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streamrover.ckpt.saver", "--address", printable, "--linger", str(linger)],
+        [sys.executable, "-m", "streamrover.ckpt", "--address", printable, "--linger", str(linger)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         start_new_session=True,  # signals to the trainer's process group do not reach it
@@ -47,12 +47,21 @@ def start_saver_process(address: str, linger: float) -> None:
 class SaverLink:
     """Connection of one rank to its saver, with a reader thread for the saver's reports."""
 
-    def __init__(self, hello: dict[str, Any], mode: str, address: str, linger: float,
-                 on_done: Callable[[int, PersistResult], None], on_lost: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        hello: dict[str, Any],
+        mode: str,
+        address: str,
+        linger: float,
+        on_ready: Callable[[], None],
+        on_done: Callable[[int, PersistResult], None],
+        on_lost: Callable[[str], None],
+    ) -> None:
         self.hello = hello
         self.mode = mode
         self.address = address
         self.linger = linger
+        self._on_ready = on_ready
         self._on_done = on_done
         self._on_lost = on_lost
         self._sock: socket.socket | None = None
@@ -76,7 +85,9 @@ class SaverLink:
             return wire.connect(self.address)
         except (ConnectionRefusedError, FileNotFoundError):
             if self.mode != "auto":
-                raise SaverError(f"no checkpoint saver serves {self.address!r} (is the agent hosting it running?)") from None
+                raise SaverError(
+                    f"no checkpoint saver serves {self.address!r} (is the agent hosting it running?)"
+                ) from None
         start_saver_process(self.address, self.linger)
         return wire.connect(self.address)
 
@@ -94,6 +105,7 @@ class SaverLink:
             self._on_lost(self.error)
             return
         self._ready.set()
+        self._on_ready()
         while True:
             msg = wire.recv(sock)
             if msg is None:
@@ -102,9 +114,13 @@ class SaverLink:
                     self._on_lost(self.error)
                 return
             if msg["kind"] == "done":
-                result = PersistResult(step=int(msg["step"]) if msg.get("step") is not None else -1, ok=bool(msg["ok"]),
-                                       manifest_published=bool(msg["published"]), cut_id=msg.get("cut_id"),
-                                       error=msg.get("error"))
+                result = PersistResult(
+                    step=int(msg["step"]) if msg.get("step") is not None else -1,
+                    ok=bool(msg["ok"]),
+                    manifest_published=bool(msg["published"]),
+                    cut_id=msg.get("cut_id"),
+                    error=msg.get("error"),
+                )
                 self._on_done(int(msg["index"]), result)
             elif msg["kind"] == "closed":
                 return
@@ -117,14 +133,14 @@ class SaverLink:
         with self._send_lock:
             wire.send(self._sock, "persist", index=index, name=name, generation=generation, step=step)
 
-    def close(self) -> None:
+    def close(self, keep: bool = True) -> None:
         """Say goodbye (no persist-on-exit), wait for the saver's acknowledgement, stop a thread saver."""
         self._ready.wait()
         self._closing = True
         if self._sock is not None:
             try:
                 with self._send_lock:
-                    wire.send(self._sock, "close")
+                    wire.send(self._sock, "close", keep=keep)
             except OSError:
                 pass
             self._reader.join()

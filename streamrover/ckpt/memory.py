@@ -94,7 +94,9 @@ class MemoryEngine:
     def _ensure_all(self, size: int) -> None:
         self._join_prefault()
         missing = sum(size - (b.size if b else 0) for b in self.buffers if b is None or b.size < size)
-        check_shm_space(missing, f"{self.num_buffers} snapshot buffers of {size / (1 << 20):.1f} MiB (rank {self.rank})")
+        check_shm_space(
+            missing, f"{self.num_buffers} snapshot buffers of {size / (1 << 20):.1f} MiB (rank {self.rank})"
+        )
         for i in range(self.num_buffers):
             self._ensure(i, size)
 

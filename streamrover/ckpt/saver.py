@@ -7,7 +7,7 @@ trainer died) it persists every snapshot still in that rank's buffers that is no
 storage yet, oldest first, at once.
 
 Run it in-process (``CheckpointSaver(address).serve_forever()`` in the elastic agent)
-or as a subprocess: ``python -m streamrover.ckpt.saver --address ADDR [--linger S]``,
+or as a subprocess: ``python -m streamrover.ckpt --address ADDR [--linger S]``,
 which prints ``READY`` (or ``BUSY`` if another saver serves ADDR) on stdout.
 """
 
@@ -64,8 +64,9 @@ class _Session:
         self.names = list(hello["buffers"])
         retention = RetentionPolicy(**hello.get("retention", {}))
         storage = Storage(hello["url"], hello.get("storage_options"))
-        self.target = PersistTarget(storage, int(hello["rank"]), int(hello["world_size"]), retention,
-                                    hello.get("checksum", "sha256"))
+        self.target = PersistTarget(
+            storage, int(hello["rank"]), int(hello["world_size"]), retention, hello.get("checksum", "sha256")
+        )
         self.persist_on_exit = bool(hello.get("persist_on_exit", True))
         wire.send(self.sock, "ready", pid=os.getpid())
         while True:
@@ -76,6 +77,8 @@ class _Session:
             if msg["kind"] == "persist":
                 self._persist(msg)
             elif msg["kind"] == "close":
+                if msg.get("keep"):
+                    self.saver._orphan(self)  # the snapshots stay for a restart; freed if none comes
                 wire.send(self.sock, "closed")
                 return
 
@@ -101,12 +104,28 @@ class _Session:
             if buf is None:
                 raise SupersededError(f"snapshot buffer {msg['name']} does not exist")
             result = persist_buffer(self.target, buf, int(msg["generation"]))
-            wire.send(self.sock, "done", index=msg["index"], step=result.step, ok=True,
-                      published=result.manifest_published, cut_id=result.cut_id, error=None)
+            wire.send(
+                self.sock,
+                "done",
+                index=msg["index"],
+                step=result.step,
+                ok=True,
+                published=result.manifest_published,
+                cut_id=result.cut_id,
+                error=None,
+            )
         except Exception as exc:  # report any failure to the trainer, which raises it from wait()
             log.warning("persist of %s failed: %s", msg.get("name"), exc)
-            wire.send(self.sock, "done", index=msg["index"], step=msg.get("step"), ok=False,
-                      published=False, cut_id=None, error=f"{type(exc).__name__}: {exc}")
+            wire.send(
+                self.sock,
+                "done",
+                index=msg["index"],
+                step=msg.get("step"),
+                ok=False,
+                published=False,
+                cut_id=None,
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     def _trainer_died(self) -> None:
         """Persist, oldest first, every complete snapshot of this rank that storage does not hold yet."""
@@ -123,8 +142,12 @@ class _Session:
                 continue
             try:
                 result = persist_buffer(self.target, buf, gen)
-                log.info("trainer rank %d died: persisted its snapshot of step %d (manifest published: %s)",
-                         self.target.rank, result.step, result.manifest_published)
+                log.info(
+                    "trainer rank %d died: persisted its snapshot of step %d (manifest published: %s)",
+                    self.target.rank,
+                    result.step,
+                    result.manifest_published,
+                )
             except Exception as exc:  # keep going with the next snapshot
                 log.warning("persisting step %d after the trainer died failed: %s", step, exc)
         self.saver._orphan(self)
@@ -161,12 +184,12 @@ class CheckpointSaver:
                 with self._lock:
                     idle = not self._threads
                 timeout = self.linger if idle else None
-                ready, _, _ = select.select([self._listener, self._wake_r], [], [], timeout)
+                ready, _, _ = select.select([self._listener.fileno(), self._wake_r], [], [], timeout)
                 if not ready:
                     break  # idle for `linger` seconds
                 if self._wake_r in ready:
                     os.read(self._wake_r, 4096)
-                if self._listener in ready:
+                if self._listener.fileno() in ready:
                     sock, _ = self._listener.accept()
                     session = _Session(self, sock)
                     thread = threading.Thread(target=session.run, name="ckpt-session", daemon=True)
@@ -222,7 +245,7 @@ class CheckpointSaver:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m streamrover.ckpt.saver", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m streamrover.ckpt", description=__doc__)
     parser.add_argument("--address", required=True, help="abstract socket address (a leading '@' means NUL)")
     parser.add_argument("--linger", type=float, default=600.0, help="seconds to stay up with no trainer connected")
     args = parser.parse_args(argv)

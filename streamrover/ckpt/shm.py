@@ -53,7 +53,9 @@ def check_shm_space(extra_bytes: int, what: str) -> None:
     try:
         st = os.statvfs(SHM_DIR)
     except OSError as exc:
-        raise SharedMemoryTooSmallError(f"{SHM_DIR} is not usable ({exc}); flash checkpoints need POSIX shared memory") from exc
+        raise SharedMemoryTooSmallError(
+            f"{SHM_DIR} is not usable ({exc}); flash checkpoints need POSIX shared memory"
+        ) from exc
     free = st.f_bavail * st.f_frsize
     total = st.f_blocks * st.f_frsize
     if extra_bytes > free:
@@ -95,7 +97,9 @@ class SharedBuffer:
                     if exc.errno == errno.ENOSPC:
                         st = os.statvfs(SHM_DIR)
                         raise SharedMemoryTooSmallError(
-                            _too_small_message(size - current, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, name)
+                            _too_small_message(
+                                size - current, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, name
+                            )
                         ) from exc
                     raise
             size = max(size, current)
@@ -158,7 +162,9 @@ class SharedBuffer:
         blob = json.dumps(header, separators=(",", ":")).encode()
         offset = int(header["header_offset"])
         if offset + len(blob) > self.size:
-            raise ValueError(f"snapshot header does not fit in buffer {self.name!r} ({offset + len(blob)} > {self.size})")
+            raise ValueError(
+                f"snapshot header does not fit in buffer {self.name!r} ({offset + len(blob)} > {self.size})"
+            )
         self.mm[offset : offset + len(blob)] = blob
         _HDR.pack_into(self.mm, 16, offset, len(blob), zlib.crc32(blob))
         _GEN.pack_into(self.mm, 8, odd_gen + 1)

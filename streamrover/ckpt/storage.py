@@ -39,7 +39,7 @@ class _Crc32:
 def new_hasher(algo: str) -> Hasher:
     if algo == "crc32":
         return _Crc32()
-    return hashlib.new(algo)  # type: ignore[return-value]
+    return hashlib.new(algo)
 
 
 def checksum(data: Any, algo: str = CHECKSUM_ALGO) -> str:

@@ -1,0 +1,317 @@
+"""The trainer-facing API: save to memory (and storage), load the newest consistent checkpoint, wait.
+
+>>> ckpt = Checkpointer("/data/ckpt", rank=0, world_size=1, binder=shard_client)
+>>> ckpt.save(step, {"model": model.state_dict(), "optim": optim.state_dict()})   # blocks for a memcpy
+>>> loaded = ckpt.load()          # newest of shared memory and storage; resets the shard service's cursor
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from typing import Any
+
+from streamrover.ckpt.api import (
+    CheckpointError,
+    CorruptCheckpointError,
+    CursorBinder,
+    LoadedCheckpoint,
+    NoCheckpointError,
+    PersistResult,
+    RetentionPolicy,
+    SaverError,
+    Source,
+)
+from streamrover.ckpt.layout import complete_steps, read_manifest, read_part
+from streamrover.ckpt.link import SaverLink
+from streamrover.ckpt.memory import MemoryEngine, Snapshot
+from streamrover.ckpt.storage import CHECKSUM_ALGO, Storage
+from streamrover.ckpt.wire import namespace_for, saver_address
+from streamrover.cursor import DataCursor
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """A checkpoint was skipped at load (partial or corrupted); an older one is used."""
+
+
+class Checkpointer:
+    """Flash checkpoints of one rank.
+
+    Args:
+        url: checkpoint root: a local directory, or any fsspec URL (``s3://...``).
+        rank, world_size: this rank and the number of ranks whose parts form one checkpoint.
+        binder: the shard service (``ShardClient``); when given, every save takes a cut and
+            every published manifest commits it, and :meth:`load` restores the cursor.
+        retention: which persisted checkpoints to keep.
+        num_buffers: shared-memory snapshot buffers of this rank (>= 2: double buffering).
+        saver: ``"auto"`` (connect to this node's saver, start one if none: the default),
+            ``"thread"`` (a private in-process saver: persists do not survive this process),
+            or ``"agent"`` (connect to the saver an elastic agent hosts; never start one).
+        job: a job name that separates namespaces of jobs sharing a root on one node.
+        linger: seconds an auto-started saver stays up with no trainer connected.
+        persist_on_exit: the saver persists unpersisted snapshots when this trainer dies.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        binder: CursorBinder | None = None,
+        retention: RetentionPolicy | None = None,
+        num_buffers: int = 2,
+        saver: str = "auto",
+        job: str | None = None,
+        linger: float = 600.0,
+        persist_on_exit: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        checksum: str = CHECKSUM_ALGO,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if saver not in ("auto", "thread", "agent"):
+            raise ValueError(f"saver must be 'auto', 'thread' or 'agent', got {saver!r}")
+        self.url = url
+        self.rank = rank
+        self.world_size = world_size
+        self.binder = binder
+        self.retention = retention or RetentionPolicy()
+        self.namespace = namespace_for(url, job)
+        self.storage = Storage(url, storage_options)
+        self.engine = MemoryEngine(self.namespace, rank, num_buffers)
+        self._saver_mode = saver
+        self._linger = linger
+        self._persist_on_exit = persist_on_exit
+        self._storage_options = storage_options
+        self._checksum = checksum
+        self._link: SaverLink | None = None
+        self._cond = threading.Condition()
+        self._busy: set[int] = set()  # buffers the saver is reading
+        self._want_persist = False
+        self._newest: Snapshot | None = None
+        self._results: list[PersistResult] = []
+        self._lost: str | None = None
+
+    # -- save ------------------------------------------------------------------------
+    def prepare(self, state: Any) -> None:
+        """Allocate and pre-fault the snapshot buffers for ``state`` now (optional; else on first save)."""
+        self.engine.prepare(state)
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        cursor: DataCursor | None = None,
+        persist: bool = True,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Snapshot ``state`` at ``step`` into shared memory; with ``persist``, have the saver write it out.
+
+        Blocks only for the copy into shared memory (and, with a binder, its ``prepare_cut``).
+        ``cursor`` is the data cursor of this state; with a binder and no cursor, the cut's is used.
+        """
+        cut_id: int | None = None
+        if cursor is None and self.binder is not None:
+            cut_id, cursor = self.binder.prepare_cut(step)
+        with self._cond:
+            index = self.engine.choose(self._busy)
+            snap = self.engine.write(
+                index,
+                step,
+                state,
+                {
+                    "world_size": self.world_size,
+                    "cursor": cursor.to_json() if cursor is not None else None,
+                    "cut_id": cut_id,
+                    "meta": meta or {},
+                },
+            )
+            self._newest = snap
+            if persist:
+                self._want_persist = True
+                self._ensure_link()
+                self._dispatch_locked()
+
+    def _ensure_link(self) -> None:
+        if self._link is not None:
+            return
+        address = saver_address(self.namespace)
+        if self._saver_mode == "thread":
+            address = f"{address}-thread-{os.getpid()}-{id(self)}"
+        hello = {
+            "namespace": self.namespace,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "url": self.url,
+            "storage_options": self._storage_options,
+            "buffers": self.engine.names(),
+            "retention": {"keep_last": self.retention.keep_last, "keep_every": self.retention.keep_every},
+            "checksum": self._checksum,
+            "persist_on_exit": self._persist_on_exit,
+        }
+        self._link = SaverLink(
+            hello,
+            self._saver_mode,
+            address,
+            self._linger,
+            on_ready=self._on_ready,
+            on_done=self._on_done,
+            on_lost=self._on_lost,
+        )
+
+    def _dispatch_locked(self) -> None:
+        link = self._link
+        if not self._want_persist or self._busy or link is None or not link.ready() or self._newest is None:
+            return
+        snap = self._newest
+        self._busy.add(snap.index)
+        self._want_persist = False
+        link.send_persist(snap.index, snap.name, snap.generation, snap.step)
+
+    def _on_ready(self) -> None:
+        with self._cond:
+            self._dispatch_locked()
+
+    def _on_done(self, index: int, result: PersistResult) -> None:
+        with self._cond:
+            self._busy.discard(index)
+            self._results.append(result)
+            self._dispatch_locked()
+            self._cond.notify_all()
+        if result.ok and result.manifest_published and result.cut_id is not None and self.binder is not None:
+            try:
+                self.binder.commit_cut(int(result.cut_id))
+            except Exception as exc:  # surfaced by wait(); the next published manifest commits a later cut
+                log.warning("commit_cut(%s) for step %d failed: %s", result.cut_id, result.step, exc)
+                with self._cond:
+                    self._results.append(PersistResult(result.step, False, True, result.cut_id, f"commit_cut: {exc}"))
+
+    def _on_lost(self, error: str) -> None:
+        with self._cond:
+            self._lost = error
+            self._busy.clear()
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> list[PersistResult]:
+        """Wait until every requested persist is done; return the reports since the last wait.
+
+        Raises :class:`SaverError` if a persist failed or the saver is gone, and
+        ``TimeoutError`` if ``timeout`` passes first.
+        """
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: self._lost is not None or (not self._busy and not self._want_persist), timeout
+            )
+            if not done:
+                raise TimeoutError(f"persists still running after {timeout} s")
+            results, self._results = self._results, []
+            if self._lost is not None:
+                raise SaverError(self._lost)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise SaverError("; ".join(f"step {r.step}: {r.error}" for r in failed))
+        return results
+
+    # -- load ------------------------------------------------------------------------
+    def load(
+        self, *, part: int | None = None, zero_copy: bool = False, restore: bool = True, memory: bool = True
+    ) -> LoadedCheckpoint:
+        """The newest consistent checkpoint of this rank (or of rank ``part``).
+
+        Shared memory wins when its snapshot is at least as new as the newest checkpoint on
+        storage (a process restart on a live node); storage otherwise. Partial or corrupted
+        checkpoints are skipped with a :class:`CheckpointFallbackWarning`. With a binder and
+        ``restore``, the shard service is reset to the loaded cursor.
+        """
+        loaded = self._load(self.rank if part is None else part, zero_copy, memory)
+        if restore and self.binder is not None:
+            self.binder.restore_cursor(loaded.cursor)
+        return loaded
+
+    def _memory_snapshot(self, part: int) -> tuple[MemoryEngine, Snapshot] | None:
+        engine = self.engine if part == self.rank else MemoryEngine(self.namespace, part, self.engine.num_buffers)
+        engine.attach()
+        snap = engine.newest()
+        if snap is None or int(snap.header.get("world_size", -1)) != self.world_size:
+            return None
+        return engine, snap
+
+    def _load(self, part: int, zero_copy: bool, memory: bool) -> LoadedCheckpoint:
+        mem = self._memory_snapshot(part) if memory else None
+        skipped: list[str] = []
+        for step in reversed(complete_steps(self.storage)):
+            if mem is not None and mem[1].step >= step:
+                break
+            try:
+                manifest = read_manifest(self.storage, step)
+                if manifest["world_size"] != self.world_size:
+                    raise CorruptCheckpointError(
+                        f"step {step} has world size {manifest['world_size']}, not {self.world_size}"
+                    )
+                doc, state, cursor = read_part(self.storage, manifest, part)
+            except (CorruptCheckpointError, OSError) as exc:
+                msg = f"skipping checkpoint at step {step}: {exc}"
+                warnings.warn(msg, CheckpointFallbackWarning, stacklevel=3)
+                log.warning(msg)
+                skipped.append(msg)
+                continue
+            cut_ids = manifest.get("cut_ids") or []
+            return LoadedCheckpoint(
+                step,
+                state,
+                cursor,
+                Source.STORAGE,
+                cut_ids[0] if cut_ids else None,
+                self.storage.join(f"step-{step:012d}"),
+                {"skipped": skipped, "meta": doc.get("meta")},
+            )
+        if mem is not None:
+            engine, snap = mem
+            state = engine.load(snap, zero_copy)
+            cursor_json = snap.header.get("cursor")
+            cursor = DataCursor.from_json(cursor_json) if cursor_json else DataCursor()
+            return LoadedCheckpoint(
+                snap.step,
+                state,
+                cursor,
+                Source.MEMORY,
+                snap.header.get("cut_id"),
+                None,
+                {"skipped": skipped, "meta": snap.header.get("meta")},
+            )
+        raise NoCheckpointError(
+            f"no consistent checkpoint for rank {part} in shared memory or at {self.url!r}"
+            + (f" ({len(skipped)} skipped as corrupt)" if skipped else "")
+        )
+
+    # -- lifecycle -------------------------------------------------------------------
+    def close(self, unlink: bool = False) -> None:
+        """Wait for pending persists and disconnect; with ``unlink``, free the shared memory too.
+
+        Without ``unlink`` the snapshots stay in shared memory for a restarted trainer;
+        an auto-started saver removes them when it exits after ``linger`` idle seconds.
+        """
+        try:
+            if self._link is not None and self._lost is None:
+                self.wait()
+        finally:
+            if self._link is not None:
+                self._link.close(keep=not unlink)
+                self._link = None
+            if unlink:
+                self.engine.unlink()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["CheckpointError", "CheckpointFallbackWarning", "Checkpointer"]
