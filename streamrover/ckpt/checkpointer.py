@@ -179,18 +179,18 @@ class Checkpointer:
             self._dispatch_locked()
 
     def _on_done(self, index: int, result: PersistResult) -> None:
+        results = [result]
+        if result.ok and result.manifest_published and result.cut_id is not None and self.binder is not None:
+            try:  # before the persist counts as done, so wait() returns only after the commit
+                self.binder.commit_cut(int(result.cut_id))
+            except Exception as exc:  # any binder failure is reported by wait(); a later manifest commits a later cut
+                log.warning("commit_cut(%s) for step %d failed: %s", result.cut_id, result.step, exc)
+                results.append(PersistResult(result.step, False, True, result.cut_id, f"commit_cut: {exc}"))
         with self._cond:
             self._busy.discard(index)
-            self._results.append(result)
+            self._results.extend(results)
             self._dispatch_locked()
             self._cond.notify_all()
-        if result.ok and result.manifest_published and result.cut_id is not None and self.binder is not None:
-            try:
-                self.binder.commit_cut(int(result.cut_id))
-            except Exception as exc:  # surfaced by wait(); the next published manifest commits a later cut
-                log.warning("commit_cut(%s) for step %d failed: %s", result.cut_id, result.step, exc)
-                with self._cond:
-                    self._results.append(PersistResult(result.step, False, True, result.cut_id, f"commit_cut: {exc}"))
 
     def _on_lost(self, error: str) -> None:
         with self._cond:
@@ -289,6 +289,11 @@ class Checkpointer:
             f"no consistent checkpoint for rank {part} in shared memory or at {self.url!r}"
             + (f" ({len(skipped)} skipped as corrupt)" if skipped else "")
         )
+
+    @property
+    def saver_pid(self) -> int | None:
+        """The pid of the saver serving this rank, once connected."""
+        return self._link.saver_pid if self._link is not None else None
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self, unlink: bool = False) -> None:

@@ -68,6 +68,7 @@ class SaverLink:
         self._send_lock = threading.Lock()
         self._ready = threading.Event()
         self.error: str | None = None
+        self.saver_pid: int | None = None
         self._closing = False
         self._thread_saver: CheckpointSaver | None = None
         self._reader = threading.Thread(target=self._run, name="ckpt-saver-link", daemon=True)
@@ -99,6 +100,7 @@ class SaverLink:
             if reply is None or reply.get("kind") != "ready":
                 raise SaverError(f"the checkpoint saver closed the connection during the handshake ({reply!r})")
             self._sock = sock
+            self.saver_pid = int(reply.get("pid", 0)) or None
         except (OSError, SaverError) as exc:
             self.error = f"cannot reach the checkpoint saver: {exc}"
             self._ready.set()
