@@ -11,8 +11,8 @@ import safetensors.numpy
 import torch
 
 from streamrover.ckpt import (
-    CheckpointFallbackWarning,
     Checkpointer,
+    CheckpointFallbackWarning,
     NoCheckpointError,
     RetentionPolicy,
     SharedMemoryTooSmallError,

@@ -109,8 +109,12 @@ def test_optimizer_state_loads_back_into_torch(root: str) -> None:
 
 @pytest.mark.parametrize(
     "bad, message",
-    [({"x": object()}, "x: a builtins.object cannot be checkpointed"), ({(1, 2): 3}, "is not a str or int"),
-     ({True: 1}, "is not a str or int"), ({"c": torch.zeros(2, dtype=torch.complex128)}, "complex128")],
+    [
+        ({"x": object()}, "x: a builtins.object cannot be checkpointed"),
+        ({(1, 2): 3}, "is not a str or int"),
+        ({True: 1}, "is not a str or int"),
+        ({"c": torch.zeros(2, dtype=torch.complex128)}, "complex128"),
+    ],
 )
 def test_unsupported_values_are_named(bad: dict[Any, Any], message: str) -> None:
     with pytest.raises(UnsupportedStateError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -118,13 +122,18 @@ def test_unsupported_values_are_named(bad: dict[Any, Any], message: str) -> None
 
 
 leaves = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**62), 2**62), st.floats(allow_nan=False), st.text(max_size=5),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**62), 2**62),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
     st.builds(lambda n, d: (np.arange(n) * 3).astype(d), st.integers(0, 9), st.sampled_from(NUMPY_DTYPES)),
 )
 states = st.recursive(
     leaves,
     lambda children: st.one_of(
-        st.lists(children, max_size=3), st.tuples(children, children),
+        st.lists(children, max_size=3),
+        st.tuples(children, children),
         st.dictionaries(st.one_of(st.text(max_size=4), st.integers(-5, 5)), children, max_size=3),
     ),
     max_leaves=12,
@@ -135,8 +144,11 @@ states = st.recursive(
 @given(state=states)
 def test_any_nested_state_round_trips_through_shared_memory(root: str, state: Any) -> None:
     ckpt = Checkpointer(root, saver="thread")
-    ckpt.save(1, {"s": state}, persist=False)
-    assert_same({"s": state}, ckpt.load().state)
+    try:
+        ckpt.save(1, {"s": state}, persist=False)
+        assert_same({"s": state}, ckpt.load().state)
+    finally:
+        ckpt.close(unlink=True)
 
 
 def test_importing_ckpt_does_not_import_torch() -> None:
