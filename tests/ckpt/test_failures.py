@@ -78,7 +78,7 @@ def test_trainer_killed_right_after_memory_save_is_persisted_by_saver(root: str,
     loaded = Checkpointer(root, saver="thread").load(memory=False, restore=False)
     assert loaded.step == 2 and loaded.source == Source.STORAGE
     assert loaded.cursor == cursor_at(2)
-    np.testing.assert_array_equal(loaded.state["w0"], state_at(2, 1.0)["w0"])  # type: ignore[arg-type]
+    np.testing.assert_array_equal(loaded.state["w0"], state_at(2, 1.0)["w0"])
     os.kill(trainer.saver_pid, 0)  # the saver outlived its trainer and still serves a restart
 
 
@@ -143,7 +143,7 @@ def test_saver_killed_mid_persist_leaves_previous_checkpoint_loadable(root: str,
     complete = (step2 / MANIFEST).exists()
     assert loaded.step == (2 if complete else 1)
     assert loaded.cursor == cursor_at(loaded.step)
-    np.testing.assert_array_equal(loaded.state["w3"], state_at(loaded.step, 16 if loaded.step == 1 else 64)["w3"])  # type: ignore[arg-type]
+    np.testing.assert_array_equal(loaded.state["w3"], state_at(loaded.step, 16 if loaded.step == 1 else 64)["w3"])
     assert complete or not reported_done, "wait() reported step 2 persisted but it has no manifest"
     if seed == 0:
         assert not complete, "the saver was killed mid-persist, yet step 2 was published"

@@ -42,7 +42,7 @@ def main() -> int:
     ckpt = Checkpointer(args.root, saver=args.saver, linger=args.linger)
     if args.load:
         loaded = ckpt.load()
-        values = {float(np.unique(v)[0]) for k, v in loaded.state.items() if k.startswith("w")}  # type: ignore[union-attr]
+        values = {float(np.unique(v)[0]) for k, v in loaded.state.items() if k.startswith("w")}
         print(
             json.dumps(
                 {
