@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -83,8 +84,9 @@ def _run_master(args: argparse.Namespace) -> int:
 
     state_dir = Path(args.state_dir)
     token = args.token or load_or_create_token(state_dir)
-    server = MasterServer(state_dir, token, host=args.host, port=args.port, lease_ttl=args.lease_ttl,
-                          durability=args.durability)
+    server = MasterServer(
+        state_dir, token, host=args.host, port=args.port, lease_ttl=args.lease_ttl, durability=args.durability
+    )
     if args.address_file:
         tmp = Path(args.address_file + ".tmp")
         tmp.write_text(server.address + "\n")
@@ -102,17 +104,36 @@ def _run_master(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dataset_table(infos: list) -> Table:  # type: ignore[type-arg]
+def _dataset_table(infos: list[Any]) -> Table:
     table = Table(title="datasets")
-    for col in ("name", "kind", "partitions", "records", "todo", "leased", "acked", "committed", "records acked",
-                "records committed", "done"):
+    for col in (
+        "name",
+        "kind",
+        "partitions",
+        "records",
+        "todo",
+        "leased",
+        "acked",
+        "committed",
+        "records acked",
+        "records committed",
+        "done",
+    ):
         table.add_column(col, justify="right" if col not in ("name", "kind") else "left")
     for info in infos:
         kind = "batch" if info.kind == 1 else "stream"
         table.add_row(
-            info.spec.name, kind, str(len(info.partitions)), f"{info.total_records:,}", str(info.shards.todo),
-            str(info.shards.leased), str(info.shards.acked), str(info.shards.committed), f"{info.records_acked:,}",
-            f"{info.records_committed:,}", "yes" if info.finished else "",
+            info.spec.name,
+            kind,
+            str(len(info.partitions)),
+            f"{info.total_records:,}",
+            str(info.shards.todo),
+            str(info.shards.leased),
+            str(info.shards.acked),
+            str(info.shards.committed),
+            f"{info.records_acked:,}",
+            f"{info.records_committed:,}",
+            "yes" if info.finished else "",
         )
     return table
 
@@ -125,7 +146,9 @@ def _status_view(client) -> Table:  # type: ignore[no-untyped-def]
     for col in ("worker", "name", "leases", "records acked", "last seen"):
         workers.add_column(col)
     for w in st.workers:
-        workers.add_row(w.worker_id, w.name, str(w.leases), f"{w.records_acked:,}", f"{w.last_seen_seconds_ago:.1f}s ago")
+        workers.add_row(
+            w.worker_id, w.name, str(w.leases), f"{w.records_acked:,}", f"{w.last_seen_seconds_ago:.1f}s ago"
+        )
     outer.add_row(workers)
     outer.add_row(
         f"{st.records_per_second:,.0f} records/s  {st.acks_per_second:,.1f} acks/s  "
@@ -154,8 +177,16 @@ def main(argv: list[str] | None = None) -> int:
                         live.update(_status_view(client))
             if args.dataset_command == "add":
                 options = dict(kv.split("=", 1) for kv in args.option)
-                spec = DatasetSpec(args.name, args.uri, args.format, options, args.records_per_shard, args.epochs,
-                                   args.shuffle, args.seed)
+                spec = DatasetSpec(
+                    args.name,
+                    args.uri,
+                    args.format,
+                    options,
+                    args.records_per_shard,
+                    args.epochs,
+                    args.shuffle,
+                    args.seed,
+                )
                 resp = client.register_dataset(spec)
                 verb = "registered" if resp.created else "already registered (same spec)"
                 console.print(f"dataset {args.name!r} {verb}")

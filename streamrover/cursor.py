@@ -35,7 +35,7 @@ class IntervalSet:
     interval lists are equal.
     """
 
-    __slots__ = ("_starts", "_ends")
+    __slots__ = ("_ends", "_starts")
 
     def __init__(self, intervals: Iterable[tuple[int, int]] = ()) -> None:
         self._starts: list[int] = []
@@ -237,7 +237,9 @@ class DataCursor:
             raise CursorError(f"a cursor must be a JSON object, got {type(data).__name__}")
         version = data.get("version")
         if version != CURSOR_FORMAT_VERSION:
-            raise CursorError(f"unsupported cursor format version {version!r} (this build reads {CURSOR_FORMAT_VERSION})")
+            raise CursorError(
+                f"unsupported cursor format version {version!r} (this build reads {CURSOR_FORMAT_VERSION})"
+            )
         out = cls()
         datasets = data.get("datasets", {})
         if not isinstance(datasets, Mapping):

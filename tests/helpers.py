@@ -26,6 +26,8 @@ def write_parquet_dataset(root: Path, rows: int, files: int, row_group_size: int
     ids = rng.permutation(rows).astype(np.int64)
     root.mkdir(parents=True, exist_ok=True)
     for i, part in enumerate(np.array_split(ids, files)):
-        table = pa.table({"id": part, "x": rng.random(part.size, dtype=np.float32), "label": (part % 2).astype(np.int8)})
+        table = pa.table(
+            {"id": part, "x": rng.random(part.size, dtype=np.float32), "label": (part % 2).astype(np.int8)}
+        )
         pq.write_table(table, root / f"part-{i:03d}.parquet", row_group_size=row_group_size)
     return ids

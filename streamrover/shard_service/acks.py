@@ -92,7 +92,9 @@ def check_restorable(cursor: DataCursor, datasets: Mapping[str, DatasetRecord]) 
     for key, ivs in cursor.items():
         ds = datasets.get(key.dataset)
         if ds is None:
-            raise InvalidArgumentError(f"cannot restore: the cursor names dataset {key.dataset!r}, which is not registered")
+            raise InvalidArgumentError(
+                f"cannot restore: the cursor names dataset {key.dataset!r}, which is not registered"
+            )
         part = ds.partition_by_id().get(key.partition)
         if part is None:
             raise InvalidArgumentError(
@@ -106,4 +108,3 @@ def check_restorable(cursor: DataCursor, datasets: Mapping[str, DatasetRecord]) 
                     f"cannot restore: {key} [{s}, {e}) lies outside the partition's planned positions "
                     f"[{part.start}, {part.end})"
                 )
-

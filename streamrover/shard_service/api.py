@@ -53,16 +53,16 @@ class UnavailableError(ShardServiceError):
 
 
 class ShardState(enum.Enum):
-    TODO = "todo"        # waiting in the queue
-    LEASED = "leased"    # held by one worker under one attempt
-    ACKED = "acked"      # every position acked; not yet folded into the committed cursor
+    TODO = "todo"  # waiting in the queue
+    LEASED = "leased"  # held by one worker under one attempt
+    ACKED = "acked"  # every position acked; not yet folded into the committed cursor
     # Shards inside the committed cursor are deleted from the journal (compaction).
 
 
 class LeaseStatus(enum.Enum):
     OK = "ok"
-    WAIT = "wait"   # nothing to lease now
-    END = "end"     # batch dataset finished
+    WAIT = "wait"  # nothing to lease now
+    END = "end"  # batch dataset finished
 
 
 @dataclass(frozen=True)

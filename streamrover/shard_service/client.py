@@ -68,7 +68,7 @@ class LeasedShard:
         self.client = client
         self.lease = lease
         self.source = source
-        self.position = lease.resume   # next position to read
+        self.position = lease.resume  # next position to read
         self.acked = lease.resume
         self.done = False
 

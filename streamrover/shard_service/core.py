@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
+from streamrover.cursor import DataCursor, PartitionKey
 from streamrover.shard_service import acks as ackrules
 from streamrover.shard_service.api import (
     DEFAULT_LEASE_TTL,
@@ -81,7 +81,7 @@ class ShardCore:
         self.by_dataset: dict[str, set[str]] = {}
         self.queues: dict[str, list[tuple[float, str]]] = {}
         self.leased: set[str] = set()
-        self.unfolded: set[str] = set()   # shards with acks not yet in the committed cursor
+        self.unfolded: set[str] = set()  # shards with acks not yet in the committed cursor
         self.workers: dict[str, WorkerRecord] = {}
         self.committed = DataCursor()
         self.cuts: dict[int, CutRecord] = {}
@@ -157,7 +157,9 @@ class ShardCore:
                 f"({existing.spec.uri!r}); choose another name"
             )
         if kind is SourceKind.STREAM and (spec.epochs > 1 or spec.shuffle):
-            raise InvalidArgumentError(f"dataset {spec.name!r} is a stream: epochs and shuffle apply to batch data only")
+            raise InvalidArgumentError(
+                f"dataset {spec.name!r} is a stream: epochs and shuffle apply to batch data only"
+            )
         plans = [PartitionPlan(i, p.id, p.start, p.end) for i, p in enumerate(partitions)]
         ds = DatasetRecord(spec, kind, plans, schema_json, epochs_planned=0)
         self.datasets[ds.name] = ds
@@ -293,7 +295,12 @@ class ShardCore:
                 if s is None:
                     break
                 self._lease_seq += 1
-                s.state, s.attempt, s.worker, s.deadline = ShardState.LEASED, self._lease_seq, w.id, now + self.lease_ttl
+                s.state, s.attempt, s.worker, s.deadline = (
+                    ShardState.LEASED,
+                    self._lease_seq,
+                    w.id,
+                    now + self.lease_ttl,
+                )
                 self.leased.add(s.id)
                 w.leases.add(s.id)
                 self.journal.put_shard(s)

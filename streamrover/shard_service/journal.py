@@ -115,7 +115,7 @@ class Journal:
 
     def load_datasets(self) -> list[DatasetRecord]:
         out = []
-        for name, spec, kind, parts, schema, epochs in self._db.execute("SELECT * FROM datasets ORDER BY name"):
+        for _name, spec, kind, parts, schema, epochs in self._db.execute("SELECT * FROM datasets ORDER BY name"):
             partitions = [PartitionPlan(int(i), str(pid), int(s), int(e)) for i, pid, s, e in json.loads(parts)]
             out.append(DatasetRecord(DatasetSpec.from_json(spec), SourceKind(kind), partitions, schema, int(epochs)))
         return out
@@ -125,8 +125,19 @@ class Journal:
         self._db.execute(
             "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                s.id, s.dataset, s.epoch, s.pindex, s.start, s.end, s.state.value, s.attempt, s.worker,
-                s.acked_to, json.dumps(s.acks), json.dumps(sorted(s.acked_by.items())), s.priority,
+                s.id,
+                s.dataset,
+                s.epoch,
+                s.pindex,
+                s.start,
+                s.end,
+                s.state.value,
+                s.attempt,
+                s.worker,
+                s.acked_to,
+                json.dumps(s.acks),
+                json.dumps(sorted(s.acked_by.items())),
+                s.priority,
             ),
         )
 
@@ -142,10 +153,19 @@ class Journal:
             sid, ds, epoch, pindex, start, end, state, attempt, worker, acked_to, acks, acked_by, prio = row
             out.append(
                 ShardRecord(
-                    id=sid, dataset=ds, epoch=epoch, pindex=pindex, start=start, end=end,
-                    state=ShardState(state), attempt=attempt, worker=worker, acked_to=acked_to,
+                    id=sid,
+                    dataset=ds,
+                    epoch=epoch,
+                    pindex=pindex,
+                    start=start,
+                    end=end,
+                    state=ShardState(state),
+                    attempt=attempt,
+                    worker=worker,
+                    acked_to=acked_to,
                     acks=[(a[0], a[1]) for a in json.loads(acks)],
-                    acked_by={int(k): int(v) for k, v in json.loads(acked_by)}, priority=prio,
+                    acked_by={int(k): int(v) for k, v in json.loads(acked_by)},
+                    priority=prio,
                 )
             )
         return out

@@ -19,14 +19,14 @@ class ShardRecord:
     start: int
     end: int
     state: ShardState = ShardState.TODO
-    attempt: int = 0                 # the current or last lease number; 0 = never leased
+    attempt: int = 0  # the current or last lease number; 0 = never leased
     worker: str | None = None
-    deadline: float = 0.0            # memory only: a restarted master grants a fresh lease TTL
-    acked_to: int = -1               # first position not acked; set to start on creation
+    deadline: float = 0.0  # memory only: a restarted master grants a fresh lease TTL
+    acked_to: int = -1  # first position not acked; set to start on creation
     # Acks not yet folded into the committed cursor: (step or None, position), in position order.
     acks: list[tuple[int | None, int]] = field(default_factory=list)
-    acked_by: dict[int, int] = field(default_factory=dict)   # attempt -> highest position it acked
-    priority: float = 0.0            # queue order: lower is leased first
+    acked_by: dict[int, int] = field(default_factory=dict)  # attempt -> highest position it acked
+    priority: float = 0.0  # queue order: lower is leased first
 
     def __post_init__(self) -> None:
         if self.acked_to < 0:
@@ -57,12 +57,12 @@ class DatasetRecord:
 class WorkerRecord:
     id: str
     name: str
-    last_seen: float = 0.0                            # memory only
-    leases: set[str] = field(default_factory=set)     # derived from shards on load
-    revoked: set[str] = field(default_factory=set)    # memory only: told on the next heartbeat
+    last_seen: float = 0.0  # memory only
+    leases: set[str] = field(default_factory=set)  # derived from shards on load
+    revoked: set[str] = field(default_factory=set)  # memory only: told on the next heartbeat
     last_request_id: int = 0
     last_lease_ids: list[str] = field(default_factory=list)
-    records_acked: int = 0                            # memory only (status)
+    records_acked: int = 0  # memory only (status)
 
 
 class CutState(enum.Enum):

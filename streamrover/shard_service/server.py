@@ -93,7 +93,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             partitions=[convert.partition_to_pb(p) for p in ds.partitions],
             total_records=sum(p.end - p.start for p in ds.partitions),
             epochs_planned=ds.epochs_planned,
-            shards=pb.ShardCounts(todo=counts.todo, leased=counts.leased, acked=counts.acked, committed=counts.committed),
+            shards=pb.ShardCounts(
+                todo=counts.todo, leased=counts.leased, acked=counts.acked, committed=counts.committed
+            ),
             finished=counts.finished,
             schema_json=ds.schema_json,
             records_acked=counts.records_acked,
@@ -253,7 +255,7 @@ class _TokenAuth(grpc.ServerInterceptor):
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: pass the job token the master uses")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny: Any = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         for key, value in handler_call_details.invocation_metadata or ():

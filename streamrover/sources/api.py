@@ -40,7 +40,7 @@ class SourceSchemaError(SourceError):
 
 
 class SourceKind(enum.Enum):
-    BATCH = "batch"    # bounded: partitions and their ends are fixed when the dataset is registered
+    BATCH = "batch"  # bounded: partitions and their ends are fixed when the dataset is registered
     STREAM = "stream"  # unbounded: end positions keep moving, partitions may be added
 
 

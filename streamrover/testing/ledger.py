@@ -39,14 +39,14 @@ class LedgerConflict(Exception):
 @dataclass(frozen=True)
 class LedgerReport:
     expected: int
-    applied: int           # records applied, counting repeats
+    applied: int  # records applied, counting repeats
     unique: int
-    duplicates: int        # applications beyond the first
-    missing: int           # expected ids never applied
-    unexpected: int        # applied ids that were never produced
+    duplicates: int  # applications beyond the first
+    missing: int  # expected ids never applied
+    unexpected: int  # applied ids that were never produced
     id_sum_ok: bool
-    conflicts: int         # refused compare-and-set writes (stale writers)
-    catchups: int          # leases that found the ledger ahead of the master (killed between write and ack)
+    conflicts: int  # refused compare-and-set writes (stale writers)
+    catchups: int  # leases that found the ledger ahead of the master (killed between write and ack)
 
     @property
     def exact(self) -> bool:

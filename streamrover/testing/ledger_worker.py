@@ -17,12 +17,15 @@ from streamrover.shard_service import LeasedShard, LeaseLostError, ShardClient
 from streamrover.testing.ledger import Ledger, LedgerConflict
 
 
-def consume_shard(shard: LeasedShard, ledger: Ledger, worker: str, batch_size: int, id_column: str,
-                  pause_at: int, counter: list[int]) -> None:
+def consume_shard(
+    shard: LeasedShard, ledger: Ledger, worker: str, batch_size: int, id_column: str, pause_at: int, counter: list[int]
+) -> None:
     """Apply one shard's records to the ledger and ack them; stop quietly if the lease goes stale."""
     found = ledger.position(shard.shard_id)
     if (found if found is not None else shard.lease.start) < shard.lease.resume:
-        raise RuntimeError(f"shard {shard.shard_id}: the master says {shard.lease.resume} is acked, the ledger has {found}")
+        raise RuntimeError(
+            f"shard {shard.shard_id}: the master says {shard.lease.resume} is acked, the ledger has {found}"
+        )
     if found is not None and found > shard.lease.resume:
         # Killed after writing, before acking: the ledger (the model) is the truth; ack what it holds.
         ledger.note("catchup", shard.shard_id, f"{worker}: lease resumes at {shard.lease.resume}, ledger at {found}")
@@ -48,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--id-column", default="id")
     p.add_argument("--name", default=None)
-    p.add_argument("--pause-at-batch", type=int, default=0, help="SIGSTOP self after writing this batch, before its ack")
+    p.add_argument(
+        "--pause-at-batch", type=int, default=0, help="SIGSTOP self after writing this batch, before its ack"
+    )
     args = p.parse_args(argv)
 
     ledger = Ledger(args.ledger)

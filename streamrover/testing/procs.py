@@ -14,8 +14,13 @@ from pathlib import Path
 class MasterProcess:
     """``streamrover master`` in a subprocess, restartable on the same state dir and port."""
 
-    def __init__(self, state_dir: str | Path, token: str | None = None, lease_ttl: float = 2.0,
-                 log_path: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        token: str | None = None,
+        lease_ttl: float = 2.0,
+        log_path: str | Path | None = None,
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.token = token or secrets.token_hex(16)
@@ -31,8 +36,18 @@ class MasterProcess:
 
     def start(self, timeout: float = 30.0) -> None:
         cmd = [
-            sys.executable, "-m", "streamrover.cli", "master", "--state-dir", str(self.state_dir),
-            "--port", str(self.port), "--token", self.token, "--lease-ttl", str(self.lease_ttl),
+            sys.executable,
+            "-m",
+            "streamrover.cli",
+            "master",
+            "--state-dir",
+            str(self.state_dir),
+            "--port",
+            str(self.port),
+            "--token",
+            self.token,
+            "--lease-ttl",
+            str(self.lease_ttl),
         ]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=python_env())

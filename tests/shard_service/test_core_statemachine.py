@@ -43,7 +43,7 @@ EPOCHS = 2
 class Held:
     worker: str
     grant: LeaseGrant
-    acked: int                                  # highest position this lease acked (starts at resume)
+    acked: int  # highest position this lease acked (starts at resume)
     acks: list[int] = field(default_factory=list)
 
 
@@ -55,7 +55,7 @@ class ShardServiceMachine(RuleBasedStateMachine):
         self.core = self._open()
         self.applied: dict[tuple[int, str, int], int] = {}
         self.held: list[Held] = []
-        self.old: list[Held] = []               # leases that may have gone stale
+        self.old: list[Held] = []  # leases that may have gone stale
         self.snapshots: dict[int, dict[tuple[int, str, int], int]] = {}
         self.committed_cuts: list[int] = []
         self.prepared: list[int] = []
@@ -180,7 +180,7 @@ class ShardServiceMachine(RuleBasedStateMachine):
         try:
             self.core.cut_commit(cut_id)
         except (FailedPreconditionError, NotFoundError):
-            assert self.committed_cuts and cut_id < max(self.committed_cuts) or cut_id not in self.core.cuts
+            assert (self.committed_cuts and cut_id < max(self.committed_cuts)) or cut_id not in self.core.cuts
             return
         self.committed_cuts.append(cut_id)
         assert self.core.committed == DataCursor.from_dict(self.core.cuts[cut_id].cursor.to_dict())
@@ -202,12 +202,18 @@ class ShardServiceMachine(RuleBasedStateMachine):
 
     @rule()
     def master_restarts(self) -> None:
-        before = (self.core.acked_cursor(), self.core.committed, sorted(
-            (s.id, s.state, s.attempt, s.acked_to) for s in self.core.shards.values()))
+        before = (
+            self.core.acked_cursor(),
+            self.core.committed,
+            sorted((s.id, s.state, s.attempt, s.acked_to) for s in self.core.shards.values()),
+        )
         self.core.journal.close()
         self.core = self._open()
-        after = (self.core.acked_cursor(), self.core.committed, sorted(
-            (s.id, s.state, s.attempt, s.acked_to) for s in self.core.shards.values()))
+        after = (
+            self.core.acked_cursor(),
+            self.core.committed,
+            sorted((s.id, s.state, s.attempt, s.acked_to) for s in self.core.shards.values()),
+        )
         assert before == after, "journal replay changed the state"
 
     # -- invariants -----------------------------------------------------------
@@ -252,7 +258,10 @@ class ShardServiceMachine(RuleBasedStateMachine):
 
 TestShardServiceMachine = ShardServiceMachine.TestCase
 TestShardServiceMachine.settings = settings(
-    max_examples=int(os.environ.get("SR_SM_EXAMPLES", "60")), stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=int(os.environ.get("SR_SM_EXAMPLES", "60")),
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 
 

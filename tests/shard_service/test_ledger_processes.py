@@ -30,8 +30,21 @@ ROWS = 1_000_000
 
 def _worker(master: MasterProcess, ledger: Path, name: str, batch_size: int) -> subprocess.Popen[bytes]:
     cmd = [
-        sys.executable, "-m", "streamrover.testing.ledger_worker", "--master", master.address, "--token", master.token,
-        "--dataset", "rows", "--ledger", str(ledger), "--batch-size", str(batch_size), "--name", name,
+        sys.executable,
+        "-m",
+        "streamrover.testing.ledger_worker",
+        "--master",
+        master.address,
+        "--token",
+        master.token,
+        "--dataset",
+        "rows",
+        "--ledger",
+        str(ledger),
+        "--batch-size",
+        str(batch_size),
+        "--name",
+        name,
     ]
     return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

@@ -117,16 +117,28 @@ def test_ack_fencing_statuses(client: ShardClient, dataset: str) -> None:
     assert status == pb.LEASE_STATUS_OK
     lease = shard.lease
     with pytest.raises(NotFoundError, match="unknown"):
-        client._call(client._stub.Ack, pb.AckRequest(worker_id=client.worker_id, shard_id="rows/0/0/1-2", attempt=1,
-                                                     position=2))
+        client._call(
+            client._stub.Ack, pb.AckRequest(worker_id=client.worker_id, shard_id="rows/0/0/1-2", attempt=1, position=2)
+        )
     with pytest.raises(InvalidArgumentError, match="outside the shard's range"):
         client.ack(lease, lease.end + 1)
     with pytest.raises(FailedPreconditionError, match="never issued"):
-        client._call(client._stub.Ack, pb.AckRequest(worker_id=client.worker_id, shard_id=lease.shard_id,
-                                                     attempt=lease.attempt + 100, position=lease.start + 1))
+        client._call(
+            client._stub.Ack,
+            pb.AckRequest(
+                worker_id=client.worker_id,
+                shard_id=lease.shard_id,
+                attempt=lease.attempt + 100,
+                position=lease.start + 1,
+            ),
+        )
     with pytest.raises(FailedPreconditionError, match="held by worker"):
-        client._call(client._stub.Ack, pb.AckRequest(worker_id="someone-else", shard_id=lease.shard_id,
-                                                     attempt=lease.attempt, position=lease.start + 1))
+        client._call(
+            client._stub.Ack,
+            pb.AckRequest(
+                worker_id="someone-else", shard_id=lease.shard_id, attempt=lease.attempt, position=lease.start + 1
+            ),
+        )
     first = client.ack(lease, lease.start + 10)
     assert not first.duplicate
     again = client.ack(lease, lease.start + 10)  # the same ack again: OK, no effect
@@ -138,8 +150,12 @@ def test_ack_fencing_statuses(client: ShardClient, dataset: str) -> None:
     _, (taken,) = other.lease(dataset)
     assert taken.shard_id == lease.shard_id and taken.lease.resume == lease.start + 10
     with pytest.raises(FailedPreconditionError) as err:
-        client._call(client._stub.Ack, pb.AckRequest(worker_id=client.worker_id, shard_id=lease.shard_id,
-                                                     attempt=lease.attempt, position=lease.start + 20))
+        client._call(
+            client._stub.Ack,
+            pb.AckRequest(
+                worker_id=client.worker_id, shard_id=lease.shard_id, attempt=lease.attempt, position=lease.start + 20
+            ),
+        )
     msg = str(err.value)
     assert lease.shard_id in msg and f"attempt {lease.attempt}" in msg and f"attempt {taken.lease.attempt}" in msg
     other.close()

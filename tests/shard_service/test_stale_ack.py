@@ -18,8 +18,20 @@ ROWS = 40_000
 
 def _worker(master: MasterProcess, ledger: Path, *extra: str) -> subprocess.Popen[bytes]:
     cmd = [
-        sys.executable, "-m", "streamrover.testing.ledger_worker", "--master", master.address, "--token", master.token,
-        "--dataset", "rows", "--ledger", str(ledger), "--batch-size", "1000", *extra,
+        sys.executable,
+        "-m",
+        "streamrover.testing.ledger_worker",
+        "--master",
+        master.address,
+        "--token",
+        master.token,
+        "--dataset",
+        "rows",
+        "--ledger",
+        str(ledger),
+        "--batch-size",
+        "1000",
+        *extra,
     ]
     return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

@@ -34,7 +34,13 @@ def test_parquet_row_groups_are_partitions(tmp_path: Path) -> None:
     assert isinstance(source, FileSource)
     parts = source.partitions()
     assert [p.id.rsplit("/", 1)[1] for p in parts] == [
-        "a.parquet#rg0", "a.parquet#rg1", "a.parquet#rg2", "a.parquet#rg3", "b.parquet#rg0", "b.parquet#rg1"]
+        "a.parquet#rg0",
+        "a.parquet#rg1",
+        "a.parquet#rg2",
+        "a.parquet#rg3",
+        "b.parquet#rg0",
+        "b.parquet#rg1",
+    ]
     assert [p.end for p in parts] == [30, 30, 30, 10, 30, 20]
     assert _ids(source) == list(range(150))
 
