@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -273,7 +274,25 @@ class RocketMQBroker:
             "localServeAddr": LOOPBACK,
             "remotingAccessAddr": LOOPBACK,
         }
+        proxy.update(self._proxy_tls())
         (self.workdir / "proxy.json").write_text(json.dumps(proxy, indent=2) + "\n")
+
+    def _proxy_tls(self) -> dict[str, object]:
+        """The proxy's gRPC port speaks TLS and plaintext on one port (clients here use plaintext).
+
+        In "test mode" it makes a self-signed certificate at every start, which takes ~8 s here; a key
+        pair made once with the openssl CLI (0.5 s) and handed over as files avoids that.
+        """
+        cert, key = self.workdir / "tls" / "proxy.crt", self.workdir / "tls" / "proxy.key"
+        if not (cert.exists() and key.exists()):
+            openssl = shutil.which("openssl")
+            if openssl is None:
+                return {"tlsTestModeEnable": True}
+            cert.parent.mkdir(exist_ok=True)
+            subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
+                            "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
+                           capture_output=True, check=True, timeout=60)
+        return {"tlsTestModeEnable": False, "tlsCertPath": str(cert), "tlsKeyPath": str(key)}
 
     def _wait(self, what: str, condition: Callable[[], bool], procs: list[ChildProcess]) -> None:
         try:
