@@ -19,17 +19,12 @@ Cut, commit and restore (ARCHITECTURE.md, "The exactly-once contract"):
 from __future__ import annotations
 
 import heapq
-import itertools
-import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from streamrover.cursor import DataCursor, PartitionKey
+from streamrover.cursor import PartitionKey
 from streamrover.shard_service import acks as ackrules
 from streamrover.shard_service.api import (
-    DEFAULT_LEASE_TTL,
     AckResult,
     AlreadyExistsError,
     DatasetSpec,
@@ -40,15 +35,11 @@ from streamrover.shard_service.api import (
     NotFoundError,
     PartitionPlan,
     ShardState,
-    shard_id_for,
 )
-from streamrover.shard_service.journal import Journal
-from streamrover.shard_service.planner import PlannedShard, grid_cells_covered, plan_epoch
-from streamrover.shard_service.records import CutRecord, CutState, DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.cuts import CutOps
+from streamrover.shard_service.planner import grid_cells_covered, plan_epoch
+from streamrover.shard_service.records import DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.sources.api import Partition, SourceKind
-
-KEEP_COMMITTED_CUTS = 8
-MAX_PREPARED_CUTS = 32
 
 
 @dataclass(frozen=True)
@@ -69,79 +60,8 @@ class DatasetCounts:
     finished: bool
 
 
-class ShardCore:
+class ShardCore(CutOps):
     """The service's state machine over a :class:`Journal`."""
-
-    def __init__(self, journal: Journal, lease_ttl: float = DEFAULT_LEASE_TTL, clock: Callable[[], float] = time.time):
-        self.journal = journal
-        self.lease_ttl = lease_ttl
-        self.clock = clock
-        self.datasets: dict[str, DatasetRecord] = {}
-        self.shards: dict[str, ShardRecord] = {}
-        self.by_dataset: dict[str, set[str]] = {}
-        self.queues: dict[str, list[tuple[float, str]]] = {}
-        self.leased: set[str] = set()
-        self.unfolded: set[str] = set()  # shards with acks not yet in the committed cursor
-        self.workers: dict[str, WorkerRecord] = {}
-        self.committed = DataCursor()
-        self.cuts: dict[int, CutRecord] = {}
-        self.restore_revoked: set[str] = set()
-        self.ack_log: deque[tuple[float, int]] = deque()
-        self.started = clock()
-        self._lease_seq = int(journal.get_meta("lease_seq") or 0)
-        self._cut_seq = int(journal.get_meta("cut_seq") or 0)
-        self._front = float(journal.get_meta("front_priority") or 0.0)
-        self._back = float(journal.get_meta("back_priority") or 0.0)
-        self.last_committed_cut = int(journal.get_meta("last_committed_cut") or 0)
-        self._load()
-
-    # ------------------------------------------------------------------ loading
-    def _load(self) -> None:
-        now = self.clock()
-        for ds in self.journal.load_datasets():
-            self.datasets[ds.name] = ds
-            self.by_dataset[ds.name] = set()
-            self.queues[ds.name] = []
-        for w in self.journal.load_workers():
-            w.last_seen = now
-            self.workers[w.id] = w
-        for s in self.journal.load_shards():
-            self._index(s)
-            if s.state is ShardState.LEASED:
-                s.deadline = now + self.lease_ttl
-                worker = self.workers.get(s.worker or "")
-                if worker is None:  # worker row gone with the lease still recorded: return the shard
-                    s.state, s.worker = ShardState.TODO, None
-                    self._push(s)
-                else:
-                    worker.leases.add(s.id)
-        self.committed = self.journal.load_cursor()
-        for cut in self.journal.load_cuts():
-            self.cuts[cut.id] = cut
-
-    def _index(self, s: ShardRecord) -> None:
-        self.shards[s.id] = s
-        self.by_dataset[s.dataset].add(s.id)
-        if s.state is ShardState.TODO:
-            heapq.heappush(self.queues[s.dataset], (s.priority, s.id))
-        elif s.state is ShardState.LEASED:
-            self.leased.add(s.id)
-        if s.acks:
-            self.unfolded.add(s.id)
-
-    def _push(self, s: ShardRecord, front: bool = False) -> None:
-        if front:
-            self._front -= 1
-            s.priority = self._front
-        heapq.heappush(self.queues[s.dataset], (s.priority, s.id))
-
-    def _save_counters(self) -> None:
-        j = self.journal
-        j.put_meta("lease_seq", str(self._lease_seq))
-        j.put_meta("cut_seq", str(self._cut_seq))
-        j.put_meta("front_priority", repr(self._front))
-        j.put_meta("back_priority", repr(self._back))
-        j.put_meta("last_committed_cut", str(self.last_committed_cut))
 
     # ----------------------------------------------------------------- datasets
     def register_dataset(
@@ -175,27 +95,12 @@ class ShardCore:
             self._save_counters()
         return ds, True
 
-    def dataset(self, name: str) -> DatasetRecord:
-        ds = self.datasets.get(name)
-        if ds is None:
-            known = ", ".join(sorted(self.datasets)) or "none"
-            raise NotFoundError(f"dataset {name!r} is not registered (registered: {known})")
-        return ds
-
     def _plan_next_epoch(self, ds: DatasetRecord) -> None:
         epoch = ds.epochs_planned
         ds.epochs_planned += 1
         spec = ds.spec
         self._add_planned(ds, plan_epoch(ds.partitions, epoch, ds.shard_size, spec.shuffle, spec.seed))
         self.journal.put_dataset(ds)
-
-    def _add_planned(self, ds: DatasetRecord, planned: Iterable[PlannedShard]) -> None:
-        for p in planned:
-            self._back += 1
-            sid = shard_id_for(ds.name, p.epoch, p.partition.index, p.start, p.end)
-            s = ShardRecord(sid, ds.name, p.epoch, p.partition.index, p.start, p.end, priority=self._back)
-            self._index(s)
-            self.journal.put_shard(s)
 
     # ------------------------------------------------------------------ workers
     def join(self, name: str, worker_id: str = "") -> WorkerRecord:
@@ -370,146 +275,6 @@ class ShardCore:
                 f"ack of shard {shard_id!r} attempt {attempt} refused: the shard was discarded by a restore"
             )
         raise NotFoundError(f"shard {shard_id!r} is unknown to this shard service")
-
-    # --------------------------------------------------------------------- cuts
-    def acked_cursor(self, step: int | None = None) -> DataCursor:
-        """The committed cursor plus every ack with ``step <= step`` (all acks when None)."""
-        cursor = self.committed.copy()
-        for sid in self.unfolded:
-            s = self.shards[sid]
-            pos = s.start
-            for ack_step, ack_pos in s.acks:
-                if step is not None and ack_step is not None and ack_step > step:
-                    break
-                pos = ack_pos
-            if pos > s.start:
-                cursor.add(self._key(s), s.start, pos)
-        return cursor
-
-    def _key(self, s: ShardRecord) -> PartitionKey:
-        return PartitionKey(s.dataset, s.epoch, self.datasets[s.dataset].partitions[s.pindex].id)
-
-    def cut_prepare(self, step: int | None = None) -> CutRecord:
-        cursor = self.acked_cursor(step)
-        self._cut_seq += 1
-        cut = CutRecord(self._cut_seq, step, cursor, CutState.PREPARED)
-        self.cuts[cut.id] = cut
-        with self.journal.transaction():
-            self.journal.put_cut(cut)
-            prepared = sorted(c.id for c in self.cuts.values() if c.state is CutState.PREPARED)
-            for old in prepared[:-MAX_PREPARED_CUTS]:
-                del self.cuts[old]
-                self.journal.delete_cut(old)
-            self._save_counters()
-        return cut
-
-    def cut_commit(self, cut_id: int) -> DataCursor:
-        cut = self.cuts.get(cut_id)
-        if cut is None:
-            if cut_id <= self.last_committed_cut:
-                raise FailedPreconditionError(
-                    f"cut {cut_id} is older than the committed cut {self.last_committed_cut} and was discarded"
-                )
-            raise NotFoundError(f"cut {cut_id} is unknown (prepared cuts are discarded by a restore)")
-        if cut.state is CutState.COMMITTED:
-            return self.committed.copy()
-        if cut_id < self.last_committed_cut:
-            raise FailedPreconditionError(f"cut {cut_id} is older than the committed cut {self.last_committed_cut}")
-        missing = ackrules.not_contained(self.committed, cut.cursor)
-        if missing:
-            raise FailedPreconditionError(
-                f"cut {cut_id} does not contain the committed cursor (e.g. {missing}); commit a newer cut"
-            )
-        with self.journal.transaction():
-            cut.state = CutState.COMMITTED
-            self.journal.put_cut(cut)
-            self.last_committed_cut = cut_id
-            self.committed = cut.cursor.copy()
-            self.journal.put_cursor(self.committed)
-            self._fold_committed()
-            self._forget_cuts(keep_after=cut_id)
-            self._save_counters()
-        return self.committed.copy()
-
-    def _fold_committed(self) -> None:
-        for sid in sorted(self.unfolded):
-            s = self.shards[sid]
-            covered = self.committed.get(self._key(s))
-            s.acks = [(st, pos) for st, pos in s.acks if not covered.covers(s.start, pos)]
-            if s.state is ShardState.ACKED and covered.covers(s.start, s.end):
-                del self.shards[sid]
-                self.by_dataset[s.dataset].discard(sid)
-                self.unfolded.discard(sid)
-                self.journal.delete_shard(sid)
-                continue
-            if not s.acks:
-                self.unfolded.discard(sid)
-            self.journal.put_shard(s)
-
-    def _forget_cuts(self, keep_after: int) -> None:
-        committed = sorted(c.id for c in self.cuts.values() if c.state is CutState.COMMITTED)
-        stale = [c.id for c in self.cuts.values() if c.state is CutState.PREPARED and c.id < keep_after]
-        for cid in stale + committed[:-KEEP_COMMITTED_CUTS]:
-            del self.cuts[cid]
-            self.journal.delete_cut(cid)
-
-    # ------------------------------------------------------------------ restore
-    def restore(self, cursor: DataCursor | None = None, cut_id: int | None = None) -> tuple[int, int]:
-        """Reset to ``cursor`` (or the cursor of cut ``cut_id``). Returns (leases revoked, records requeued)."""
-        if cursor is None:
-            cut = self.cuts.get(cut_id or 0)
-            if cut is None:
-                raise NotFoundError(f"cut {cut_id} is not remembered; restore from the checkpoint's cursor instead")
-            cursor = cut.cursor
-        ackrules.check_restorable(cursor, self.datasets)
-        revoked = 0
-        requeued = 0
-        with self.journal.transaction():
-            for sid in sorted(self.leased):
-                s = self.shards[sid]
-                w = self.workers.get(s.worker or "")
-                if w is not None:
-                    w.leases.discard(sid)
-                    w.revoked.add(sid)
-                revoked += 1
-            self.leased.clear()
-            for ds in self.datasets.values():
-                requeued += self._replan(ds, cursor.only(ds.name))
-            self.committed = cursor.copy()
-            self.journal.put_cursor(self.committed)
-            for cid in [c.id for c in self.cuts.values() if c.state is CutState.PREPARED]:
-                del self.cuts[cid]
-                self.journal.delete_cut(cid)
-            self._cut_seq += 1
-            restored = CutRecord(self._cut_seq, None, cursor.copy(), CutState.COMMITTED)
-            self.cuts[restored.id] = restored
-            self.journal.put_cut(restored)
-            self.last_committed_cut = restored.id
-            self._forget_cuts(keep_after=restored.id)
-            self._save_counters()
-        return revoked, requeued
-
-    def _replan(self, ds: DatasetRecord, cursor: DataCursor) -> int:
-        for sid in self.by_dataset[ds.name]:
-            self.restore_revoked.add(sid)
-            self.unfolded.discard(sid)
-            del self.shards[sid]
-        self.by_dataset[ds.name] = set()
-        self.queues[ds.name] = []
-        self.journal.delete_shards_of(ds.name)
-        done = {(k.epoch, k.partition): ivs for k, ivs in cursor.items()}
-        if ds.kind is SourceKind.BATCH:
-            ds.epochs_planned = max([k.epoch + 1 for k in cursor.keys()] + [1])
-        planned = list(
-            itertools.chain.from_iterable(
-                plan_epoch(ds.partitions, e, ds.shard_size, ds.spec.shuffle, ds.spec.seed, done)
-                for e in range(ds.epochs_planned)
-            )
-        )
-        self._add_planned(ds, planned)
-        self.journal.put_dataset(ds)
-        self.restore_revoked -= self.by_dataset[ds.name]
-        return sum(p.records for p in planned)
 
     # ------------------------------------------------------------------- status
     def counts(self, ds: DatasetRecord) -> DatasetCounts:

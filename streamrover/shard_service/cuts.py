@@ -1,0 +1,162 @@
+"""Cut, commit and restore: binding model states to data cursors (ARCHITECTURE.md, the exactly-once contract).
+
+- ``cut_prepare(step)``: the cursor of a model state = the committed cursor plus
+  every ack with ``step <= step`` (all acks when ``step`` is None).
+- ``cut_commit(cut_id)``: the checkpoint holding that cursor is durable; it
+  becomes the committed cursor, and shards inside it are compacted away.
+- ``restore(cursor)``: everything outside the cursor is to be read again: leases
+  are revoked and the uncovered ranges are re-planned as fresh shards.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from streamrover.cursor import DataCursor
+from streamrover.shard_service import acks as ackrules
+from streamrover.shard_service.api import FailedPreconditionError, NotFoundError, ShardState
+from streamrover.shard_service.planner import plan_epoch
+from streamrover.shard_service.records import CutRecord, CutState, DatasetRecord
+from streamrover.shard_service.state import CoreState
+from streamrover.sources.api import SourceKind
+
+KEEP_COMMITTED_CUTS = 8
+MAX_PREPARED_CUTS = 32
+
+
+class CutOps(CoreState):
+    def acked_cursor(self, step: int | None = None) -> DataCursor:
+        """The committed cursor plus every ack with ``step <= step`` (all acks when None)."""
+        cursor = self.committed.copy()
+        for sid in self.unfolded:
+            s = self.shards[sid]
+            pos = s.start
+            for ack_step, ack_pos in s.acks:
+                if step is not None and ack_step is not None and ack_step > step:
+                    break
+                pos = ack_pos
+            if pos > s.start:
+                cursor.add(self._key(s), s.start, pos)
+        return cursor
+
+    def cut_prepare(self, step: int | None = None) -> CutRecord:
+        cursor = self.acked_cursor(step)
+        self._cut_seq += 1
+        cut = CutRecord(self._cut_seq, step, cursor, CutState.PREPARED)
+        self.cuts[cut.id] = cut
+        with self.journal.transaction():
+            self.journal.put_cut(cut)
+            prepared = sorted(c.id for c in self.cuts.values() if c.state is CutState.PREPARED)
+            for old in prepared[:-MAX_PREPARED_CUTS]:
+                del self.cuts[old]
+                self.journal.delete_cut(old)
+            self._save_counters()
+        return cut
+
+    def cut_commit(self, cut_id: int) -> DataCursor:
+        cut = self.cuts.get(cut_id)
+        if cut is None:
+            if cut_id <= self.last_committed_cut:
+                raise FailedPreconditionError(
+                    f"cut {cut_id} is older than the committed cut {self.last_committed_cut} and was discarded"
+                )
+            raise NotFoundError(f"cut {cut_id} is unknown (prepared cuts are discarded by a restore)")
+        if cut.state is CutState.COMMITTED:
+            return self.committed.copy()
+        if cut_id < self.last_committed_cut:
+            raise FailedPreconditionError(f"cut {cut_id} is older than the committed cut {self.last_committed_cut}")
+        missing = ackrules.not_contained(self.committed, cut.cursor)
+        if missing:
+            raise FailedPreconditionError(
+                f"cut {cut_id} does not contain the committed cursor (e.g. {missing}); commit a newer cut"
+            )
+        with self.journal.transaction():
+            cut.state = CutState.COMMITTED
+            self.journal.put_cut(cut)
+            self.last_committed_cut = cut_id
+            self.committed = cut.cursor.copy()
+            self.journal.put_cursor(self.committed)
+            self._fold_committed()
+            self._forget_cuts(keep_after=cut_id)
+            self._save_counters()
+        return self.committed.copy()
+
+    def _fold_committed(self) -> None:
+        for sid in sorted(self.unfolded):
+            s = self.shards[sid]
+            covered = self.committed.get(self._key(s))
+            s.acks = [(st, pos) for st, pos in s.acks if not covered.covers(s.start, pos)]
+            if s.state is ShardState.ACKED and covered.covers(s.start, s.end):
+                del self.shards[sid]
+                self.by_dataset[s.dataset].discard(sid)
+                self.unfolded.discard(sid)
+                self.journal.delete_shard(sid)
+                continue
+            if not s.acks:
+                self.unfolded.discard(sid)
+            self.journal.put_shard(s)
+
+    def _forget_cuts(self, keep_after: int) -> None:
+        committed = sorted(c.id for c in self.cuts.values() if c.state is CutState.COMMITTED)
+        stale = [c.id for c in self.cuts.values() if c.state is CutState.PREPARED and c.id < keep_after]
+        for cid in stale + committed[:-KEEP_COMMITTED_CUTS]:
+            del self.cuts[cid]
+            self.journal.delete_cut(cid)
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, cursor: DataCursor | None = None, cut_id: int | None = None) -> tuple[int, int]:
+        """Reset to ``cursor`` (or the cursor of cut ``cut_id``). Returns (leases revoked, records requeued)."""
+        if cursor is None:
+            cut = self.cuts.get(cut_id or 0)
+            if cut is None:
+                raise NotFoundError(f"cut {cut_id} is not remembered; restore from the checkpoint's cursor instead")
+            cursor = cut.cursor
+        ackrules.check_restorable(cursor, self.datasets)
+        revoked = 0
+        requeued = 0
+        with self.journal.transaction():
+            for sid in sorted(self.leased):
+                s = self.shards[sid]
+                w = self.workers.get(s.worker or "")
+                if w is not None:
+                    w.leases.discard(sid)
+                    w.revoked.add(sid)
+                revoked += 1
+            self.leased.clear()
+            for ds in self.datasets.values():
+                requeued += self._replan(ds, cursor.only(ds.name))
+            self.committed = cursor.copy()
+            self.journal.put_cursor(self.committed)
+            for cid in [c.id for c in self.cuts.values() if c.state is CutState.PREPARED]:
+                del self.cuts[cid]
+                self.journal.delete_cut(cid)
+            self._cut_seq += 1
+            restored = CutRecord(self._cut_seq, None, cursor.copy(), CutState.COMMITTED)
+            self.cuts[restored.id] = restored
+            self.journal.put_cut(restored)
+            self.last_committed_cut = restored.id
+            self._forget_cuts(keep_after=restored.id)
+            self._save_counters()
+        return revoked, requeued
+
+    def _replan(self, ds: DatasetRecord, cursor: DataCursor) -> int:
+        for sid in self.by_dataset[ds.name]:
+            self.restore_revoked.add(sid)
+            self.unfolded.discard(sid)
+            del self.shards[sid]
+        self.by_dataset[ds.name] = set()
+        self.queues[ds.name] = []
+        self.journal.delete_shards_of(ds.name)
+        done = {(k.epoch, k.partition): ivs for k, ivs in cursor.items()}
+        if ds.kind is SourceKind.BATCH:
+            ds.epochs_planned = max([k.epoch + 1 for k in cursor.keys()] + [1])
+        planned = list(
+            itertools.chain.from_iterable(
+                plan_epoch(ds.partitions, e, ds.shard_size, ds.spec.shuffle, ds.spec.seed, done)
+                for e in range(ds.epochs_planned)
+            )
+        )
+        self._add_planned(ds, planned)
+        self.journal.put_dataset(ds)
+        self.restore_revoked -= self.by_dataset[ds.name]
+        return sum(p.records for p in planned)

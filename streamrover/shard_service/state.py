@@ -1,0 +1,107 @@
+"""The in-memory state of the shard service core, loaded from and written through to the journal."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from streamrover.cursor import DataCursor, PartitionKey
+from streamrover.shard_service.api import DEFAULT_LEASE_TTL, NotFoundError, ShardState, shard_id_for
+from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.planner import PlannedShard
+from streamrover.shard_service.records import CutRecord, DatasetRecord, ShardRecord, WorkerRecord
+
+
+class CoreState:
+    """Indexes over the records (by dataset, queue order, leased, unfolded acks) and the journal counters."""
+
+    def __init__(self, journal: Journal, lease_ttl: float = DEFAULT_LEASE_TTL, clock: Callable[[], float] = time.time):
+        self.journal = journal
+        self.lease_ttl = lease_ttl
+        self.clock = clock
+        self.datasets: dict[str, DatasetRecord] = {}
+        self.shards: dict[str, ShardRecord] = {}
+        self.by_dataset: dict[str, set[str]] = {}
+        self.queues: dict[str, list[tuple[float, str]]] = {}
+        self.leased: set[str] = set()
+        self.unfolded: set[str] = set()  # shards with acks not yet in the committed cursor
+        self.workers: dict[str, WorkerRecord] = {}
+        self.committed = DataCursor()
+        self.cuts: dict[int, CutRecord] = {}
+        self.restore_revoked: set[str] = set()
+        self.ack_log: deque[tuple[float, int]] = deque()
+        self.started = clock()
+        self._lease_seq = int(journal.get_meta("lease_seq") or 0)
+        self._cut_seq = int(journal.get_meta("cut_seq") or 0)
+        self._front = float(journal.get_meta("front_priority") or 0.0)
+        self._back = float(journal.get_meta("back_priority") or 0.0)
+        self.last_committed_cut = int(journal.get_meta("last_committed_cut") or 0)
+        self._load()
+
+    # ------------------------------------------------------------------ loading
+    def _load(self) -> None:
+        now = self.clock()
+        for ds in self.journal.load_datasets():
+            self.datasets[ds.name] = ds
+            self.by_dataset[ds.name] = set()
+            self.queues[ds.name] = []
+        for w in self.journal.load_workers():
+            w.last_seen = now
+            self.workers[w.id] = w
+        for s in self.journal.load_shards():
+            self._index(s)
+            if s.state is ShardState.LEASED:
+                s.deadline = now + self.lease_ttl
+                worker = self.workers.get(s.worker or "")
+                if worker is None:  # worker row gone with the lease still recorded: return the shard
+                    s.state, s.worker = ShardState.TODO, None
+                    self._push(s)
+                else:
+                    worker.leases.add(s.id)
+        self.committed = self.journal.load_cursor()
+        for cut in self.journal.load_cuts():
+            self.cuts[cut.id] = cut
+
+    def _index(self, s: ShardRecord) -> None:
+        self.shards[s.id] = s
+        self.by_dataset[s.dataset].add(s.id)
+        if s.state is ShardState.TODO:
+            heapq.heappush(self.queues[s.dataset], (s.priority, s.id))
+        elif s.state is ShardState.LEASED:
+            self.leased.add(s.id)
+        if s.acks:
+            self.unfolded.add(s.id)
+
+    def _push(self, s: ShardRecord, front: bool = False) -> None:
+        if front:
+            self._front -= 1
+            s.priority = self._front
+        heapq.heappush(self.queues[s.dataset], (s.priority, s.id))
+
+    def _save_counters(self) -> None:
+        j = self.journal
+        j.put_meta("lease_seq", str(self._lease_seq))
+        j.put_meta("cut_seq", str(self._cut_seq))
+        j.put_meta("front_priority", repr(self._front))
+        j.put_meta("back_priority", repr(self._back))
+        j.put_meta("last_committed_cut", str(self.last_committed_cut))
+
+    def dataset(self, name: str) -> DatasetRecord:
+        ds = self.datasets.get(name)
+        if ds is None:
+            known = ", ".join(sorted(self.datasets)) or "none"
+            raise NotFoundError(f"dataset {name!r} is not registered (registered: {known})")
+        return ds
+
+    def _add_planned(self, ds: DatasetRecord, planned: Iterable[PlannedShard]) -> None:
+        for p in planned:
+            self._back += 1
+            sid = shard_id_for(ds.name, p.epoch, p.partition.index, p.start, p.end)
+            s = ShardRecord(sid, ds.name, p.epoch, p.partition.index, p.start, p.end, priority=self._back)
+            self._index(s)
+            self.journal.put_shard(s)
+
+    def _key(self, s: ShardRecord) -> PartitionKey:
+        return PartitionKey(s.dataset, s.epoch, self.datasets[s.dataset].partitions[s.pindex].id)
