@@ -50,8 +50,14 @@ logger.request.level = warn
 
 
 def _random_cluster_id() -> str:
-    """Kafka's cluster id format: a UUID as unpadded URL-safe base64 (what `kafka-storage random-uuid` prints)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """Kafka's cluster id format: a UUID as unpadded URL-safe base64 (what `kafka-storage random-uuid` prints).
+
+    Like Kafka's ``Uuid.randomUuid`` it never starts with '-', which the storage tool would read as a flag.
+    """
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
 
 
 class KafkaBroker:
@@ -195,7 +201,7 @@ class KafkaBroker:
         if (self.data_dir / "meta.properties").exists():
             self._formatted = True
             return
-        argv = [*self._java_base(), "kafka.tools.StorageTool", "format", "-t", self.cluster_id,
+        argv = [*self._java_base(), "kafka.tools.StorageTool", "format", f"--cluster-id={self.cluster_id}",
                 "-c", str(self.workdir / "server.properties")]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
