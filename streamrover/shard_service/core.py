@@ -39,6 +39,7 @@ from streamrover.shard_service.api import (
 from streamrover.shard_service.cuts import CutOps
 from streamrover.shard_service.planner import grid_cells_covered, plan_epoch
 from streamrover.shard_service.records import DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.streams import StreamOps
 from streamrover.sources.api import Partition, SourceKind
 
 
@@ -60,7 +61,7 @@ class DatasetCounts:
     finished: bool
 
 
-class ShardCore(CutOps):
+class ShardCore(CutOps, StreamOps):
     """The service's state machine over a :class:`Journal`."""
 
     # ----------------------------------------------------------------- datasets
@@ -80,7 +81,10 @@ class ShardCore(CutOps):
             raise InvalidArgumentError(
                 f"dataset {spec.name!r} is a stream: epochs and shuffle apply to batch data only"
             )
-        plans = [PartitionPlan(i, p.id, p.start, p.end) for i, p in enumerate(partitions)]
+        if kind is SourceKind.BATCH:
+            plans = [PartitionPlan(i, p.id, p.start, p.end) for i, p in enumerate(partitions)]
+        else:  # a stream's planned extent starts empty; the first poll plans what is there
+            plans = [PartitionPlan(i, p.id, p.start, p.start) for i, p in enumerate(partitions)]
         ds = DatasetRecord(spec, kind, plans, schema_json, epochs_planned=0)
         self.datasets[ds.name] = ds
         self.by_dataset[ds.name] = set()
@@ -90,9 +94,10 @@ class ShardCore(CutOps):
                 self._plan_next_epoch(ds)
             else:
                 ds.epochs_planned = 1
-                self._add_planned(ds, plan_epoch(plans, 0, ds.shard_size, False, 0))
             self.journal.put_dataset(ds)
             self._save_counters()
+        if kind is SourceKind.STREAM:
+            self.extend_stream(ds.name, partitions)
         return ds, True
 
     def _plan_next_epoch(self, ds: DatasetRecord) -> None:
@@ -188,6 +193,7 @@ class ShardCore(CutOps):
         self.expire()
         w = self.worker(worker_id)
         ds = self.dataset(dataset)
+        self.check_usable(ds)
         now = self.clock()
         w.last_seen = now
         if request_id and request_id == w.last_request_id:  # a retry of a call whose answer was lost
@@ -241,7 +247,9 @@ class ShardCore(CutOps):
         return LeaseGrant(s.id, s.attempt, ds.name, s.epoch, part, s.start, s.end, s.acked_to, s.deadline)
 
     # --------------------------------------------------------------------- acks
-    def ack(self, worker_id: str, shard_id: str, attempt: int, position: int, step: int | None = None) -> AckResult:
+    def ack(
+        self, worker_id: str, shard_id: str, attempt: int, position: int, step: int | None = None, dead_letters: int = 0
+    ) -> AckResult:
         self.expire()
         s = self.shards.get(shard_id)
         if s is None:
@@ -264,6 +272,10 @@ class ShardCore(CutOps):
             w.leases.discard(s.id)
         with self.journal.transaction():
             self.journal.put_shard(s)
+            if dead_letters:
+                ds = self.datasets[s.dataset]
+                ds.dead_letters += dead_letters
+                self.journal.put_dataset(ds)
         return AckResult(shard_done=done, duplicate=False)
 
     def _ack_unknown(self, shard_id: str, attempt: int) -> AckResult:

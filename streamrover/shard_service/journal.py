@@ -33,7 +33,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS datasets (
     name TEXT PRIMARY KEY, spec TEXT NOT NULL, kind TEXT NOT NULL, partitions TEXT NOT NULL,
-    schema TEXT NOT NULL, epochs_planned INTEGER NOT NULL);
+    schema TEXT NOT NULL, epochs_planned INTEGER NOT NULL, dead_letters INTEGER NOT NULL, failed TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS shards (
     id TEXT PRIMARY KEY, dataset TEXT NOT NULL, epoch INTEGER NOT NULL, pindex INTEGER NOT NULL,
     start INTEGER NOT NULL, "end" INTEGER NOT NULL, state TEXT NOT NULL, attempt INTEGER NOT NULL,
@@ -109,15 +109,27 @@ class Journal:
     def put_dataset(self, ds: DatasetRecord) -> None:
         parts = json.dumps([[p.index, p.id, p.start, p.end] for p in ds.partitions])
         self._db.execute(
-            "INSERT OR REPLACE INTO datasets VALUES (?, ?, ?, ?, ?, ?)",
-            (ds.name, ds.spec.to_json(), ds.kind.value, parts, ds.schema_json, ds.epochs_planned),
+            "INSERT OR REPLACE INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                ds.name,
+                ds.spec.to_json(),
+                ds.kind.value,
+                parts,
+                ds.schema_json,
+                ds.epochs_planned,
+                ds.dead_letters,
+                ds.failed,
+            ),
         )
 
     def load_datasets(self) -> list[DatasetRecord]:
         out = []
-        for _name, spec, kind, parts, schema, epochs in self._db.execute("SELECT * FROM datasets ORDER BY name"):
+        rows = self._db.execute("SELECT * FROM datasets ORDER BY name")
+        for _name, spec, kind, parts, schema, epochs, dead, failed in rows:
             partitions = [PartitionPlan(int(i), str(pid), int(s), int(e)) for i, pid, s, e in json.loads(parts)]
-            out.append(DatasetRecord(DatasetSpec.from_json(spec), SourceKind(kind), partitions, schema, int(epochs)))
+            record = DatasetRecord(DatasetSpec.from_json(spec), SourceKind(kind), partitions, schema, int(epochs))
+            record.dead_letters, record.failed = int(dead), str(failed)
+            out.append(record)
         return out
 
     # -- shards --------------------------------------------------------------

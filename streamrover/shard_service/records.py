@@ -40,6 +40,8 @@ class DatasetRecord:
     partitions: list[PartitionPlan]
     schema_json: str
     epochs_planned: int = 0
+    dead_letters: int = 0
+    failed: str = ""  # why the dataset cannot go on ("" while it can)
 
     @property
     def name(self) -> str:

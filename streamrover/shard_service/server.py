@@ -24,11 +24,13 @@ from streamrover.shard_service.api import (
 )
 from streamrover.shard_service.core import ShardCore
 from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import (
     SourceError,
+    SourceKind,
     SourceNotFoundError,
     open_source,
     validate_dataset_name,
@@ -66,12 +68,28 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self._closed = False
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
         self._reaper.start()
+        self.pollers: dict[str, StreamPoller] = {}
+        for name, ds in sorted(core.datasets.items()):
+            if ds.kind is SourceKind.STREAM and not ds.failed:
+                self._start_poller(name)
+
+    def _start_poller(self, name: str) -> None:
+        poller = StreamPoller(self, name)
+        self.pollers[name] = poller
+        poller.start()
+
+    def _commit_upstream(self) -> None:
+        """Hand the committed positions of stream datasets to their pollers (called with the lock held)."""
+        for name, poller in self.pollers.items():
+            poller.commit_later(self.core.committed_positions(self.core.datasets[name]))
 
     def close(self) -> None:
         with self.cond:
             self._closed = True
             self.cond.notify_all()
         self._reaper.join(timeout=5)
+        for poller in self.pollers.values():
+            poller.stop()
 
     def _reap(self) -> None:
         """Expire leases and dead workers at their deadlines, and wake waiting lease calls."""
@@ -87,10 +105,21 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     def _info(self, ds: DatasetRecord) -> pb.DatasetInfo:
         counts = self.core.counts(ds)
         kind = pb.DATASET_KIND_BATCH if ds.kind.value == "batch" else pb.DATASET_KIND_STREAM
+        partitions = [convert.partition_to_pb(p) for p in ds.partitions]
+        lag = 0
+        if ds.kind is SourceKind.STREAM:
+            for msg, (avail, committed_end, part_lag) in zip(partitions, self.core.lag(ds)):
+                msg.available_end, msg.committed_end, msg.lag = avail, committed_end, part_lag
+                lag += part_lag
+        error = ds.failed or self.core.source_errors.get(ds.name, ("", 0.0))[0]
         return pb.DatasetInfo(
             spec=convert.spec_to_pb(ds.spec),
             kind=kind,
-            partitions=[convert.partition_to_pb(p) for p in ds.partitions],
+            partitions=partitions,
+            lag=lag,
+            error=error,
+            failed=bool(ds.failed),
+            dead_letters=ds.dead_letters,
             total_records=sum(p.end - p.start for p in ds.partitions),
             epochs_planned=ds.epochs_planned,
             shards=pb.ShardCounts(
@@ -120,6 +149,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             source.close()
         with self.cond:
             ds, created = self.core.register_dataset(spec, source.kind, partitions, schema_json)
+            if created and ds.kind is SourceKind.STREAM:
+                self._start_poller(ds.name)
             self.cond.notify_all()
             return pb.RegisterDatasetResponse(dataset=self._info(ds), created=created)
 
@@ -183,7 +214,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
         step = request.step if request.has_step else None
         with self.cond:
-            result = self.core.ack(request.worker_id, request.shard_id, request.attempt, request.position, step)
+            result = self.core.ack(
+                request.worker_id, request.shard_id, request.attempt, request.position, step, request.dead_letters
+            )
             return pb.AckResponse(shard_done=result.shard_done, duplicate=result.duplicate)
 
     # ------------------------------------------------------------------- cursor
@@ -197,6 +230,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     def CutCommit(self, request: pb.CutCommitRequest, context: Any) -> pb.CutCommitResponse:
         with self.cond:
             committed = self.core.cut_commit(request.cut_id)
+            self._commit_upstream()
             return pb.CutCommitResponse(committed=convert.cursor_to_pb(committed))
 
     @_rpc
@@ -217,6 +251,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 revoked, requeued = self.core.restore(cursor=convert.cursor_from_pb(request.cursor))
             else:
                 revoked, requeued = self.core.restore(cut_id=request.cut_id)
+            self._commit_upstream()
             self.cond.notify_all()
             return pb.RestoreResponse(leases_revoked=revoked, records_requeued=requeued)
 

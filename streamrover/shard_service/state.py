@@ -32,6 +32,9 @@ class CoreState:
         self.cuts: dict[int, CutRecord] = {}
         self.restore_revoked: set[str] = set()
         self.ack_log: deque[tuple[float, int]] = deque()
+        self.available: dict[tuple[str, int], int] = {}  # streams: (dataset, partition index) -> end at last poll
+        self.pending_since: dict[tuple[str, int], float] = {}  # streams: since when unplanned records wait
+        self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)
         self.started = clock()
         self._lease_seq = int(journal.get_meta("lease_seq") or 0)
         self._cut_seq = int(journal.get_meta("cut_seq") or 0)

@@ -39,6 +39,14 @@ class SourceSchemaError(SourceError):
     """The partitions of one dataset do not share one schema."""
 
 
+class SourceGoneError(SourceError):
+    """What the dataset reads was deleted (a topic, a bucket): the dataset cannot go on."""
+
+
+class SourceUnavailableError(SourceError):
+    """The source cannot be reached now (broker down or restarting): retry with backoff."""
+
+
 class SourceKind(enum.Enum):
     BATCH = "batch"  # bounded: partitions and their ends are fixed when the dataset is registered
     STREAM = "stream"  # unbounded: end positions keep moving, partitions may be added
@@ -102,6 +110,23 @@ class Source(ABC):
         records (this is what makes a shard replayable).
         """
 
+    def poll(self) -> list[Partition]:
+        """The partitions now, with their current end positions (new partitions included).
+
+        Called by the master's planner for stream sources. A partition's ``start``
+        is used only when it first appears (for partitions added while the job
+        runs: their first position). Raises :class:`SourceUnavailableError` when
+        the source cannot be reached and :class:`SourceGoneError` when it was deleted.
+        """
+        return self.partitions()
+
+    def commit(self, positions: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
+        """Record, in the source system, that each partition is consumed up to a position (exclusive).
+
+        Called after a checkpoint's cut is committed, for lag monitoring and
+        retention; never the source of truth (that is the checkpoint's cursor).
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and caches."""
 
@@ -124,9 +149,9 @@ def register_source(factory: SourceFactory, *, schemes: tuple[str, ...] = (), fo
 
 def open_source(uri: str, format: str = "", options: Mapping[str, str] | None = None) -> Source:
     """Open the source a dataset names. Raises :class:`SourceError` with the reason when it cannot."""
-    _load_builtin_backends()
     opts = dict(options or {})
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    _load_builtin_backends(scheme)
     factory = _SCHEMES.get(scheme)
     if factory is None:
         factory = _FORMATS.get(format) if format else _FORMATS.get("files")
@@ -141,7 +166,22 @@ def validate_dataset_name(name: str) -> None:
         raise SourceError(f"dataset name {name!r} must be 1-128 characters of letters, digits, '_', '.', '-'")
 
 
-def _load_builtin_backends() -> None:
-    if "files" in _FORMATS:
-        return
-    from streamrover.sources import files  # noqa: F401  (registers itself)
+_BUILTIN_SCHEMES = {
+    "kafka": "streamrover.sources.kafka",
+    "pulsar": "streamrover.sources.pulsar",
+    "rocketmq": "streamrover.sources.rocketmq",
+}
+
+
+def _load_builtin_backends(scheme: str = "") -> None:
+    """Import the backend for ``scheme`` (and the file source) on first use; broker clients stay unimported."""
+    import importlib
+
+    module = _BUILTIN_SCHEMES.get(scheme)
+    if module is not None and scheme not in _SCHEMES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise SourceError(f"{scheme}:// needs the {scheme!r} extra: pip install 'streamrover[{scheme}]' ({exc})") from exc
+    if "files" not in _FORMATS:
+        from streamrover.sources import files  # noqa: F401  (registers itself)

@@ -146,6 +146,9 @@ class PartitionInfo(google.protobuf.message.Message):
     ID_FIELD_NUMBER: builtins.int
     START_FIELD_NUMBER: builtins.int
     END_FIELD_NUMBER: builtins.int
+    AVAILABLE_END_FIELD_NUMBER: builtins.int
+    COMMITTED_END_FIELD_NUMBER: builtins.int
+    LAG_FIELD_NUMBER: builtins.int
     index: builtins.int
     """position in the dataset's partition list (stable)"""
     id: builtins.str
@@ -154,6 +157,12 @@ class PartitionInfo(google.protobuf.message.Message):
     """first position"""
     end: builtins.int
     """end position (exclusive); for streams: the last planned end"""
+    available_end: builtins.int
+    """streams: the source's end position at the last poll"""
+    committed_end: builtins.int
+    """the end of the committed cursor's run from start"""
+    lag: builtins.int
+    """streams: available_end - committed_end"""
     def __init__(
         self,
         *,
@@ -161,8 +170,11 @@ class PartitionInfo(google.protobuf.message.Message):
         id: builtins.str = ...,
         start: builtins.int = ...,
         end: builtins.int = ...,
+        available_end: builtins.int = ...,
+        committed_end: builtins.int = ...,
+        lag: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["end", b"end", "id", b"id", "index", b"index", "start", b"start"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["available_end", b"available_end", "committed_end", b"committed_end", "end", b"end", "id", b"id", "index", b"index", "lag", b"lag", "start", b"start"]) -> None: ...
 
 global___PartitionInfo = PartitionInfo
 
@@ -206,6 +218,10 @@ class DatasetInfo(google.protobuf.message.Message):
     SCHEMA_JSON_FIELD_NUMBER: builtins.int
     RECORDS_ACKED_FIELD_NUMBER: builtins.int
     RECORDS_COMMITTED_FIELD_NUMBER: builtins.int
+    LAG_FIELD_NUMBER: builtins.int
+    ERROR_FIELD_NUMBER: builtins.int
+    FAILED_FIELD_NUMBER: builtins.int
+    DEAD_LETTERS_FIELD_NUMBER: builtins.int
     kind: global___DatasetKind.ValueType
     total_records: builtins.int
     """batch: records per epoch; stream: records planned so far"""
@@ -217,6 +233,14 @@ class DatasetInfo(google.protobuf.message.Message):
     records_acked: builtins.int
     """acked or committed, all epochs"""
     records_committed: builtins.int
+    lag: builtins.int
+    """streams: records available in the source and not yet committed"""
+    error: builtins.str
+    """the source's last error ("" when healthy)"""
+    failed: builtins.bool
+    """the dataset cannot go on (see error); leases are refused"""
+    dead_letters: builtins.int
+    """records that failed to decode, sent to the dead-letter dataset"""
     @property
     def spec(self) -> global___DatasetSpec: ...
     @property
@@ -236,9 +260,13 @@ class DatasetInfo(google.protobuf.message.Message):
         schema_json: builtins.str = ...,
         records_acked: builtins.int = ...,
         records_committed: builtins.int = ...,
+        lag: builtins.int = ...,
+        error: builtins.str = ...,
+        failed: builtins.bool = ...,
+        dead_letters: builtins.int = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["shards", b"shards", "spec", b"spec"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["epochs_planned", b"epochs_planned", "finished", b"finished", "kind", b"kind", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "total_records", b"total_records"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "total_records", b"total_records"]) -> None: ...
 
 global___DatasetInfo = DatasetInfo
 
@@ -566,6 +594,7 @@ class AckRequest(google.protobuf.message.Message):
     POSITION_FIELD_NUMBER: builtins.int
     HAS_STEP_FIELD_NUMBER: builtins.int
     STEP_FIELD_NUMBER: builtins.int
+    DEAD_LETTERS_FIELD_NUMBER: builtins.int
     worker_id: builtins.str
     shard_id: builtins.str
     attempt: builtins.int
@@ -574,6 +603,8 @@ class AckRequest(google.protobuf.message.Message):
     has_step: builtins.bool
     step: builtins.int
     """the optimizer step after which they are applied"""
+    dead_letters: builtins.int
+    """records in this ack's range that failed to decode (sent to the dead-letter dataset)"""
     def __init__(
         self,
         *,
@@ -583,8 +614,9 @@ class AckRequest(google.protobuf.message.Message):
         position: builtins.int = ...,
         has_step: builtins.bool = ...,
         step: builtins.int = ...,
+        dead_letters: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["attempt", b"attempt", "has_step", b"has_step", "position", b"position", "shard_id", b"shard_id", "step", b"step", "worker_id", b"worker_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["attempt", b"attempt", "dead_letters", b"dead_letters", "has_step", b"has_step", "position", b"position", "shard_id", b"shard_id", "step", b"step", "worker_id", b"worker_id"]) -> None: ...
 
 global___AckRequest = AckRequest
 

@@ -1,0 +1,104 @@
+"""Planning shards of stream datasets from polled end positions.
+
+A stream partition's shards are cut as records arrive: a full shard once
+``records_per_shard`` positions are available past the planned end, and a
+partial one once records have waited ``sr.max_delay_ms`` (so a slow stream is
+still trained promptly). No more shards are planned while ``sr.max_pending_shards``
+wait unleased (backpressure). Partitions that appear while the job runs are
+added with the position they start at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from streamrover.cursor import PartitionKey
+from streamrover.shard_service.api import FailedPreconditionError, PartitionPlan, ShardState
+from streamrover.shard_service.planner import PlannedShard
+from streamrover.shard_service.records import DatasetRecord
+from streamrover.shard_service.state import CoreState
+from streamrover.sources.api import Partition, SourceKind
+
+DEFAULT_MAX_DELAY_MS = 500
+DEFAULT_MAX_PENDING_SHARDS = 64
+
+
+def stream_option(ds: DatasetRecord, key: str, default: int) -> int:
+    value = ds.spec.options.get(key)
+    return default if value is None else int(value)
+
+
+class StreamOps(CoreState):
+    def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
+        """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
+        ds = self.dataset(name)
+        if ds.kind is not SourceKind.STREAM or ds.failed:
+            return 0
+        now = self.clock()
+        size = ds.shard_size
+        max_delay = stream_option(ds, "sr.max_delay_ms", DEFAULT_MAX_DELAY_MS) / 1000.0
+        max_pending = stream_option(ds, "sr.max_pending_shards", DEFAULT_MAX_PENDING_SHARDS)
+        known = ds.partition_by_id()
+        changed = False
+        for p in polled:
+            if p.id not in known:
+                plan = PartitionPlan(len(ds.partitions), p.id, p.start, p.start)
+                ds.partitions.append(plan)
+                known[p.id] = plan
+                changed = True
+            self.available[(name, known[p.id].index)] = p.end
+        pending = sum(1 for sid in self.by_dataset[name] if self.shards[sid].state is ShardState.TODO)
+        planned: list[PlannedShard] = []
+        for plan in list(ds.partitions):
+            avail = self.available.get((name, plan.index), plan.end)
+            end = plan.end
+            while pending < max_pending and avail - end >= size:
+                planned.append(PlannedShard(0, plan, end, end + size))
+                end += size
+                pending += 1
+            key = (name, plan.index)
+            if avail > end:
+                since = self.pending_since.setdefault(key, now)
+                if pending < max_pending and (force or now - since >= max_delay):
+                    planned.append(PlannedShard(0, plan, end, avail))
+                    end = avail
+                    pending += 1
+                    self.pending_since.pop(key, None)
+            else:
+                self.pending_since.pop(key, None)
+            if end != plan.end:
+                ds.partitions[plan.index] = replace(plan, end=end)
+                changed = True
+        if planned or changed:
+            with self.journal.transaction():
+                self._add_planned(ds, [replace(p, partition=ds.partitions[p.partition.index]) for p in planned])
+                self.journal.put_dataset(ds)
+                self._save_counters()
+        return len(planned)
+
+    def fail_dataset(self, name: str, reason: str) -> None:
+        """The dataset cannot go on (its topic was deleted...): refuse leases with ``reason`` from now on."""
+        ds = self.dataset(name)
+        ds.failed = reason
+        with self.journal.transaction():
+            self.journal.put_dataset(ds)
+
+    def check_usable(self, ds: DatasetRecord) -> None:
+        if ds.failed:
+            raise FailedPreconditionError(f"dataset {ds.name!r} failed: {ds.failed}")
+
+    def lag(self, ds: DatasetRecord) -> list[tuple[int, int, int]]:
+        """Per partition: (available end, committed end, lag)."""
+        out = []
+        for plan in ds.partitions:
+            committed_end = self.committed.get(PartitionKey(ds.name, 0, plan.id)).prefix_end(plan.start)
+            avail = self.available.get((ds.name, plan.index), plan.end)
+            out.append((avail, committed_end, max(avail - committed_end, 0)))
+        return out
+
+    def committed_positions(self, ds: DatasetRecord) -> dict[str, int]:
+        """Per partition id: the end of the committed run from the partition's start (what to commit upstream)."""
+        return {
+            plan.id: self.committed.get(PartitionKey(ds.name, 0, plan.id)).prefix_end(plan.start)
+            for plan in ds.partitions
+        }
