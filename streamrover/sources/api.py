@@ -182,6 +182,7 @@ def _load_builtin_backends(scheme: str = "") -> None:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise SourceError(f"{scheme}:// needs the {scheme!r} extra: pip install 'streamrover[{scheme}]' ({exc})") from exc
+            hint = f"pip install 'streamrover[{scheme}]'"
+            raise SourceError(f"{scheme}:// needs the {scheme!r} extra: {hint} ({exc})") from exc
     if "files" not in _FORMATS:
         from streamrover.sources import files  # noqa: F401  (registers itself)
