@@ -66,32 +66,29 @@ def _kafka_produce(config: dict[str, object], topic: str, n: int) -> None:
 
 
 def _kafka_read_all(bootstrap: str, topic: str, partitions: int) -> dict[int, list[bytes]]:
-    """Read each partition from its low to its high watermark, assigned at an explicit offset (no consumer group).
+    """Read every partition from its low to its high watermark, assigned at explicit offsets (no consumer group).
 
-    The start offset goes into ``assign``: a ``seek`` right after ``assign`` fails with _STATE
+    The start offsets go into ``assign``: a ``seek`` right after ``assign`` fails with _STATE
     ("Erroneous state") until the partition's fetcher has started.
     """
     from confluent_kafka import Consumer, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "smoke-unused", "enable.auto.commit": False})
-    by_partition: dict[int, list[bytes]] = {}
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "smoke-unused", "enable.auto.commit": False,
+                         "fetch.wait.max.ms": 100})
     try:
-        for p in range(partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            consumer.assign([TopicPartition(topic, p, low)])
-            values: list[bytes] = []
-            position = low
-            deadline = time.monotonic() + 30
-            while position < high:
-                assert time.monotonic() < deadline, f"partition {p}: stuck at {position} of [{low}, {high})"
-                msg = consumer.poll(1.0)
-                if msg is None:
-                    continue
+        bounds = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in range(partitions)}
+        consumer.assign([TopicPartition(topic, p, low) for p, (low, _) in bounds.items()])
+        position = {p: low for p, (low, _) in bounds.items()}
+        by_partition: dict[int, list[bytes]] = {p: [] for p in range(partitions)}
+        deadline = time.monotonic() + 30
+        while any(position[p] < bounds[p][1] for p in bounds):
+            assert time.monotonic() < deadline, f"stuck at {position}, watermarks {bounds}"
+            for msg in consumer.consume(1000, 0.5):
                 assert msg.error() is None, msg.error()
-                assert msg.partition() == p
-                values.append(msg.value())
-                position = msg.offset() + 1
-            by_partition[p] = values
+                p = msg.partition()
+                if msg.offset() < bounds[p][1]:
+                    by_partition[p].append(msg.value())
+                position[p] = max(position[p], msg.offset() + 1)
     finally:
         consumer.close()
     return by_partition
