@@ -35,7 +35,8 @@ def _listening_addresses(pids: list[int | None]) -> set[tuple[str, int]]:
         assert pid is not None
         proc = psutil.Process(pid)
         for p in [proc, *proc.children(recursive=True)]:
-            for c in p.net_connections(kind="inet"):
+            connections = getattr(p, "net_connections", None) or p.connections  # psutil < 6 names it connections
+            for c in connections(kind="inet"):
                 if c.status == psutil.CONN_LISTEN:
                     out.add((c.laddr.ip, c.laddr.port))
     return out
