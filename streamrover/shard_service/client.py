@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
+import pyarrow as pa
 
 from streamrover.cursor import DataCursor
 from streamrover.shard_service import convert
@@ -42,7 +43,7 @@ from streamrover.shard_service.api import (
 )
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
-from streamrover.sources.api import ReadBatch, Source, open_source
+from streamrover.sources.api import Partition, ReadBatch, Source, open_source
 
 T = TypeVar("T")
 _ERRORS: dict[grpc.StatusCode, type[ShardServiceError]] = {
@@ -71,6 +72,7 @@ class LeasedShard:
         self.position = lease.resume  # next position to read
         self.acked = lease.resume
         self.done = False
+        self._dead_letters = 0  # read but not yet acked
 
     @property
     def shard_id(self) -> str:
@@ -82,23 +84,26 @@ class LeasedShard:
 
     def batches(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[ReadBatch]:
         """The shard's records from its resume position to its end. Stops early if the lease is revoked."""
-        from streamrover.sources.api import Partition
-
         part = Partition(self.lease.partition.id, self.lease.partition.start, self.lease.partition.end)
         for batch in self.source.read(part, self.position, self.lease.end, batch_size):
             if self.revoked:
                 raise LeaseLostError(f"the lease on shard {self.shard_id!r} was revoked")
             self.position = batch.end
+            self._dead_letters += batch.dead_letters
             yield batch
-        self.position = self.lease.end
+        if self.position < self.lease.end:  # no records in the tail (gaps): one empty batch so acking its end completes
+            empty = pa.RecordBatch.from_pylist([], schema=self.source.schema())
+            start, self.position = self.position, self.lease.end
+            yield ReadBatch(empty, start, self.lease.end)
 
     def ack(self, position: int | None = None, step: int | None = None) -> AckResult:
         """Say the records before ``position`` (default: everything read so far) are applied."""
         pos = self.position if position is None else position
         try:
-            result = self.client.ack(self.lease, pos, step)
+            result = self.client.ack(self.lease, pos, step, self._dead_letters)
         except FailedPreconditionError as exc:
             raise LeaseLostError(str(exc)) from exc
+        self._dead_letters = 0
         self.acked = max(self.acked, pos)
         self.done = result.shard_done
         if self.done:
@@ -274,8 +279,9 @@ class ShardClient:
                 return
             yield from leased
 
-    def ack(self, lease: LeaseGrant, position: int, step: int | None = None) -> AckResult:
+    def ack(self, lease: LeaseGrant, position: int, step: int | None = None, dead_letters: int = 0) -> AckResult:
         request = pb.AckRequest(
+            dead_letters=dead_letters,
             worker_id=self.worker_id,
             shard_id=lease.shard_id,
             attempt=lease.attempt,

@@ -81,6 +81,7 @@ class ReadBatch:
     start: int
     end: int
     positions: pa.Array | None = None
+    dead_letters: int = 0  # records in [start, end) that failed to decode and went to the dead-letter dataset
 
     @property
     def num_records(self) -> int:

@@ -1,0 +1,306 @@
+"""Kafka topic partitions as a stream source (confluent-kafka).
+
+URI: ``kafka://HOST:PORT[,HOST:PORT...]/TOPIC``. Options whose names start with
+``sr.`` are streamrover's; every other option is librdkafka configuration and is
+passed through untouched (``security.protocol``, ``sasl.*``, ``ssl.*``, ...).
+
+- ``sr.start``: where each partition starts when the dataset is registered:
+  ``earliest`` (default), ``latest``, ``group`` (the consumer group's committed
+  offsets, earliest where none), or ``timestamp:MILLIS``.
+- ``sr.format``: ``raw`` (default: columns key, value, timestamp, offset) or
+  ``json`` (each value a JSON object; ``sr.schema`` such as ``id:int64,x:float64``
+  fixes the columns).
+- ``sr.dead_letter_dir``: where records that fail to decode go, raw, one file per
+  record named by partition and offset (idempotent on replay). Counts go to status.
+
+Positions are Kafka offsets: ordered, with gaps (compaction, transaction markers,
+aborted records under ``isolation.level=read_committed``, librdkafka's default).
+A shard covers positions ``[start, end)``; reading stops at the first record at
+or past ``end``, or when the consumer reports the partition's end at or past it.
+End positions come from ListOffsets with the consumer's isolation level (the
+last stable offset under read_committed, the high watermark otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+
+from streamrover.sources.api import (
+    Partition,
+    ReadBatch,
+    Source,
+    SourceError,
+    SourceGoneError,
+    SourceKind,
+    SourceUnavailableError,
+    register_source,
+)
+
+RAW_SCHEMA = pa.schema(
+    [("key", pa.binary()), ("value", pa.binary()), ("timestamp", pa.int64()), ("offset", pa.int64())]
+)
+REQUEST_TIMEOUT = 10.0
+_TYPES = {
+    "int64": pa.int64(),
+    "int32": pa.int32(),
+    "float64": pa.float64(),
+    "float32": pa.float32(),
+    "string": pa.string(),
+    "bool": pa.bool_(),
+    "binary": pa.binary(),
+}
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    if not uri.startswith("kafka://"):
+        raise SourceError(f"a Kafka URI looks like kafka://HOST:PORT/TOPIC, got {uri!r}")
+    rest = uri[len("kafka://") :]
+    bootstrap, _, topic = rest.partition("/")
+    if not bootstrap or not topic or "/" in topic:
+        raise SourceError(f"a Kafka URI looks like kafka://HOST:PORT[,HOST:PORT]/TOPIC, got {uri!r}")
+    return bootstrap, topic
+
+
+def parse_schema(text: str) -> pa.Schema:
+    fields = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, type_name = item.partition(":")
+        if type_name not in _TYPES:
+            raise SourceError(f"sr.schema field {item!r}: type must be one of {', '.join(sorted(_TYPES))}")
+        fields.append(pa.field(name, _TYPES[type_name]))
+    if not fields:
+        raise SourceError("sr.schema is empty; give fields like id:int64,x:float64")
+    return pa.schema(fields)
+
+
+class KafkaSource(Source):
+    kind = SourceKind.STREAM
+    dense_positions = False
+
+    def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
+        opts = dict(options or {})
+        self.uri = uri
+        self.bootstrap, self.topic = parse_uri(uri)
+        self.sr = {k: v for k, v in opts.items() if k.startswith("sr.")}
+        self.rdkafka: dict[str, Any] = {k: v for k, v in opts.items() if not k.startswith("sr.")}
+        self.rdkafka.setdefault("bootstrap.servers", self.bootstrap)
+        self.rdkafka.setdefault("group.id", f"streamrover-{self.topic}")
+        self.read_committed = self.rdkafka.get("isolation.level", "read_committed") == "read_committed"
+        self.format = self.sr.get("sr.format", format or "raw")
+        if self.format not in ("raw", "json"):
+            raise SourceError(f"sr.format must be raw or json, got {self.format!r}")
+        self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.sr.get("sr.schema", ""))
+        self.dead_letter_dir = self.sr.get("sr.dead_letter_dir", "")
+        self._admin: AdminClient | None = None
+        self._consumer: Consumer | None = None
+
+    # -- clients ------------------------------------------------------------
+    def _admin_client(self) -> AdminClient:
+        if self._admin is None:
+            conf = {
+                k: v for k, v in self.rdkafka.items() if not k.startswith(("group.", "isolation.", "enable.", "auto."))
+            }
+            self._admin = AdminClient(conf)
+        return self._admin
+
+    def _consumer_client(self) -> Consumer:
+        if self._consumer is None:
+            conf = dict(self.rdkafka)
+            conf.update({"enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "error"})
+            self._consumer = Consumer(conf)
+        return self._consumer
+
+    def _pid(self, partition_id: str) -> int:
+        topic, _, num = partition_id.rpartition("-")
+        if topic != self.topic or not num.isdigit():
+            raise SourceError(f"partition {partition_id!r} is not a partition of topic {self.topic!r}")
+        return int(num)
+
+    # -- master side ----------------------------------------------------------
+    def _partition_numbers(self) -> list[int]:
+        try:
+            meta = self._admin_client().list_topics(self.topic, timeout=REQUEST_TIMEOUT)
+        except KafkaException as exc:
+            raise SourceUnavailableError(f"cannot reach Kafka at {self.bootstrap}: {exc}") from exc
+        topic = meta.topics.get(self.topic)
+        if topic is None or (topic.error is not None and topic.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+            raise SourceGoneError(f"Kafka topic {self.topic!r} does not exist at {self.bootstrap}")
+        if topic.error is not None:
+            raise SourceUnavailableError(f"Kafka topic {self.topic!r}: {topic.error}")
+        return sorted(topic.partitions)
+
+    def _offsets(self, numbers: list[int], spec: Any) -> dict[int, int]:
+        level = IsolationLevel.READ_COMMITTED if self.read_committed else IsolationLevel.READ_UNCOMMITTED
+        request = {TopicPartition(self.topic, n): spec for n in numbers}
+        try:
+            futures = self._admin_client().list_offsets(request, isolation_level=level, request_timeout=REQUEST_TIMEOUT)
+            return {tp.partition: int(f.result().offset) for tp, f in futures.items()}
+        except KafkaException as exc:
+            raise SourceUnavailableError(f"cannot list offsets of {self.topic!r} at {self.bootstrap}: {exc}") from exc
+
+    def _starts(self, numbers: list[int]) -> dict[int, int]:
+        start = self.sr.get("sr.start", "earliest")
+        earliest = self._offsets(numbers, OffsetSpec.earliest())
+        if start == "earliest":
+            return earliest
+        if start == "latest":
+            return self._offsets(numbers, OffsetSpec.latest())
+        if start.startswith("timestamp:"):
+            found = self._offsets(numbers, OffsetSpec.for_timestamp(int(start.split(":", 1)[1])))
+            latest = self._offsets(numbers, OffsetSpec.latest())
+            return {n: (off if off >= 0 else latest[n]) for n, off in found.items()}
+        if start == "group":
+            committed = self._consumer_client().committed(
+                [TopicPartition(self.topic, n) for n in numbers], timeout=REQUEST_TIMEOUT
+            )
+            return {tp.partition: (tp.offset if tp.offset >= 0 else earliest[tp.partition]) for tp in committed}
+        raise SourceError(f"sr.start must be earliest, latest, group or timestamp:MILLIS, got {start!r}")
+
+    def partitions(self) -> list[Partition]:
+        numbers = self._partition_numbers()
+        starts = self._starts(numbers)
+        ends = self._offsets(numbers, OffsetSpec.latest())
+        return [Partition(f"{self.topic}-{n}", starts[n], max(ends[n], starts[n])) for n in numbers]
+
+    def poll(self) -> list[Partition]:
+        numbers = self._partition_numbers()
+        ends = self._offsets(numbers, OffsetSpec.latest())
+        earliest = self._offsets(numbers, OffsetSpec.earliest())
+        return [Partition(f"{self.topic}-{n}", earliest[n], ends[n]) for n in numbers]
+
+    def commit(self, positions: Mapping[str, int]) -> None:
+        offsets = [TopicPartition(self.topic, self._pid(pid), pos) for pid, pos in sorted(positions.items())]
+        if not offsets:
+            return
+        try:
+            self._consumer_client().commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            raise SourceUnavailableError(f"cannot commit offsets to group {self.rdkafka['group.id']!r}: {exc}") from exc
+
+    def schema(self) -> pa.Schema:
+        return self._schema
+
+    # -- worker side -------------------------------------------------------------
+    def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
+        tp = TopicPartition(self.topic, self._pid(partition.id), start)
+        consumer = self._consumer_client()
+        consumer.assign([tp])
+        batch_start = start
+        pending: list[Any] = []
+        done = start >= end
+        while not done:
+            expected = pending[-1].offset() + 1 if pending else batch_start  # next offset if no gaps
+            want = max(1, min(batch_size - len(pending), end - expected))
+            fetched: list[Any] = consumer.consume(num_messages=want, timeout=0.2)
+            for msg in fetched:
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        done = done or msg.offset() >= end
+                        continue
+                    if err.code() == KafkaError.OFFSET_OUT_OF_RANGE:
+                        raise SourceError(
+                            f"{partition.id} positions from {start} are gone from Kafka (retention or deletion)"
+                        )
+                    if err.fatal():
+                        raise SourceError(f"Kafka consumer failed on {partition.id}: {err}")
+                    continue  # transient (broker restarting): librdkafka reconnects and resumes at the position
+                if msg.offset() < batch_start or msg.partition() != tp.partition:
+                    continue  # fetched for an earlier assignment
+                if msg.offset() >= end:
+                    done = True
+                    continue
+                if not done:
+                    pending.append(msg)
+                if len(pending) >= batch_size:
+                    batch = self._batch(partition.id, pending, batch_start, pending[-1].offset() + 1)
+                    batch_start = batch.end
+                    pending = []
+                    yield batch
+            if pending and (done or pending[-1].offset() + 1 >= end):
+                done = True
+        if pending or batch_start < end:
+            yield self._batch(partition.id, pending, batch_start, end)
+
+    def _batch(self, partition_id: str, msgs: list[Any], start: int, end: int) -> ReadBatch:
+        offsets = pa.array([m.offset() for m in msgs], pa.int64())
+        if self.format == "raw":
+            records = pa.RecordBatch.from_arrays(
+                [
+                    pa.array([m.key() for m in msgs], pa.binary()),
+                    pa.array([m.value() for m in msgs], pa.binary()),
+                    pa.array([m.timestamp()[1] for m in msgs], pa.int64()),
+                    offsets,
+                ],
+                schema=RAW_SCHEMA,
+            )
+            return ReadBatch(records, start, end, offsets)
+        rows: list[dict[str, Any]] = []
+        keep: list[int] = []
+        dead = 0
+        for i, m in enumerate(msgs):
+            try:
+                row = json.loads(m.value())
+                rows.append({f.name: row[f.name] for f in self._schema})
+                keep.append(i)
+            except (ValueError, KeyError, TypeError) as exc:
+                dead += 1
+                self._dead_letter(partition_id, m, exc)
+        try:
+            records = pa.RecordBatch.from_pylist(rows, schema=self._schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # some value has the wrong type: find which, one by one
+            good_rows, good_keep = [], []
+            for row, i in zip(rows, keep):
+                try:
+                    pa.RecordBatch.from_pylist([row], schema=self._schema)
+                except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+                    dead += 1
+                    self._dead_letter(partition_id, msgs[i], exc)
+                    continue
+                good_rows.append(row)
+                good_keep.append(i)
+            rows, keep = good_rows, good_keep
+            records = pa.RecordBatch.from_pylist(rows, schema=self._schema)
+        positions = offsets.take(pa.array(keep, pa.int64())) if keep else pa.array([], pa.int64())
+        return ReadBatch(records, start, end, positions, dead_letters=dead)
+
+    def _dead_letter(self, partition_id: str, msg: Any, exc: Exception) -> None:
+        if not self.dead_letter_dir:
+            raise SourceError(
+                f"record at {partition_id} offset {msg.offset()} cannot be decoded ({exc}); set sr.dead_letter_dir "
+                "to send such records to a dead-letter dataset"
+            )
+        root = Path(self.dead_letter_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"{partition_id}-{msg.offset():020d}.json"
+        body = {
+            "partition": partition_id,
+            "offset": msg.offset(),
+            "error": str(exc),
+            "key": (msg.key() or b"").hex(),
+            "value": (msg.value() or b"").hex(),
+        }
+        tmp = final.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(body))
+        tmp.rename(final)
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+        self._admin = None
+
+
+def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:
+    return KafkaSource(uri, format, options)
+
+
+register_source(_factory, schemes=("kafka",))
