@@ -229,7 +229,7 @@ class RocketMQBroker:
             raise MissingDependencyError(f"'{self.java}' is not on PATH: RocketMQ {ROCKETMQ_VERSION} needs Java 8+")
         classpath = str(jars_dir("rocketmq", ROCKETMQ_VERSION) / "*")
         return [self.java, f"-Xms{heap}", f"-Xmx{heap}", "-XX:+UseG1GC", "-XX:MaxDirectMemorySize=256m",
-                "-Djava.awt.headless=true", f"-Duser.home={self._home()}",
+                "-Djava.awt.headless=true", f"-Duser.home={self._home()}", f"-Djava.io.tmpdir={self._home()}",
                 # No TLS on the remoting ports (the default "permissive" builds a self-signed SslContext: ~4 s).
                 "-Dtls.server.mode=disabled", "-Djava.security.egd=file:/dev/./urandom",
                 f"-Drocketmq.home.dir={self._home()}",
