@@ -86,10 +86,11 @@ def _kafka_read_all(bootstrap: str, topic: str, partitions: int) -> dict[int, li
             assert time.monotonic() < deadline, f"stuck at {position}, watermarks {bounds}"
             for msg in consumer.consume(1000, 0.5):
                 assert msg.error() is None, msg.error()
-                p = msg.partition()
-                if msg.offset() < bounds[p][1]:
-                    by_partition[p].append(msg.value())
-                position[p] = max(position[p], msg.offset() + 1)
+                p, offset, value = msg.partition(), msg.offset(), msg.value()
+                assert p is not None and offset is not None and value is not None
+                if offset < bounds[p][1]:
+                    by_partition[p].append(value)
+                position[p] = max(position[p], offset + 1)
     finally:
         consumer.close()
     return by_partition
