@@ -1,0 +1,92 @@
+"""The servers the benchmarks talk to, each in its own process: the real master and a bare gRPC echo."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import grpc
+
+from benchmarks._common import CTX
+
+ECHO_SERVICE = "streamrover.bench.Echo"
+ECHO_METHOD = f"/{ECHO_SERVICE}/Echo"
+MASTER_THREADS = 64  # MasterServer's default max_workers; the echo server gets the same pool
+
+
+def _echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+    return request
+
+
+def start_echo_server(max_workers: int) -> tuple[grpc.Server, str]:
+    """A unary echo service built from generic handlers: bytes in, the same bytes out, no .proto."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    handler = grpc.method_handlers_generic_handler(
+        ECHO_SERVICE,
+        {"Echo": grpc.unary_unary_rpc_method_handler(_echo, request_deserializer=None, response_serializer=None)},
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    if port == 0:
+        raise OSError("cannot listen on 127.0.0.1")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _serve(
+    kind: str, conn: Connection, stop: Event, state_dir: str, token: str, max_workers: int
+) -> None:
+    try:
+        if kind == "echo":
+            server, address = start_echo_server(max_workers)
+            conn.send(address)
+            stop.wait()
+            server.stop(0.5).wait()
+        else:
+            from streamrover.shard_service import MasterServer
+
+            master = MasterServer(state_dir, token, host="127.0.0.1", port=0, max_workers=max_workers)
+            conn.send(master.address)
+            stop.wait()
+            master.stop(0.5)
+    except BaseException as exc:  # report to the parent instead of leaving it waiting for an address
+        conn.send(f"error: {type(exc).__name__}: {exc}")
+        raise
+
+
+@contextmanager
+def server_process(
+    kind: str, state_dir: str = "", token: str = "", max_workers: int = MASTER_THREADS
+) -> Iterator[str]:
+    """Run an ``echo`` server or a ``master`` in a child process; yields its address; stops it on exit."""
+    if kind not in ("echo", "master"):
+        raise ValueError(f"unknown server kind {kind!r}")
+    parent, child = CTX.Pipe()
+    stop = CTX.Event()
+    proc = CTX.Process(
+        target=_serve, args=(kind, child, stop, state_dir, token, max_workers), name=f"bench-{kind}"
+    )
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise TimeoutError(f"the {kind} server did not start within 60s")
+        address: Any = parent.recv()
+        if str(address).startswith("error:"):
+            raise RuntimeError(f"the {kind} server failed: {address}")
+        yield str(address)
+    finally:
+        stop.set()
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

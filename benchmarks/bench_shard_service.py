@@ -1,0 +1,376 @@
+"""The shard service against its peers (issue 2's acceptance benches).
+
+1. Lease+ack round trips with 1, 4 and 16 client processes over loopback, against
+   a real master (its own process, SQLite journal in a temporary directory, shards
+   of 1 record so that only the lease+ack cycle is measured), as a ratio to a bare
+   gRPC echo service (generic handlers, bytes in and out) with the same server
+   thread pool and the same number of client processes. A cycle is two RPCs
+   (LeaseShards, Ack); the ratio is RPC for RPC. Goal: >= 0.5.
+2. Records per second through ``ShardClient`` (lease, ``shard.batches()``, ack at
+   the shard's end) against pyarrow reading the same parquet row groups directly,
+   the same per-batch work in both, with 1 and 2 worker processes. Goal: >= 0.8.
+
+Every client process is started before its clock starts and waits on a barrier;
+process start-up and imports are outside the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import CTX, cores, environment, load, processes, table
+from benchmarks._servers import ECHO_METHOD, MASTER_THREADS, server_process
+
+TOKEN = "bench-token"
+ECHO_PAYLOAD = 160  # bytes each way; about a LeaseResponse for a one-record shard
+BARRIER_TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class Sizes:
+    clients: tuple[int, ...]
+    duration: float          # seconds each client loops, per configuration
+    rtt_repeats: int         # echo/master pairs per client count (alternating)
+    warmup: int              # cycles each client runs before the clock starts
+    rtt_shards: int          # one-record shards planned per configuration
+    files: int
+    rows: int                # total rows over all files
+    row_group: int
+    batch_size: int
+    shard_sizes: tuple[int, ...]
+    repeats: int
+
+
+FULL = Sizes((1, 4, 16), 3.0, 3, 50, 20_000, 8, 4_000_000, 128 * 1024, 4096, (10_000, 128 * 1024), 5)
+QUICK = Sizes((1, 4), 1.0, 1, 10, 5_000, 4, 200_000, 16 * 1024, 4096, (10_000,), 1)
+
+
+# --------------------------------------------------------------------------- round trips
+def _rtt_client(
+    kind: str, address: str, dataset: str, duration: float, warmup: int, barrier: Barrier, out: Queue[Any], index: int
+) -> None:
+    """Loop RPCs for ``duration`` seconds after the barrier; put (rpcs, seconds, error)."""
+    try:
+        if kind == "echo":
+            import grpc
+
+            channel = grpc.insecure_channel(address)
+            echo = channel.unary_unary(ECHO_METHOD)
+            payload = os.urandom(ECHO_PAYLOAD)
+
+            def cycle() -> int:
+                echo(payload, timeout=30)
+                return 1
+        else:
+            from streamrover.shard_service import ShardClient
+
+            client = ShardClient(address, token=TOKEN, name=f"bench-rtt-{index}")
+            client.join()
+
+            def cycle() -> int:
+                _, leased = client.lease(dataset, 1, wait=5.0)
+                if not leased:
+                    raise RuntimeError(f"dataset {dataset!r} ran out of shards: plan more (rtt_shards)")
+                leased[0].ack(leased[0].lease.end)
+                return 2
+        for _ in range(warmup):
+            cycle()
+        barrier.wait(BARRIER_TIMEOUT)
+        rpcs = 0
+        t0 = time.perf_counter()
+        stop = t0 + duration
+        while time.perf_counter() < stop:
+            rpcs += cycle()
+        out.put((rpcs, time.perf_counter() - t0, ""))
+    except BaseException as exc:
+        barrier.abort()
+        out.put((0, 0.0, f"client {index}: {type(exc).__name__}: {exc}"))
+
+
+def _write_rtt_file(path: Path, rows: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": pa.array(range(rows), pa.int64())}), str(path), row_group_size=rows)
+
+
+def _run_rtt(kind: str, address: str, dataset: str, n: int, sizes: Sizes) -> float:
+    """RPCs per second summed over ``n`` client processes."""
+    barrier = CTX.Barrier(n)
+    out: Queue[Any] = CTX.Queue()
+    procs = [
+        CTX.Process(
+            target=_rtt_client,
+            args=(kind, address, dataset, sizes.duration, sizes.warmup, barrier, out, i),
+            name=f"bench-{kind}-client-{i}",
+        )
+        for i in range(n)
+    ]
+    with processes(procs, grace=sizes.duration + 60):
+        results = [out.get(timeout=BARRIER_TIMEOUT + sizes.duration + 60) for _ in procs]
+    errors = [e for _, _, e in results if e]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return sum(rpcs / secs for rpcs, secs, _ in results)
+
+
+def bench_round_trips(tmp: Path, sizes: Sizes) -> list[tuple[Any, ...]]:
+    """Per client count: echo, then the master, ``sizes.rtt_repeats`` times; fresh servers every time."""
+    from streamrover.shard_service import DatasetSpec, ShardClient
+
+    data = tmp / "rtt.parquet"
+    _write_rtt_file(data, sizes.rtt_shards)
+    rows = []
+    for n in sizes.clients:
+        echo_rates, shard_rates = [], []
+        for r in range(sizes.rtt_repeats):
+            with server_process("echo", max_workers=MASTER_THREADS) as address:
+                echo_rates.append(_run_rtt("echo", address, "", n, sizes))
+            state = tempfile.mkdtemp(prefix=f"master-{n}-{r}-", dir=tmp)
+            with server_process("master", state, TOKEN, MASTER_THREADS) as address:
+                admin = ShardClient(address, token=TOKEN, heartbeat=False)
+                # epochs > 1 only as a safety margin: a faster machine plans another epoch instead of running dry
+                admin.register_dataset(DatasetSpec("rtt", str(data), records_per_shard=1, epochs=100))
+                admin.close()
+                shard_rates.append(_run_rtt("shard", address, "rtt", n, sizes))
+            print(
+                f"  {n:>2} clients, run {r + 1}: shard service {shard_rates[-1]:,.0f} RPC/s, "
+                f"echo {echo_rates[-1]:,.0f} RPC/s, ratio {shard_rates[-1] / echo_rates[-1]:.2f}",
+                flush=True,
+            )
+        shard_rps, echo_rps = statistics.median(shard_rates), statistics.median(echo_rates)
+        ratios = [a / b for a, b in zip(shard_rates, echo_rates)]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        rows.append((n, shard_rps / 2, shard_rps, echo_rps, statistics.median(ratios), spread))
+    return rows
+
+
+# --------------------------------------------------------------------------- records
+def _touch(batch: Any) -> tuple[int, float]:
+    """The per-batch work both readers do: count the rows and sum a float column in numpy."""
+    return batch.num_rows, float(batch.column(2).to_numpy().sum())
+
+
+def _pyarrow_reader(
+    parts: list[tuple[str, int]], batch_size: int, repeats: int, barrier: Barrier, out: Queue[Any]
+) -> None:
+    """Read ``parts`` (path, row group) directly, once per pass; a pass starts at the barrier."""
+    import pyarrow.parquet as pq
+
+    try:
+        for _ in range(repeats):
+            barrier.wait(BARRIER_TIMEOUT)
+            t0 = time.monotonic()
+            rows, total = 0, 0.0
+            files: dict[str, Any] = {}
+            for path, rg in parts:
+                pf = files.get(path)
+                if pf is None:
+                    pf = files[path] = pq.ParquetFile(path)
+                for batch in pf.read_row_group(rg).to_batches(max_chunksize=batch_size):
+                    n, s = _touch(batch)
+                    rows, total = rows + n, total + s
+            end = time.monotonic()
+            out.put((rows, total, t0, end, end, ""))
+    except BaseException as exc:
+        barrier.abort()
+        out.put((0, 0.0, 0.0, 0.0, 0.0, f"pyarrow reader: {type(exc).__name__}: {exc}"))
+
+
+def _shard_reader(
+    address: str, datasets: list[str], batch_size: int, index: int, barrier: Barrier, out: Queue[Any]
+) -> None:
+    """Consume one dataset per pass through ShardClient, acking each shard at its end."""
+    from streamrover.shard_service import ShardClient
+
+    try:
+        for dataset in datasets:
+            barrier.wait(BARRIER_TIMEOUT)
+            t0 = time.monotonic()
+            rows, total = 0, 0.0
+            last_ack = t0
+            with ShardClient(address, token=TOKEN, name=f"bench-reader-{index}") as client:
+                for shard in client.shards(dataset, wait=5.0):
+                    for batch in shard.batches(batch_size):
+                        n, s = _touch(batch.records)
+                        rows, total = rows + n, total + s
+                    shard.ack()
+                    last_ack = time.monotonic()
+            # the clock stops at this worker's last ack, not when it learns that the dataset ended
+            out.put((rows, total, t0, last_ack, time.monotonic(), ""))
+    except BaseException as exc:
+        barrier.abort()
+        out.put((0, 0.0, 0.0, 0.0, 0.0, f"shard reader {index}: {type(exc).__name__}: {exc}"))
+
+
+def _write_files(root: Path, sizes: Sizes) -> list[tuple[str, int]]:
+    """``sizes.files`` parquet files; returns every (path, row group)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(7)
+    per_file = sizes.rows // sizes.files
+    parts = []
+    for f in range(sizes.files):
+        ids = np.arange(f * per_file, (f + 1) * per_file, dtype=np.int64)
+        t = pa.table(
+            {
+                "id": ids,
+                "user": rng.integers(0, 1 << 20, per_file, dtype=np.int64),
+                "x": rng.random(per_file, dtype=np.float32),
+                "y": rng.random(per_file, dtype=np.float32),
+            }
+        )
+        path = root / f"part-{f:03d}.parquet"
+        pq.write_table(t, str(path), row_group_size=sizes.row_group)
+        parts += [(str(path), rg) for rg in range(pq.ParquetFile(str(path)).num_row_groups)]
+    return parts
+
+
+@dataclass(frozen=True)
+class Run:
+    wall: float      # seconds from the first worker's start to the last record acked (pyarrow: read)
+    rows: int
+    checksum: float
+    tail: float      # seconds from the last ack until every worker has left (learnt that the dataset ended)
+
+    @property
+    def rate(self) -> float:
+        return self.rows / self.wall
+
+
+class _Readers:
+    """Reader processes, one per argument tuple, that make one pass each time :meth:`run` is called."""
+
+    def __init__(self, target: Any, args: list[tuple[Any, ...]]) -> None:
+        self.workers = len(args)
+        self.barrier = CTX.Barrier(self.workers + 1)  # this process releases every pass
+        self.out: Queue[Any] = CTX.Queue()
+        self.procs = [CTX.Process(target=target, args=(*a, self.barrier, self.out)) for a in args]
+
+    def run(self) -> Run:
+        """One pass: from the first worker's start to the last record acked (pyarrow: read)."""
+        self.barrier.wait(BARRIER_TIMEOUT)
+        results = [self.out.get(timeout=300) for _ in range(self.workers)]
+        errors = [r[-1] for r in results if r[-1]]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        last = max(r[3] for r in results)
+        return Run(
+            last - min(r[2] for r in results),
+            sum(r[0] for r in results),
+            sum(r[1] for r in results),
+            max(r[4] for r in results) - last,
+        )
+
+
+def bench_records(tmp: Path, sizes: Sizes) -> list[tuple[Any, ...]]:
+    """Per (workers, records per shard): passes of pyarrow and of ShardClient, alternating; ratio per pair."""
+    from streamrover.shard_service import DatasetSpec, ShardClient
+
+    root = tmp / "records"
+    root.mkdir()
+    parts = _write_files(root, sizes)
+    rows_out: list[tuple[Any, ...]] = []
+    expected: tuple[int, float] | None = None
+    with server_process("master", str(tmp / "master-records"), TOKEN, MASTER_THREADS) as address:
+        admin = ShardClient(address, token=TOKEN, heartbeat=False)
+        for workers in (1, 2):
+            for shard_size in sizes.shard_sizes:
+                names = [f"rec-w{workers}-s{shard_size}-r{r}" for r in range(sizes.repeats)]
+                shards = 0
+                for name in names:  # registration (planning) is job set-up, outside the clock
+                    spec = DatasetSpec(name, str(root / "*.parquet"), records_per_shard=shard_size)
+                    shards = admin.register_dataset(spec).dataset.shards.todo
+                split = [(parts[i::workers], sizes.batch_size, sizes.repeats) for i in range(workers)]
+                peer = _Readers(_pyarrow_reader, split)
+                ours = _Readers(_shard_reader, [(address, names, sizes.batch_size, i) for i in range(workers)])
+                pairs: list[tuple[Run, Run]] = []
+                with processes(peer.procs + ours.procs, grace=60):
+                    for _ in range(sizes.repeats):  # alternate, so that both see the same machine
+                        pairs.append((peer.run(), ours.run()))
+                for a, b in pairs:  # the same records, each once (the float sum only up to summation order)
+                    expected = expected or (a.rows, a.checksum)
+                    for run in (a, b):
+                        if run.rows != expected[0] or abs(run.checksum - expected[1]) > 1e-6 * abs(expected[1]):
+                            raise RuntimeError(f"a pass saw {run.rows} rows (sum {run.checksum}), expected {expected}")
+                ratio = statistics.median(b.rate / a.rate for a, b in pairs)
+                peer_rate = statistics.median(a.rate for a, _ in pairs)
+                rate = statistics.median(b.rate for _, b in pairs)
+                # worker time per shard beyond what pyarrow needs for the same records
+                per_shard = statistics.median((b.wall - a.wall) * workers / shards for a, b in pairs)
+                tail = statistics.median(b.tail for _, b in pairs)
+                spread = f"{min(b.rate / a.rate for a, b in pairs):.2f}-{max(b.rate / a.rate for a, b in pairs):.2f}"
+                rows_out.append((workers, shard_size, shards, rate, peer_rate, ratio, spread, per_shard * 1e3,
+                                 tail * 1e3))
+                print(
+                    f"  {workers} worker(s), {shard_size} records/shard ({shards} shards): ShardClient {rate:,.0f} "
+                    f"rec/s, pyarrow {peer_rate:,.0f} rec/s, ratio {ratio:.2f}",
+                    flush=True,
+                )
+        admin.close()
+    return rows_out
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks shard_service", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a smoke-sized run (seconds, not minutes)")
+    parser.add_argument("--only", choices=["rtt", "records"], help="run one of the two benches")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    print(environment())
+    print(f"load average at start: {load()}")
+    if cores() < 4:
+        print(f"note: {cores()} cores: server and client processes share them, so both sides of each ratio do too")
+    with tempfile.TemporaryDirectory(prefix="bench-shard-") as tmpdir:
+        tmp = Path(tmpdir)
+        if args.only in (None, "rtt"):
+            print(
+                f"\n[1] lease+ack round trips: one-record shards, {sizes.rtt_repeats} run(s) of {sizes.duration:.0f}s, "
+                f"{MASTER_THREADS} server threads, one process per client, journal durability 'normal'"
+            )
+            rtt = bench_round_trips(tmp, sizes)
+            print(
+                table(
+                    ["clients", "shard cycles/s", "shard RPCs/s", "echo RPCs/s", "ratio (RPC/RPC)", "ratio per run"],
+                    rtt,
+                )
+            )
+            print(
+                "a cycle = LeaseShards + Ack (2 RPCs); echo = one bare unary RPC; rates are medians over runs;\n"
+                "ratio = median over runs of shard RPCs/s / echo RPCs/s, echo and master alternating; goal: >= 0.5"
+            )
+        if args.only in (None, "records"):
+            print(
+                f"\n[2] records/s: {sizes.files} parquet files, {sizes.rows:,} rows, row groups of "
+                f"{sizes.row_group:,}, batches of {sizes.batch_size}, {sizes.repeats} passes each"
+            )
+            rec = bench_records(tmp, sizes)
+            print(
+                table(
+                    [
+                        "workers", "records/shard", "shards", "ShardClient rec/s", "pyarrow rec/s", "ratio",
+                        "ratio per pass", "extra ms/shard", "END tail ms",
+                    ],
+                    rec,
+                )
+            )
+            print(
+                "pyarrow = the same row groups split over the same number of processes; goal: ratio >= 0.8\n"
+                "ratio = median over passes of ShardClient rec/s / pyarrow rec/s, the two alternating pass by pass\n"
+                "extra ms/shard = worker time per shard beyond pyarrow's reading; END tail = last ack until every "
+                "worker has seen END (not in the rates)"
+            )
+    print(f"\nload average at end: {load()}")
+    return 0
