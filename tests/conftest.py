@@ -9,6 +9,8 @@ import pytest
 
 from streamrover.testing.procs import MasterProcess
 
+pytest_plugins = ["tests.brokers.fixtures"]
+
 
 @pytest.fixture
 def master(tmp_path: Path) -> Iterator[MasterProcess]:

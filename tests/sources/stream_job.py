@@ -1,0 +1,122 @@
+"""A streaming ledger job for tests: a master, ledger workers, a checkpointing loop, and chaos."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from streamrover.cursor import DataCursor
+from streamrover.shard_service import DatasetSpec, ShardClient
+from streamrover.testing.ledger import Ledger, LedgerReport
+from streamrover.testing.procs import MasterProcess, python_env
+from tests.helpers import wait_until
+
+
+@dataclass
+class StreamJob:
+    workdir: Path
+    uri: str
+    options: dict[str, str]
+    records_per_shard: int = 500
+    workers: int = 2
+    batch_size: int = 200
+    master: MasterProcess = field(init=False)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    ledger_path: Path = field(init=False)
+    cuts_committed: int = 0
+    events: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ledger_path = self.workdir / "ledger.db"
+        Ledger(self.ledger_path).close()
+        self.master = MasterProcess(self.workdir / "master", lease_ttl=2.0)
+        self._stop_cuts = threading.Event()
+        self._cutter: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.master.start()
+        with self.admin() as admin:
+            spec = DatasetSpec("stream", self.uri, options=self.options, records_per_shard=self.records_per_shard)
+            admin.register_dataset(spec)
+        for i in range(self.workers):
+            self.start_worker(f"w{i}")
+        self._cutter = threading.Thread(target=self._take_cuts, daemon=True)
+        self._cutter.start()
+
+    def admin(self) -> ShardClient:
+        return ShardClient(self.master.address, token=self.master.token, heartbeat=False, timeout=90)
+
+    def start_worker(self, name: str) -> None:
+        cmd = [
+            sys.executable, "-m", "streamrover.testing.ledger_worker", "--master", self.master.address,
+            "--token", self.master.token, "--dataset", "stream", "--ledger", str(self.ledger_path),
+            "--batch-size", str(self.batch_size), "--name", name,
+        ]  # fmt: skip
+        log = open(self.workdir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(cmd, env=python_env(), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def kill_worker(self, rng: random.Random) -> None:
+        name = rng.choice(sorted(self.procs))
+        self.procs[name].kill()
+        self.procs[name].wait()
+        self.events.append(f"SIGKILL {name}")
+        self.start_worker(name)
+
+    def kill_master(self) -> None:
+        self.master.kill()
+        self.master.start()
+        self.events.append("SIGKILL master")
+
+    def _take_cuts(self) -> None:
+        with self.admin() as client:
+            while not self._stop_cuts.wait(0.3):
+                cut_id, _ = client.prepare_cut()
+                client.commit_cut(cut_id)
+                self.cuts_committed += 1
+
+    def applied(self) -> int:
+        led = Ledger(self.ledger_path)
+        try:
+            return int(led._db.execute("SELECT COALESCE(SUM(count), 0) FROM chunks").fetchone()[0])
+        finally:
+            led.close()
+
+    def run_chaos(self, total: int, actions: list[Callable[[], None]], rng: random.Random) -> None:
+        """Run each action once the ledger holds a random fraction of ``total`` records."""
+        moments = sorted(rng.uniform(0.1, 0.8) for _ in actions)
+        for moment, action in zip(moments, actions):
+            wait_until(lambda m=moment: self.applied() >= m * total, 180, f"{moment:.0%} of {total} records applied")
+            action()
+
+    def finish(self, total: int, timeout: float = 180) -> tuple[LedgerReport, DataCursor, object]:
+        """Wait for every record, take a final cut, stop everything; returns (ledger report, cursor, dataset info)."""
+        wait_until(lambda: self.applied() >= total, timeout, f"all {total} records applied")
+        self._stop_cuts.set()
+        if self._cutter is not None:
+            self._cutter.join(timeout=60)
+        with self.admin() as admin:
+            cut_id, cursor = admin.prepare_cut()
+            admin.commit_cut(cut_id)
+            info = admin.describe_dataset("stream")
+        return Ledger(self.ledger_path).verify(np.arange(total)), cursor, info
+
+    def stop(self) -> None:
+        self._stop_cuts.set()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.master.stop()
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in sorted(self.workdir.glob("*.log"))
+        )
