@@ -5,12 +5,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Extras the test suite needs; grows as issues land (kafka, torch, ...).
-TEST_EXTRAS ?= dev,ckpt
-PIP_FLAGS ?= --disable-pip-version-check --progress-bar off
+TEST_EXTRAS ?= dev,ckpt,kafka,pulsar,rocketmq
+PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,ray,apache-beam,apache-flink,pyspark
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 
-.PHONY: install demo test lint bench clean proto
+.PHONY: install demo test lint bench clean proto jars
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,10 @@ lint: install
 	$(BIN)/mypy
 	PYTHON=$(BIN)/python scripts/gen-proto.sh --check
 
-test: install lint
+jars:
+	bash scripts/fetch-jars.sh
+
+test: install lint jars
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: install

@@ -175,3 +175,28 @@ def test_offset_gaps_from_aborted_transactions_and_compaction(tmp_path: Path, ka
             wait_until(lambda: admin.describe_dataset("stream").records_acked == next_id + 2 * 20, 30, "all acked")
     finally:
         job.stop()
+
+
+def test_poison_records_go_to_the_dead_letter_dataset(tmp_path: Path, tansu_broker: Any) -> None:
+    total, partitions = 3_000, 3
+    poison = set(random.Random(5).sample(range(total), 37))
+    topic = _create_topic(tansu_broker, partitions)
+    _produce(tansu_broker, topic, range(total), partitions, poison=poison)
+    dead_dir = tmp_path / "dead"
+    job = _job(tmp_path, tansu_broker, topic, **{"sr.dead_letter_dir": str(dead_dir)})
+    try:
+        job.start()
+        good = total - len(poison)
+        wait_until(lambda: job.applied() >= good, 120, f"{good} good records applied")
+        with job.admin() as admin:  # every position acked: the partitions did not stall on the poison
+            wait_until(lambda: admin.describe_dataset("stream").records_acked == total, 60, "all positions acked")
+            info = admin.describe_dataset("stream")
+        report = Ledger(job.ledger_path).verify(np.array(sorted(set(range(total)) - poison)))
+        assert report.exact, str(report)
+        files = sorted(dead_dir.glob("*.json"))
+        assert len(files) == len(poison)
+        assert info.dead_letters == len(poison)
+        sample = json.loads(files[0].read_text())
+        assert bytes.fromhex(sample["value"]) == b"\x00not json" and sample["error"]
+    finally:
+        job.stop()
