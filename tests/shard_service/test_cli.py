@@ -19,10 +19,14 @@ def _cli(master: MasterProcess, *args: str, token: str | None = None) -> subproc
 
 def test_dataset_add_list_describe_status(tmp_path: Path, master: MasterProcess) -> None:
     write_parquet_dataset(tmp_path / "data", 5_000, files=2, row_group_size=1_000)
-    added = _cli(master, "dataset", "add", "clicks", str(tmp_path / "data"), "--records-per-shard", "400", "--epochs", "2")
+    added = _cli(
+        master, "dataset", "add", "clicks", str(tmp_path / "data"), "--records-per-shard", "400", "--epochs", "2"
+    )
     assert added.returncode == 0, added.stderr
     assert "registered" in added.stdout and "clicks" in added.stdout
-    again = _cli(master, "dataset", "add", "clicks", str(tmp_path / "data"), "--records-per-shard", "400", "--epochs", "2")
+    again = _cli(
+        master, "dataset", "add", "clicks", str(tmp_path / "data"), "--records-per-shard", "400", "--epochs", "2"
+    )
     assert "already registered" in again.stdout
     listed = _cli(master, "dataset", "list")
     assert listed.returncode == 0 and "clicks" in listed.stdout and "5,000" in listed.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_restore_to_an_older_cursor_replans_compacted_shards(tmp_path: Path, clo
     assert not core.shards  # compacted
     older = DataCursor()
     older.add(PartitionKey("d", 0, "p0"), 0, 12)  # a checkpoint that had seen only 12 rows of p0
-    revoked, requeued = core.restore(cursor=older)
+    _revoked, requeued = core.restore(cursor=older)
     assert requeued == 55 - 12
     ranges = sorted((s.pindex, s.start, s.end) for s in core.shards.values())
     assert ranges == [(0, 12, 20), (0, 20, 30), (1, 0, 10), (1, 10, 20), (1, 20, 25)]
@@ -148,7 +149,7 @@ def test_interval_set_matches_a_python_set(adds: list[tuple[int, int]], a: int, 
     assert ivs.size() == len(model)
     assert all((p in ivs) == (p in model) for p in range(-1, 80))
     runs = ivs.intervals()
-    assert all(e1 < s2 for (_, e1), (s2, _) in zip(runs, runs[1:])), "runs are disjoint and not adjacent"
+    assert all(e1 < s2 for (_, e1), (s2, _) in itertools.pairwise(runs)), "runs are disjoint and not adjacent"
     lo, hi = min(a, b), max(a, b)
     assert ivs.covers(lo, hi) == all(p in model for p in range(lo, hi))
     assert ivs.overlaps(lo, hi) == any(p in model for p in range(lo, hi))

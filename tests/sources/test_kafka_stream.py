@@ -142,8 +142,8 @@ def test_partition_added_mid_stream_is_picked_up(tmp_path: Path, kafka_broker: A
         job.stop()
 
 
-def test_offset_gaps_from_aborted_transactions_and_compaction(tmp_path: Path, kafka_broker: Any) -> None:
-    """Aborted transactions leave records and markers (offset gaps) that read_committed skips; each visible record once."""
+def test_offset_gaps_from_aborted_transactions(tmp_path: Path, kafka_broker: Any) -> None:
+    """Aborted transactions leave records and markers (offset gaps) read_committed skips; each visible record once."""
     from confluent_kafka import Producer
 
     topic = _create_topic(kafka_broker, 2)
