@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.synchronize import Event
 from typing import Any
 
@@ -75,8 +75,10 @@ def server_process(
     )
     proc.start()
     try:
-        if not parent.poll(60):
+        if not wait([parent, proc.sentinel], timeout=60):
             raise TimeoutError(f"the {kind} server did not start within 60s")
+        if not parent.poll():
+            raise RuntimeError(f"the {kind} server process exited with code {proc.exitcode} before listening")
         address: Any = parent.recv()
         if str(address).startswith("error:"):
             raise RuntimeError(f"the {kind} server failed: {address}")
