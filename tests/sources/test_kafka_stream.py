@@ -110,10 +110,17 @@ def test_kafka_broker_restart_mid_run(tmp_path: Path, kafka_broker: Any) -> None
     job = _job(tmp_path, kafka_broker, topic)
     try:
         job.start()
-        job.run_chaos(total, [lambda: kafka_broker.restart(hard=True)], rng)
+
+        def broker_down_then_up() -> None:
+            kafka_broker.kill()
+            with job.admin() as admin:  # the master keeps retrying and says so in status
+                wait_until(lambda: "Kafka" in admin.describe_dataset("stream").error, 60, "status to show the outage")
+            kafka_broker.start()
+
+        job.run_chaos(total, [broker_down_then_up], rng)
         report, _, info = job.finish(total)
         assert report.exact, f"{report}\n{job.logs()}"
-        assert not info.failed and info.records_committed == total
+        assert not info.failed and info.records_committed == total and info.error == ""
     finally:
         job.stop()
 
@@ -198,5 +205,30 @@ def test_poison_records_go_to_the_dead_letter_dataset(tmp_path: Path, tansu_brok
         assert info.dead_letters == len(poison)
         sample = json.loads(files[0].read_text())
         assert bytes.fromhex(sample["value"]) == b"\x00not json" and sample["error"]
+    finally:
+        job.stop()
+
+
+def test_deleted_topic_fails_the_dataset_clearly(tmp_path: Path, kafka_broker: Any) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    from streamrover.shard_service import FailedPreconditionError
+
+    topic = _create_topic(kafka_broker, 2)
+    _produce(kafka_broker, topic, range(100), 2)
+    job = _job(tmp_path, kafka_broker, topic)
+    job.workers = 0
+    try:
+        job.start()
+        kafka_admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
+        for f in kafka_admin.delete_topics([topic]).values():
+            f.result(30)
+        with job.admin() as admin:
+            wait_until(lambda: admin.describe_dataset("stream").failed, 60, "the dataset to fail")
+            info = admin.describe_dataset("stream")
+            assert topic in info.error and "does not exist" in info.error
+            admin.join()
+            with pytest.raises(FailedPreconditionError, match="does not exist"):
+                admin.lease("stream")
     finally:
         job.stop()
