@@ -1,0 +1,373 @@
+"""RocketMQ message queues as a stream source (the 4.x remoting client, package ``rocketmq`` 0.4.4).
+
+URI: ``rocketmq://HOST:PORT[;HOST:PORT...]/TOPIC`` (name server addresses, ``;`` or ``,``
+separated). Options whose names start with ``sr.`` are streamrover's; the others are client
+settings named as RocketMQ's Java client names them: ``consumerGroup`` (default
+``streamrover-TOPIC``: the group whose offsets are committed and, with ``sr.start=group``, read).
+
+- ``sr.start``: where each queue starts when the dataset is registered: ``earliest`` (default:
+  the queue's min offset), ``latest`` (its max offset) or ``group`` (the consumer group's
+  committed offsets, earliest where none).
+- ``sr.format``: ``raw`` (default: columns body, offset) or ``json`` (each body a JSON object;
+  ``sr.schema`` such as ``id:int64,x:float64`` fixes the columns).
+- ``sr.dead_letter_dir``: where records that fail to decode go, raw, one file per record
+  named by partition and offset (idempotent on replay). Counts go to status.
+- ``sr.read_timeout_ms``: how long a read retries an unreachable broker (default 60000).
+
+Partitions are message queues, named ``TOPIC@BROKER-QUEUEID``. Positions are queue offsets:
+dense (every offset below a queue's max offset holds one message), so a shard ``[start, end)``
+holds ``end - start`` records. ``poll()`` returns each queue's max offset as its end.
+
+Why the 4.x client: the 5.x client (``rocketmq-python-client``) reads through the proxy's
+gRPC API, whose PullMessage/QueryOffset/GetOffset answer UNIMPLEMENTED in 5.5, so it cannot
+read by offset. Workers pull by offset with librocketmq (``Pull(queue, "*", offset, max)``)
+against the name server; the master reads routes and queue offsets and commits the consumer
+group's offsets with single remoting requests (:mod:`streamrover.sources.rocketmq_remoting`),
+which librocketmq has no call for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from streamrover.sources.api import (
+    Partition,
+    ReadBatch,
+    Source,
+    SourceError,
+    SourceGoneError,
+    SourceKind,
+    SourceUnavailableError,
+    register_source,
+)
+from streamrover.sources.rocketmq_remoting import (
+    SUBSCRIPTION_GROUP_NOT_EXIST,
+    QueueRoute,
+    RemotingClient,
+    RemotingConnectionError,
+    RemotingError,
+)
+
+RAW_SCHEMA = pa.schema([("body", pa.binary()), ("offset", pa.int64())])
+CLIENT_OPTIONS = ("consumerGroup",)
+DEFAULT_READ_TIMEOUT_MS = 60_000
+MAX_BACKOFF = 2.0
+_TOPIC_RE = re.compile(r"^[%|A-Za-z0-9_-]{1,127}$")
+_TYPES = {
+    "int64": pa.int64(),
+    "int32": pa.int32(),
+    "float64": pa.float64(),
+    "float32": pa.float32(),
+    "string": pa.string(),
+    "bool": pa.bool_(),
+    "binary": pa.binary(),
+}
+# librocketmq's CPullStatus
+_FOUND, _NO_NEW_MSG, _NO_MATCHED_MSG, _OFFSET_ILLEGAL, _BROKER_TIMEOUT = range(5)
+
+
+def parse_uri(uri: str) -> tuple[list[str], str]:
+    """``rocketmq://NS[;NS...]/TOPIC`` -> (name server addresses, topic)."""
+    if not uri.startswith("rocketmq://"):
+        raise SourceError(f"a RocketMQ URI looks like rocketmq://NAMESRV_HOST:PORT/TOPIC, got {uri!r}")
+    servers, _, topic = uri[len("rocketmq://") :].partition("/")
+    namesrvs = [s for s in re.split(r"[;,]", servers) if s]
+    if not namesrvs or any(":" not in s for s in namesrvs) or not _TOPIC_RE.match(topic):
+        raise SourceError(f"a RocketMQ URI looks like rocketmq://HOST:PORT[;HOST:PORT]/TOPIC, got {uri!r}")
+    return namesrvs, topic
+
+
+def parse_schema(text: str) -> pa.Schema:
+    fields = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, type_name = item.partition(":")
+        if type_name not in _TYPES:
+            raise SourceError(f"sr.schema field {item!r}: type must be one of {', '.join(sorted(_TYPES))}")
+        fields.append(pa.field(name, _TYPES[type_name]))
+    if not fields:
+        raise SourceError("sr.schema is empty; give fields like id:int64,x:float64")
+    return pa.schema(fields)
+
+
+class RocketMQSource(Source):
+    kind = SourceKind.STREAM
+    dense_positions = True
+
+    def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
+        opts = dict(options or {})
+        self.uri = uri
+        self.namesrvs, self.topic = parse_uri(uri)
+        self.sr = {k: v for k, v in opts.items() if k.startswith("sr.")}
+        client = {k: v for k, v in opts.items() if not k.startswith("sr.")}
+        unknown = sorted(set(client) - set(CLIENT_OPTIONS))
+        if unknown:
+            raise SourceError(f"unknown RocketMQ option(s) {unknown}; known: {', '.join(CLIENT_OPTIONS)} and sr.*")
+        self.group = client.get("consumerGroup", f"streamrover-{self.topic}")
+        self.start = self.sr.get("sr.start", "earliest")
+        if self.start not in ("earliest", "latest", "group"):
+            raise SourceError(f"sr.start must be earliest, latest or group, got {self.start!r}")
+        self.format = self.sr.get("sr.format", format or "raw")
+        if self.format not in ("raw", "json"):
+            raise SourceError(f"sr.format must be raw or json, got {self.format!r}")
+        self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.sr.get("sr.schema", ""))
+        self.dead_letter_dir = self.sr.get("sr.dead_letter_dir", "")
+        self.read_timeout = int(self.sr.get("sr.read_timeout_ms", DEFAULT_READ_TIMEOUT_MS)) / 1000.0
+        self._remoting: RemotingClient | None = None
+        self._routes: dict[str, QueueRoute] = {}
+        self._starts: dict[str, int] = {}  # queue min offsets seen by poll(): only new queues need one
+        self._group_registered = False
+        self._puller: _Puller | None = None
+
+    # -- master side: routes, offsets, commits (remoting) -----------------------------
+    def _client(self) -> RemotingClient:
+        if self._remoting is None:
+            self._remoting = RemotingClient()
+        return self._remoting
+
+    def _pid(self, route: QueueRoute) -> str:
+        return f"{self.topic}@{route.broker_name}-{route.queue_id}"
+
+    def _route(self, partition_id: str) -> QueueRoute:
+        if partition_id not in self._routes:
+            self._queues()
+        route = self._routes.get(partition_id)
+        if route is None:
+            raise SourceError(f"partition {partition_id!r} is not a message queue of topic {self.topic!r}")
+        return route
+
+    def _queues(self) -> list[QueueRoute]:
+        """The topic's readable queues, from the first name server that answers."""
+        errors = []
+        for namesrv in self.namesrvs:
+            try:
+                queues = self._client().topic_route(namesrv, self.topic)
+            except RemotingConnectionError as exc:
+                errors.append(str(exc))
+                continue
+            except RemotingError as exc:
+                raise SourceUnavailableError(f"name server {namesrv}: {exc}") from exc
+            if queues is None:
+                raise SourceGoneError(f"RocketMQ topic {self.topic!r} does not exist (name server {namesrv})")
+            if not queues:
+                raise SourceUnavailableError(f"RocketMQ topic {self.topic!r} has no readable queue on a master broker")
+            self._routes = {self._pid(q): q for q in queues}
+            return queues
+        raise SourceUnavailableError(f"no RocketMQ name server answers: {'; '.join(errors)}")
+
+    def _offsets(self, queues: list[QueueRoute], which: str) -> dict[str, int]:
+        client = self._client()
+        out: dict[str, int] = {}
+        try:
+            for q in queues:
+                if which == "min":
+                    out[self._pid(q)] = client.min_offset(q.broker_address, self.topic, q.queue_id)
+                elif which == "max":
+                    out[self._pid(q)] = client.max_offset(q.broker_address, self.topic, q.queue_id)
+                else:
+                    committed = client.query_consumer_offset(q.broker_address, self.group, self.topic, q.queue_id)
+                    if committed is not None:
+                        out[self._pid(q)] = committed
+        except (RemotingConnectionError, RemotingError) as exc:
+            raise SourceUnavailableError(f"cannot read queue offsets of {self.topic!r}: {exc}") from exc
+        return out
+
+    def partitions(self) -> list[Partition]:
+        queues = self._queues()
+        ends = self._offsets(queues, "max")
+        starts = self._offsets(queues, "max" if self.start == "latest" else "min")
+        if self.start == "group":
+            starts.update(self._offsets(queues, "group"))
+        return [Partition(pid, starts[pid], max(ends[pid], starts[pid])) for pid in (self._pid(q) for q in queues)]
+
+    def poll(self) -> list[Partition]:
+        queues = self._queues()
+        ends = self._offsets(queues, "max")
+        new = [q for q in queues if self._pid(q) not in self._starts]
+        self._starts.update(self._offsets(new, "min"))
+        return [Partition(pid, self._starts[pid], ends[pid]) for pid in (self._pid(q) for q in queues)]
+
+    def commit(self, positions: Mapping[str, int]) -> None:
+        for pid, offset in sorted(positions.items()):
+            route = self._route(pid)
+            try:
+                self._commit_one(route, offset)
+            except RemotingConnectionError as exc:
+                raise SourceUnavailableError(f"cannot commit offsets of group {self.group!r}: {exc}") from exc
+
+    def _commit_one(self, route: QueueRoute, offset: int) -> None:
+        client = self._client()
+        try:
+            client.update_consumer_offset(route.broker_address, self.group, self.topic, route.queue_id, offset)
+            return
+        except RemotingError as exc:
+            if exc.code != SUBSCRIPTION_GROUP_NOT_EXIST or self._group_registered:
+                raise SourceError(f"cannot commit offsets of group {self.group!r}: {exc}") from exc
+        # A group comes into being with its first consumer's heartbeat (where the broker auto-creates groups).
+        self._group_registered = True
+        client.register_consumer_group(route.broker_address, f"streamrover@{os.getpid()}", self.group)
+        try:
+            client.update_consumer_offset(route.broker_address, self.group, self.topic, route.queue_id, offset)
+        except RemotingError as exc:
+            raise SourceError(
+                f"cannot commit offsets of group {self.group!r}: {exc}; create the group "
+                f"(mqadmin updateSubGroup -g {self.group}) or enable autoCreateSubscriptionGroup"
+            ) from exc
+
+    def committed(self) -> dict[str, int | None]:
+        """The consumer group's committed offset of each queue (None where it has none)."""
+        queues = self._queues()
+        got = self._offsets(queues, "group")
+        return {self._pid(q): got.get(self._pid(q)) for q in queues}
+
+    def schema(self) -> pa.Schema:
+        return self._schema
+
+    # -- worker side: pull by offset (librocketmq) --------------------------------------
+    def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
+        topic, _, rest = partition.id.partition("@")
+        broker, _, qid = rest.rpartition("-")
+        if topic != self.topic or not broker or not qid.isdigit():
+            raise SourceError(f"partition {partition.id!r} is not a message queue of topic {self.topic!r}")
+        if self._puller is None:
+            self._puller = _Puller(self.namesrvs, self.group)
+        pending: list[tuple[int, bytes]] = []
+        batch_start = offset = start
+        while offset < end:
+            fetched, offset = self._puller.pull(partition.id, broker, int(qid), offset, end, self.read_timeout)
+            for msg in fetched:
+                pending.append(msg)
+                if len(pending) >= batch_size:
+                    batch = self._batch(partition.id, pending, batch_start, msg[0] + 1)
+                    batch_start, pending = batch.end, []
+                    yield batch
+        if pending or batch_start < end:
+            yield self._batch(partition.id, pending, batch_start, end)
+
+    def _batch(self, partition_id: str, msgs: list[tuple[int, bytes]], start: int, end: int) -> ReadBatch:
+        offsets = pa.array([off for off, _ in msgs], pa.int64())
+        if self.format == "raw":
+            records = pa.RecordBatch.from_arrays([pa.array([b for _, b in msgs], pa.binary()), offsets],
+                                                 schema=RAW_SCHEMA)
+            return ReadBatch(records, start, end, offsets)
+        rows: list[dict[str, Any]] = []
+        keep: list[int] = []
+        for i, (off, body) in enumerate(msgs):
+            try:
+                obj = json.loads(body)
+                rows.append({f.name: obj[f.name] for f in self._schema})
+                keep.append(i)
+            except (ValueError, KeyError, TypeError) as exc:
+                self._dead_letter(partition_id, off, body, exc)
+        try:
+            records = pa.RecordBatch.from_pylist(rows, schema=self._schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # some value has the wrong type: find which, one by one
+            good_rows, good_keep = [], []
+            for row, i in zip(rows, keep):
+                try:
+                    pa.RecordBatch.from_pylist([row], schema=self._schema)
+                except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+                    self._dead_letter(partition_id, msgs[i][0], msgs[i][1], exc)
+                    continue
+                good_rows.append(row)
+                good_keep.append(i)
+            rows, keep = good_rows, good_keep
+            records = pa.RecordBatch.from_pylist(rows, schema=self._schema)
+        positions = offsets.take(pa.array(keep, pa.int64())) if keep else pa.array([], pa.int64())
+        return ReadBatch(records, start, end, positions, dead_letters=len(msgs) - len(keep))
+
+    def _dead_letter(self, partition_id: str, offset: int, body: bytes, exc: Exception) -> None:
+        if not self.dead_letter_dir:
+            raise SourceError(
+                f"record at {partition_id} offset {offset} cannot be decoded ({exc}); set sr.dead_letter_dir "
+                "to send such records to a dead-letter dataset"
+            )
+        root = Path(self.dead_letter_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"{partition_id}-{offset:020d}.json"
+        doc = {"partition": partition_id, "offset": offset, "error": str(exc), "value": body.hex()}
+        tmp = final.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(doc))
+        tmp.rename(final)
+
+    def close(self) -> None:
+        if self._puller is not None:
+            self._puller.close()
+            self._puller = None
+        if self._remoting is not None:
+            self._remoting.close()
+            self._remoting = None
+
+
+class _Puller:
+    """librocketmq's pull consumer, driven with explicit offsets (no offset store, no rebalance)."""
+
+    def __init__(self, namesrvs: list[str], group: str) -> None:
+        from rocketmq.ffi import _CMessageQueue, dll  # lazily: loads librocketmq
+
+        self._dll, self._mq_type = dll, _CMessageQueue
+        # MQMessage::getBody() returns the body as a std::string (binary-safe); the C API's
+        # GetMessageBody returns a char* and cuts a body at its first NUL byte.
+        self._get_body = dll._ZNK8rocketmq9MQMessage7getBodyEv
+        self._get_body.argtypes = [ctypes.c_void_p]
+        self._get_body.restype = ctypes.c_void_p
+        self._body_checked = False
+        self._handle = dll.CreatePullConsumer(group.encode())
+        if not self._handle:
+            raise SourceError("librocketmq could not create a pull consumer")
+        dll.SetPullConsumerNameServerAddress(self._handle, ";".join(namesrvs).encode())
+        if dll.StartPullConsumer(self._handle) != 0:
+            raise SourceUnavailableError(f"librocketmq pull consumer did not start: {dll.GetLatestErrorMessage()!r}")
+
+    def pull(self, pid: str, broker: str, queue_id: int, offset: int, end: int,
+             timeout: float) -> tuple[list[tuple[int, bytes]], int]:
+        """Messages at ``offset`` onwards below ``end`` (one pull) and the next offset to pull."""
+        mq = self._mq_type(topic=pid.partition("@")[0].encode(), brokerName=broker.encode(), queueId=queue_id)
+        give_up, backoff = time.monotonic() + timeout, 0.05
+        while True:
+            res = self._dll.Pull(self._handle, ctypes.byref(mq), b"*", offset, min(end - offset, 1024))
+            try:
+                status = res.pullStatus
+                if status == _FOUND:
+                    msgs = [self._message(res.msgFoundList[i]) for i in range(res.size)]
+                    return [m for m in msgs if offset <= m[0] < end], max(int(res.nextBeginOffset), offset + 1)
+                if status == _OFFSET_ILLEGAL and res.minOffset > offset:
+                    gone = f"{pid} offsets from {offset} are gone from RocketMQ (min offset {res.minOffset})"
+                    raise SourceError(gone)
+                what = f"pull status {status} at {pid} offset {offset} (queue max offset {res.maxOffset})"
+            finally:
+                self._dll.ReleasePullResult(res)
+            # Broker unreachable or restarting, or the offset not visible yet: retry with backoff.
+            if time.monotonic() + backoff > give_up:
+                raise SourceUnavailableError(f"cannot read {pid} below {end}: {what} for {timeout:.0f}s")
+            time.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _message(self, handle: int) -> tuple[int, bytes]:
+        string = self._get_body(handle)  # a libstdc++ (pre-C++11 ABI) std::string: one pointer to the chars,
+        data = ctypes.c_void_p.from_address(string).value or 0  # with the length 24 bytes before them
+        body = ctypes.string_at(data, ctypes.c_size_t.from_address(data - 24).value) if data else b""
+        if not self._body_checked:
+            if body.split(b"\0", 1)[0] != (self._dll.GetMessageBody(handle) or b""):
+                raise SourceError("librocketmq's message body layout is not the one this source reads (rocketmq 0.4.4)")
+            self._body_checked = True
+        return int(self._dll.GetMessageQueueOffset(handle)), body
+
+    def close(self) -> None:
+        self._dll.ShutdownPullConsumer(self._handle)
+        self._dll.DestroyPullConsumer(self._handle)
+
+
+def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:
+    return RocketMQSource(uri, format, options)
+
+
+register_source(_factory, schemes=("rocketmq",))
