@@ -1,0 +1,90 @@
+"""RocketMQ streams end to end, against a real RocketMQ 5.x name server and broker.
+
+Records with unique ids are produced across message queues (with the 4.x client, ``rocketmq``
+0.4.4) while ledger worker processes consume them through shards; a worker and the master are
+SIGKILLed at random moments. The ledger must be exact and the consumer group's offsets on the
+broker (read back with QUERY_CONSUMER_OFFSET) must equal the committed cursor.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from streamrover.cursor import IntervalSet, PartitionKey
+from streamrover.sources.rocketmq_remoting import RemotingClient
+from tests.brokers.rocketmq import RocketMQBroker
+from tests.helpers import wait_until
+from tests.sources.stream_job import StreamJob
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytest.importorskip("rocketmq.client", reason="rocketmq 0.4.4 (the 4.x remoting client) is not installed")
+
+
+def _produce(broker: RocketMQBroker, topic: str, ids: range) -> None:
+    """Send ``{"id": i}`` for each id, synchronously (the producer spreads them over the queues)."""
+    from rocketmq.client import Message, Producer
+
+    producer = Producer(f"test-producer-{uuid.uuid4().hex[:8]}", timeout=10_000)
+    producer.set_namesrv_addr(broker.namesrv_address)
+    producer.start()
+    try:
+        for i in ids:
+            msg = Message(topic)
+            msg.set_body(json.dumps({"id": i}).encode())
+            producer.send_sync(msg)
+    finally:
+        producer.shutdown()
+
+
+def _group_offsets(broker: RocketMQBroker, group: str, topic: str, queues: int) -> dict[str, int | None]:
+    client = RemotingClient()
+    try:
+        return {
+            f"{topic}@{broker.broker_name}-{q}": client.query_consumer_offset(broker.broker_address, group, topic, q)
+            for q in range(queues)
+        }
+    finally:
+        client.close()
+
+
+def test_rocketmq_stream_ledger_exact_under_worker_and_master_kills(
+    tmp_path: Path, rocketmq_broker: RocketMQBroker
+) -> None:
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    total, queues = 6_000, 4
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    rocketmq_broker.create_topic(topic, queues)
+    _produce(rocketmq_broker, topic, range(0, total // 2))
+    options = {"sr.format": "json", "sr.schema": "id:int64", "sr.max_delay_ms": "200"}
+    job = StreamJob(tmp_path, f"rocketmq://{rocketmq_broker.namesrv_address}/{topic}", options,
+                    records_per_shard=300, batch_size=100)
+    try:
+        job.start()
+        later = threading.Thread(target=_produce, args=(rocketmq_broker, topic, range(total // 2, total)))
+        later.start()  # the second half arrives while the job runs
+        job.run_chaos(total, [lambda: job.kill_worker(rng), job.kill_master], rng)
+        later.join()
+        report, cursor, info = job.finish(total)
+        assert len(job.events) == 2, job.events  # a worker and the master were SIGKILLed mid-run
+        assert report.exact, f"seed {seed}, {job.events}: {report}\n{job.logs()}"
+        assert report.conflicts == 0
+        ends = {p.id: p.available_end for p in info.partitions}
+        assert sorted(ends) == [f"{topic}@{rocketmq_broker.broker_name}-{q}" for q in range(queues)]
+        assert sum(ends.values()) == total  # dense queue offsets: one position per record
+        assert sum(1 for end in ends.values() if end) > 1, "all records landed in one queue"
+        for part in info.partitions:  # the committed cursor covers each queue from 0 to its end, once
+            assert cursor.get(PartitionKey("stream", 0, part.id)) == IntervalSet([(0, ends[part.id])])
+        # ... and the consumer group's offsets on the broker equal it.
+        group = f"streamrover-{topic}"
+        wait_until(lambda: _group_offsets(rocketmq_broker, group, topic, queues) == ends, 30,
+                   f"consumer offsets of {group} to equal {ends}")
+        assert info.lag == 0
+    finally:
+        job.stop()
