@@ -12,7 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-DEFAULT_RECORDS_PER_SHARD = 10_000
+DEFAULT_RECORDS_PER_SHARD = 10_000  # streams
+MAX_AUTO_RECORDS_PER_SHARD = 1 << 18  # batch files: one shard per row group, up to this many rows
 DEFAULT_LEASE_TTL = 10.0
 
 
@@ -82,7 +83,7 @@ class DatasetSpec:
             uri=self.uri,
             format=self.format,
             options=dict(sorted(self.options.items())),
-            records_per_shard=self.records_per_shard or DEFAULT_RECORDS_PER_SHARD,
+            records_per_shard=self.records_per_shard,
             epochs=max(self.epochs, 1),
             shuffle=self.shuffle,
             seed=self.seed,

@@ -87,8 +87,7 @@ class ShardCore(CutOps, StreamOps):
             plans = [PartitionPlan(i, p.id, p.start, p.start) for i, p in enumerate(partitions)]
         ds = DatasetRecord(spec, kind, plans, schema_json, epochs_planned=0)
         self.datasets[ds.name] = ds
-        self.by_dataset[ds.name] = set()
-        self.queues[ds.name] = []
+        self._new_dataset_indexes(ds.name)
         with self.journal.transaction():
             if kind is SourceKind.BATCH:
                 self._plan_next_epoch(ds)
@@ -148,8 +147,8 @@ class ShardCore(CutOps, StreamOps):
         w = self.workers.get(s.worker or "")
         if w is not None:
             w.leases.discard(s.id)
-        s.state, s.worker, s.deadline = ShardState.TODO, None, 0.0
-        self.leased.discard(s.id)
+        self._set_state(s, ShardState.TODO)
+        s.worker, s.deadline = None, 0.0
         self._push(s, front=True)
         self.journal.put_shard(s)
 
@@ -206,13 +205,8 @@ class ShardCore(CutOps, StreamOps):
                 if s is None:
                     break
                 self._lease_seq += 1
-                s.state, s.attempt, s.worker, s.deadline = (
-                    ShardState.LEASED,
-                    self._lease_seq,
-                    w.id,
-                    now + self.lease_ttl,
-                )
-                self.leased.add(s.id)
+                self._set_state(s, ShardState.LEASED)
+                s.attempt, s.worker, s.deadline = self._lease_seq, w.id, now + self.lease_ttl
                 w.leases.add(s.id)
                 self.journal.put_shard(s)
                 grants.append(self._grant(ds, s))
@@ -223,7 +217,7 @@ class ShardCore(CutOps, StreamOps):
                 self._save_counters()
         if grants:
             return LeaseOutcome(LeaseStatus.OK, grants)
-        if self.counts(ds).finished:
+        if self.finished(ds):
             return LeaseOutcome(LeaseStatus.END, [])
         deadline = self.next_deadline()
         retry = 1.0 if deadline is None else min(max(deadline - now, 0.05), 1.0)
@@ -267,8 +261,8 @@ class ShardCore(CutOps, StreamOps):
         self.unfolded.add(s.id)
         done = position == s.end
         if done:
-            s.state, s.worker = ShardState.ACKED, None
-            self.leased.discard(s.id)
+            self._set_state(s, ShardState.ACKED)
+            s.worker = None
             w.leases.discard(s.id)
         with self.journal.transaction():
             self.journal.put_shard(s)
@@ -289,12 +283,19 @@ class ShardCore(CutOps, StreamOps):
         raise NotFoundError(f"shard {shard_id!r} is unknown to this shard service")
 
     # ------------------------------------------------------------------- status
+    def finished(self, ds: DatasetRecord) -> bool:
+        """A batch dataset is finished when every epoch is planned and no shard waits or is leased."""
+        states = self.state_counts[ds.name]
+        return (
+            ds.kind is SourceKind.BATCH
+            and ds.epochs_planned >= ds.spec.epochs
+            and states[ShardState.TODO] == 0
+            and states[ShardState.LEASED] == 0
+        )
+
     def counts(self, ds: DatasetRecord) -> DatasetCounts:
-        states = {state: 0 for state in ShardState}
-        acked_records = 0
-        for sid in self.by_dataset[ds.name]:
-            s = self.shards[sid]
-            states[s.state] += 1
+        """Shard and record counts for status (walks the committed cursor: not for hot paths)."""
+        states = self.state_counts[ds.name]
         committed_cells = 0
         committed_records = 0
         for part in ds.partitions:
@@ -303,12 +304,7 @@ class ShardCore(CutOps, StreamOps):
                 committed_cells += grid_cells_covered(part, ds.shard_size, covered)
                 committed_records += covered.size()
         acked_records = self.acked_cursor().only(ds.name).size()
-        finished = (
-            ds.kind is SourceKind.BATCH
-            and ds.epochs_planned >= ds.spec.epochs
-            and states[ShardState.TODO] == 0
-            and states[ShardState.LEASED] == 0
-        )
+        finished = self.finished(ds)
         return DatasetCounts(
             todo=states[ShardState.TODO],
             leased=states[ShardState.LEASED],

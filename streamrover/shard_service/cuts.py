@@ -87,9 +87,7 @@ class CutOps(CoreState):
             covered = self.committed.get(self._key(s))
             s.acks = [(st, pos) for st, pos in s.acks if not covered.covers(s.start, pos)]
             if s.state is ShardState.ACKED and covered.covers(s.start, s.end):
-                del self.shards[sid]
-                self.by_dataset[s.dataset].discard(sid)
-                self.unfolded.discard(sid)
+                self._drop_shard(sid)
                 self.journal.delete_shard(sid)
                 continue
             if not s.acks:
@@ -140,12 +138,10 @@ class CutOps(CoreState):
         return revoked, requeued
 
     def _replan(self, ds: DatasetRecord, cursor: DataCursor) -> int:
-        for sid in self.by_dataset[ds.name]:
+        for sid in sorted(self.by_dataset[ds.name]):
             self.restore_revoked.add(sid)
-            self.unfolded.discard(sid)
-            del self.shards[sid]
-        self.by_dataset[ds.name] = set()
-        self.queues[ds.name] = []
+            self._drop_shard(sid)
+        self._new_dataset_indexes(ds.name)
         self.journal.delete_shards_of(ds.name)
         done = {(k.epoch, k.partition): ivs for k, ivs in cursor.items()}
         if ds.kind is SourceKind.BATCH:

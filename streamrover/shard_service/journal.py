@@ -30,16 +30,18 @@ from streamrover.sources.api import SourceKind
 SCHEMA_VERSION = 1
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS datasets (
     name TEXT PRIMARY KEY, spec TEXT NOT NULL, kind TEXT NOT NULL, partitions TEXT NOT NULL,
     schema TEXT NOT NULL, epochs_planned INTEGER NOT NULL, dead_letters INTEGER NOT NULL, failed TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS shards (
     id TEXT PRIMARY KEY, dataset TEXT NOT NULL, epoch INTEGER NOT NULL, pindex INTEGER NOT NULL,
     start INTEGER NOT NULL, "end" INTEGER NOT NULL, state TEXT NOT NULL, attempt INTEGER NOT NULL,
-    worker TEXT, acked_to INTEGER NOT NULL, acks TEXT NOT NULL, acked_by TEXT NOT NULL, priority REAL NOT NULL);
+    worker TEXT, acked_to INTEGER NOT NULL, acks TEXT NOT NULL, acked_by TEXT NOT NULL, priority REAL NOT NULL)
+    WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS workers (
-    id TEXT PRIMARY KEY, name TEXT NOT NULL, last_request_id INTEGER NOT NULL, last_lease_ids TEXT NOT NULL);
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, last_request_id INTEGER NOT NULL, last_lease_ids TEXT NOT NULL)
+    WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS cursor (
     dataset TEXT NOT NULL, epoch INTEGER NOT NULL, partition TEXT NOT NULL, intervals TEXT NOT NULL,
     PRIMARY KEY (dataset, epoch, partition));

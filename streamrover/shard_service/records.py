@@ -6,7 +6,13 @@ import enum
 from dataclasses import dataclass, field
 
 from streamrover.cursor import DataCursor
-from streamrover.shard_service.api import DatasetSpec, PartitionPlan, ShardState
+from streamrover.shard_service.api import (
+    DEFAULT_RECORDS_PER_SHARD,
+    MAX_AUTO_RECORDS_PER_SHARD,
+    DatasetSpec,
+    PartitionPlan,
+    ShardState,
+)
 from streamrover.sources.api import SourceKind
 
 
@@ -49,7 +55,13 @@ class DatasetRecord:
 
     @property
     def shard_size(self) -> int:
-        return self.spec.records_per_shard
+        """Records per shard: as specified, or for batch files one partition (a parquet row group), capped."""
+        if self.spec.records_per_shard:
+            return self.spec.records_per_shard
+        if self.kind is SourceKind.BATCH and self.partitions:
+            longest = max(p.end - p.start for p in self.partitions)
+            return max(1, min(longest, MAX_AUTO_RECORDS_PER_SHARD))
+        return DEFAULT_RECORDS_PER_SHARD
 
     def partition_by_id(self) -> dict[str, PartitionPlan]:
         return {p.id: p for p in self.partitions}

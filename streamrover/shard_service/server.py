@@ -217,6 +217,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             result = self.core.ack(
                 request.worker_id, request.shard_id, request.attempt, request.position, step, request.dead_letters
             )
+            if result.shard_done:  # a lease call waiting for the last shards may now be answered END
+                self.cond.notify_all()
             return pb.AckResponse(shard_done=result.shard_done, duplicate=result.duplicate)
 
     # ------------------------------------------------------------------- cursor

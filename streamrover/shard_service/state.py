@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
 from streamrover.cursor import DataCursor, PartitionKey
@@ -25,6 +25,7 @@ class CoreState:
         self.shards: dict[str, ShardRecord] = {}
         self.by_dataset: dict[str, set[str]] = {}
         self.queues: dict[str, list[tuple[float, str]]] = {}
+        self.state_counts: dict[str, Counter[ShardState]] = {}
         self.leased: set[str] = set()
         self.unfolded: set[str] = set()  # shards with acks not yet in the committed cursor
         self.workers: dict[str, WorkerRecord] = {}
@@ -48,8 +49,7 @@ class CoreState:
         now = self.clock()
         for ds in self.journal.load_datasets():
             self.datasets[ds.name] = ds
-            self.by_dataset[ds.name] = set()
-            self.queues[ds.name] = []
+            self._new_dataset_indexes(ds.name)
         for w in self.journal.load_workers():
             w.last_seen = now
             self.workers[w.id] = w
@@ -59,7 +59,8 @@ class CoreState:
                 s.deadline = now + self.lease_ttl
                 worker = self.workers.get(s.worker or "")
                 if worker is None:  # worker row gone with the lease still recorded: return the shard
-                    s.state, s.worker = ShardState.TODO, None
+                    self._set_state(s, ShardState.TODO)
+                    s.worker = None
                     self._push(s)
                 else:
                     worker.leases.add(s.id)
@@ -70,12 +71,38 @@ class CoreState:
     def _index(self, s: ShardRecord) -> None:
         self.shards[s.id] = s
         self.by_dataset[s.dataset].add(s.id)
+        self.state_counts[s.dataset][s.state] += 1
         if s.state is ShardState.TODO:
             heapq.heappush(self.queues[s.dataset], (s.priority, s.id))
         elif s.state is ShardState.LEASED:
             self.leased.add(s.id)
         if s.acks:
             self.unfolded.add(s.id)
+
+    def _set_state(self, s: ShardRecord, state: ShardState) -> None:
+        """Every shard state change goes through here, so the per-dataset counts stay exact."""
+        counts = self.state_counts[s.dataset]
+        counts[s.state] -= 1
+        counts[state] += 1
+        s.state = state
+        if state is ShardState.LEASED:
+            self.leased.add(s.id)
+        else:
+            self.leased.discard(s.id)
+
+    def _drop_shard(self, sid: str) -> ShardRecord:
+        """Remove a shard from memory (the caller deletes its journal row)."""
+        s = self.shards.pop(sid)
+        self.by_dataset[s.dataset].discard(sid)
+        self.unfolded.discard(sid)
+        self.leased.discard(sid)
+        self.state_counts[s.dataset][s.state] -= 1
+        return s
+
+    def _new_dataset_indexes(self, name: str) -> None:
+        self.by_dataset[name] = set()
+        self.queues[name] = []
+        self.state_counts[name] = Counter()
 
     def _push(self, s: ShardRecord, front: bool = False) -> None:
         if front:

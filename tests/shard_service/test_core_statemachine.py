@@ -226,6 +226,14 @@ class ShardServiceMachine(RuleBasedStateMachine):
         assert self.core.acked_cursor() == self._model_cursor()
 
     @invariant()
+    def state_counts_are_exact(self) -> None:
+        from collections import Counter
+
+        actual = Counter(s.state for s in self.core.shards.values())
+        assert {k: v for k, v in self.core.state_counts.get("d", Counter()).items() if v} == dict(actual)
+        assert self.core.leased == {s.id for s in self.core.shards.values() if s.state.value == "leased"}
+
+    @invariant()
     def committed_inside_acked(self) -> None:
         acked = self.core.acked_cursor()
         for key, ivs in self.core.committed.items():
