@@ -59,7 +59,7 @@ def pulsar_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PulsarLi
 
 @pytest.fixture(scope="session")
 def rocketmq_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RocketMQBroker]:
-    """RocketMQ 5.x name server + broker/proxy; ``.namesrv_address``, ``.proxy_endpoint``, ``create_topic()``."""
+    """RocketMQ 5.x name server + broker; ``.namesrv_address``, ``.broker_address``, ``create_topic()``."""
     broker = RocketMQBroker(tmp_path_factory.mktemp("rocketmq"))
     broker.start()
     try:

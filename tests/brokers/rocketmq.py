@@ -1,33 +1,31 @@
-"""Apache RocketMQ 5.x from Maven Central jars: a name server and a broker with the proxy in local mode.
+"""Apache RocketMQ 5.x from Maven Central jars: a name server and a broker.
 
-Two JVMs, both from the cached classpath (scripts/fetch-jars.sh):
+Two JVMs, both from the cached classpath (scripts/fetch-jars.sh), speaking the remoting protocol
+that 4.x clients (the ``rocketmq`` 0.4.4 package, which streamrover uses) talk:
 
-- ``org.apache.rocketmq.namesrv.NamesrvStartup`` (remoting protocol, what 4.x clients such as the
-  ``rocketmq`` 0.4.4 package talk to);
-- ``org.apache.rocketmq.proxy.ProxyStartup -pm local``: the 5.x proxy with the broker inside the same
-  JVM (what RocketMQ's ``mqbroker --enable-proxy`` runs). It serves the 5.x gRPC protocol
-  (``rocketmq-python-client``) on ``proxy_endpoint`` and the broker's remoting port on ``broker_address``.
+- ``org.apache.rocketmq.namesrv.NamesrvStartup``;
+- ``org.apache.rocketmq.broker.BrokerStartup`` on ``broker_address``.
 
-All listeners bind 127.0.0.1. Three of them (proxy gRPC, proxy remoting, broker HA) have no bind
-setting in 5.5 and would take the wildcard address, and the name server dials the host's primary
-address to reach itself; the LD_PRELOAD shim ``native/loopback_only.c`` rewrites those to loopback.
+No proxy: the 5.x gRPC protocol (``rocketmq-python-client``) cannot read by offset (the 5.5 proxy
+answers UNIMPLEMENTED to PullMessage/QueryOffset/GetOffset), so nothing here uses it.
+
+All listeners bind 127.0.0.1. The broker's HA port has no bind setting in 5.5 and would take the
+wildcard address, and the name server dials the host's primary address to reach itself; the
+LD_PRELOAD shim ``native/loopback_only.c`` rewrites those to loopback.
 
 Topics: ``create_topic(name, queues)`` sends ``UPDATE_AND_CREATE_TOPIC`` to the broker (what ``mqadmin
 updateTopic`` does) and waits until the name server routes it. ``autoCreateTopicEnable`` is on as well
-(``default_queues`` queues), but a 5.x gRPC producer does not auto-create: create topics first.
+(``default_queues`` queues), but create topics first to get a known queue count.
 
-Readiness: name server: its port accepts and answers GET_BROKER_CLUSTER_INFO. Broker+proxy: the
-proxy logs "rocketmq-proxy startup successfully", the name server lists this broker at its address,
-and the gRPC port accepts.
+Readiness: name server: its port accepts and answers GET_BROKER_CLUSTER_INFO. Broker: it logged
+"boot success", the name server lists it at its address, and its port accepts.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -83,7 +81,7 @@ def _broker_port() -> int:
 
 
 class RocketMQBroker:
-    """RocketMQ 5.x: name server + broker with local-mode proxy, on 127.0.0.1 free ports kept across restarts.
+    """RocketMQ 5.x: name server + broker, on 127.0.0.1 free ports kept across restarts.
 
     ``workdir`` holds ``store/`` (commit log, consume queues: durable across ``stop``/``kill``/``restart``),
     the generated configs, ``home/`` (ROCKETMQ_HOME and user.home of the JVMs) and the two logs
@@ -103,10 +101,8 @@ class RocketMQBroker:
         self.java = java
         self.namesrv_port = free_port()
         self.broker_port = _broker_port()
-        self.grpc_port = free_port()
-        self.proxy_remoting_port = free_port()
         self._namesrv = ChildProcess("rocketmq-namesrv", [], self.workdir / "namesrv.log", cwd=self.workdir)
-        self._broker = ChildProcess("rocketmq-broker+proxy", [], self.workdir / "broker.log", cwd=self.workdir)
+        self._broker = ChildProcess("rocketmq-broker", [], self.workdir / "broker.log", cwd=self.workdir)
         self.startup_seconds: float | None = None
 
     # ----------------------------------------------------------------- addresses
@@ -119,16 +115,6 @@ class RocketMQBroker:
     def broker_address(self) -> str:
         """The broker's remoting ``host:port`` (as registered in the name server)."""
         return f"{LOOPBACK}:{self.broker_port}"
-
-    @property
-    def proxy_endpoint(self) -> str:
-        """The proxy's gRPC ``host:port`` (5.x clients: ``ClientConfiguration(endpoints)``)."""
-        return f"{LOOPBACK}:{self.grpc_port}"
-
-    @property
-    def proxy_remoting_address(self) -> str:
-        """The proxy's remoting ``host:port`` (4.x clients may use it instead of the broker's)."""
-        return f"{LOOPBACK}:{self.proxy_remoting_port}"
 
     @property
     def store_dir(self) -> Path:
@@ -150,7 +136,7 @@ class RocketMQBroker:
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the name server, then the broker+proxy, and wait until the broker is registered."""
+        """Start the name server, then the broker, and wait until the broker is registered."""
         t0 = time.monotonic()
         self._write_configs()
         if not self._namesrv.running():
@@ -159,21 +145,16 @@ class RocketMQBroker:
             self._namesrv.env = self._env()
             self._namesrv.start()
             self._wait(f"the RocketMQ name server on {self.namesrv_address}", self._namesrv_ready, [self._namesrv])
-        self._broker.argv = self._java("broker", self.broker_heap, "org.apache.rocketmq.proxy.ProxyStartup",
-                                       "-pm", "local", "-bc", str(self.workdir / "broker.conf"),
-                                       "-pc", str(self.workdir / "proxy.json"))
+        self._broker.argv = self._java("broker", self.broker_heap, "org.apache.rocketmq.broker.BrokerStartup",
+                                       "-c", str(self.workdir / "broker.conf"))
         self._broker.env = self._env()
         self._broker.start()
-        self._wait(f"the RocketMQ broker+proxy on {self.broker_address} / gRPC {self.proxy_endpoint}",
+        self._wait(f"the RocketMQ broker on {self.broker_address}",
                    self._broker_ready, [self._namesrv, self._broker])
         self.startup_seconds = time.monotonic() - t0
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM the broker+proxy, then the name server (SIGKILL after ``timeout`` s each).
-
-        RocketMQ 5.5's local-mode proxy runs two shutdown hooks over one broker (one fails with
-        "Invalid state transition from SHUTDOWN_BEGIN to SHUTDOWN_BEGIN"); its exit takes a few seconds.
-        """
+        """SIGTERM the broker, then the name server (SIGKILL after ``timeout`` s each)."""
         self._broker.stop(timeout)
         self._namesrv.stop(timeout)
 
@@ -183,7 +164,7 @@ class RocketMQBroker:
         self._namesrv.kill()
 
     def kill_broker(self) -> None:
-        """SIGKILL only the broker+proxy JVM (the name server keeps running)."""
+        """SIGKILL only the broker JVM (the name server keeps running)."""
         self._broker.kill()
 
     def restart(self, *, hard: bool = False) -> None:
@@ -265,34 +246,6 @@ class RocketMQBroker:
             "diskMaxUsedSpaceRatio": "95",
         }
         (self.workdir / "broker.conf").write_text("".join(f"{k}={v}\n" for k, v in broker.items()))
-        proxy = {
-            "rocketMQClusterName": self.cluster,
-            "namesrvAddr": self.namesrv_address,
-            "grpcServerPort": self.grpc_port,
-            "remotingListenPort": self.proxy_remoting_port,
-            # Both default to the host's primary address, which clients would then be told to dial.
-            "localServeAddr": LOOPBACK,
-            "remotingAccessAddr": LOOPBACK,
-        }
-        proxy.update(self._proxy_tls())
-        (self.workdir / "proxy.json").write_text(json.dumps(proxy, indent=2) + "\n")
-
-    def _proxy_tls(self) -> dict[str, object]:
-        """The proxy's gRPC port speaks TLS and plaintext on one port (clients here use plaintext).
-
-        In "test mode" it makes a self-signed certificate at every start, which takes ~8 s here; a key
-        pair made once with the openssl CLI (0.5 s) and handed over as files avoids that.
-        """
-        cert, key = self.workdir / "tls" / "proxy.crt", self.workdir / "tls" / "proxy.key"
-        if not (cert.exists() and key.exists()):
-            openssl = shutil.which("openssl")
-            if openssl is None:
-                return {"tlsTestModeEnable": True}
-            cert.parent.mkdir(exist_ok=True)
-            subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
-                            "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert)],
-                           capture_output=True, check=True, timeout=60)
-        return {"tlsTestModeEnable": False, "tlsCertPath": str(cert), "tlsKeyPath": str(key)}
 
     def _wait(self, what: str, condition: Callable[[], bool], procs: list[ChildProcess]) -> None:
         try:
@@ -308,7 +261,7 @@ class RocketMQBroker:
         return True
 
     def _broker_ready(self) -> bool:
-        if not self._broker.log_contains("rocketmq-proxy startup successfully"):
+        if not self._broker.log_contains("boot success"):
             return False
         info = remoting.cluster_info(self.namesrv_address)
         addrs = info.get("brokerAddrTable", {}).get(self.broker_name, {}).get("brokerAddrs", {})
@@ -318,4 +271,4 @@ class RocketMQBroker:
             # makes the broker register at once.
             remoting.update_broker_config(self.broker_address, {"brokerPermission": "6"})
             return False
-        return port_accepting(self.grpc_port)
+        return port_accepting(self.broker_port)

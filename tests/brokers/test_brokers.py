@@ -228,23 +228,22 @@ def _rocketmq_pull_all(namesrv: str, topic: str) -> dict[int, list[tuple[int, by
     return out
 
 
-def test_rocketmq_produce_via_proxy_and_pull_by_offset(rocketmq_broker: RocketMQBroker) -> None:
-    rmq5 = pytest.importorskip("rocketmq.v5.producer", reason="rocketmq-python-client (5.x) is not installed")
+def test_rocketmq_produce_and_pull_by_offset(rocketmq_broker: RocketMQBroker) -> None:
     pytest.importorskip("rocketmq.client", reason="rocketmq 0.4.4 (4.x remoting client) is not installed")
-    from rocketmq import ClientConfiguration, Credentials, Message
+    from rocketmq.client import Message, Producer
 
     n = 500
     topic = _topic("smoke-rocketmq")
     rocketmq_broker.create_topic(topic, PARTITIONS)
 
-    producer = rmq5.Producer(ClientConfiguration(rocketmq_broker.proxy_endpoint, Credentials()), (topic,))
-    producer.startup()
+    producer = Producer(f"smoke-producer-{uuid.uuid4().hex[:8]}")
+    producer.set_namesrv_addr(rocketmq_broker.namesrv_address)
+    producer.start()
     try:
         for i in range(n):
-            msg = Message()
-            msg.topic = topic
-            msg.body = f"record-{i}".encode()
-            producer.send(msg)
+            msg = Message(topic)
+            msg.set_body(f"record-{i}".encode())
+            producer.send_sync(msg)
     finally:
         producer.shutdown()
 
@@ -271,5 +270,4 @@ def test_brokers_listen_on_loopback_only(kafka_broker: KafkaBroker, tansu_broker
         outside = {a for a in addrs if a[0] not in LOOPBACK_ADDRS}
         assert not outside, f"{name} listens beyond loopback: {outside}"
     ports = {p for _, p in listening["rocketmq"]}
-    assert {rocketmq_broker.namesrv_port, rocketmq_broker.broker_port, rocketmq_broker.grpc_port,
-            rocketmq_broker.proxy_remoting_port} <= ports
+    assert {rocketmq_broker.namesrv_port, rocketmq_broker.broker_port} <= ports
