@@ -12,11 +12,13 @@ import json
 import random
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from streamrover.cursor import IntervalSet, PartitionKey
+from streamrover.sources.api import SourceGoneError, open_source
 from streamrover.sources.rocketmq_remoting import RemotingClient
 from tests.brokers.rocketmq import RocketMQBroker
 from tests.helpers import wait_until
@@ -26,9 +28,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 pytest.importorskip("rocketmq.client", reason="rocketmq 0.4.4 (the 4.x remoting client) is not installed")
 
 
-def _produce(broker: RocketMQBroker, topic: str, ids: range) -> None:
-    """Send ``{"id": i}`` for each id, synchronously (the producer spreads them over the queues)."""
+def _produce(broker: RocketMQBroker, topic: str, ids: range, body: Callable[[int], bytes] | None = None) -> None:
+    """Send ``{"id": i}`` (or ``body(i)``) for each id, synchronously (the producer spreads them over the queues)."""
     from rocketmq.client import Message, Producer
+    from rocketmq.ffi import dll
 
     producer = Producer(f"test-producer-{uuid.uuid4().hex[:8]}", timeout=10_000)
     producer.set_namesrv_addr(broker.namesrv_address)
@@ -36,7 +39,8 @@ def _produce(broker: RocketMQBroker, topic: str, ids: range) -> None:
     try:
         for i in ids:
             msg = Message(topic)
-            msg.set_body(json.dumps({"id": i}).encode())
+            value = body(i) if body else json.dumps({"id": i}).encode()
+            dll.SetByteMessageBody(msg._handle, value, len(value))  # set_body would cut a body at a NUL byte
             producer.send_sync(msg)
     finally:
         producer.shutdown()
@@ -88,3 +92,52 @@ def test_rocketmq_stream_ledger_exact_under_worker_and_master_kills(
         assert info.lag == 0
     finally:
         job.stop()
+
+
+def test_rocketmq_source_binary_bodies_dead_letters_and_start_positions(
+    tmp_path: Path, rocketmq_broker: RocketMQBroker
+) -> None:
+    """Raw bodies come back byte for byte (NULs included); bad JSON goes to dead letters; sr.start works."""
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    rocketmq_broker.create_topic(topic, 2)
+    bodies = {i: (b"\x00bin\x00%d\xff" % i if i % 10 == 0 else json.dumps({"id": i}).encode()) for i in range(200)}
+    _produce(rocketmq_broker, topic, range(200), bodies.__getitem__)
+    uri = f"rocketmq://{rocketmq_broker.namesrv_address}/{topic}"
+
+    raw = open_source(uri)
+    try:
+        parts = raw.partitions()
+        assert [p.start for p in parts] == [0, 0] and sum(p.end for p in parts) == 200
+        got = []
+        for p in parts:
+            batches = list(raw.read(p, 0, p.end, 7))
+            assert batches[-1].end == p.end and all(b.num_records <= 7 for b in batches)
+            offsets = [o for b in batches for o in b.records.column("offset").to_pylist()]
+            assert offsets == list(range(p.end))  # dense queue offsets
+            got += [v for b in batches for v in b.records.column("body").to_pylist()]
+        assert sorted(got) == sorted(bodies.values())
+        middle = list(raw.read(parts[0], 3, 9, 100))  # a shard in the middle ends at its end
+        assert [(b.start, b.end, b.num_records) for b in middle] == [(3, 9, 6)]
+        raw.commit({parts[0].id: 5, parts[1].id: 0})
+    finally:
+        raw.close()
+
+    options = {"sr.format": "json", "sr.schema": "id:int64", "sr.dead_letter_dir": str(tmp_path / "dead")}
+    decoded = open_source(uri, options={**options, "sr.start": "group"})
+    try:
+        parts = decoded.partitions()
+        assert [p.start for p in parts] == [5, 0]
+        batches = [b for p in parts for b in decoded.read(p, p.start, p.end, 50)]
+        ids = [i for b in batches for i in b.records.column("id").to_pylist()]
+        dead = sum(b.dead_letters for b in batches)
+        assert dead == len(list((tmp_path / "dead").iterdir())) and len(ids) + dead == 200 - 5
+        assert len(set(ids)) == len(ids) and all(i % 10 for i in ids)
+    finally:
+        decoded.close()
+    latest = open_source(uri, options={"sr.start": "latest"})
+    try:
+        assert all(p.start == p.end for p in latest.partitions())
+    finally:
+        latest.close()
+    with pytest.raises(SourceGoneError, match="does not exist"):
+        open_source(f"rocketmq://{rocketmq_broker.namesrv_address}/no-such-{topic}").poll()
