@@ -23,10 +23,7 @@ last stable offset under read_committed, the high watermark otherwise).
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -43,20 +40,12 @@ from streamrover.sources.api import (
     SourceUnavailableError,
     register_source,
 )
+from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
 RAW_SCHEMA = pa.schema(
     [("key", pa.binary()), ("value", pa.binary()), ("timestamp", pa.int64()), ("offset", pa.int64())]
 )
 REQUEST_TIMEOUT = 10.0
-_TYPES = {
-    "int64": pa.int64(),
-    "int32": pa.int32(),
-    "float64": pa.float64(),
-    "float32": pa.float32(),
-    "string": pa.string(),
-    "bool": pa.bool_(),
-    "binary": pa.binary(),
-}
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -67,18 +56,6 @@ def parse_uri(uri: str) -> tuple[str, str]:
     if not bootstrap or not topic or "/" in topic:
         raise SourceError(f"a Kafka URI looks like kafka://HOST:PORT[,HOST:PORT]/TOPIC, got {uri!r}")
     return bootstrap, topic
-
-
-def parse_schema(text: str) -> pa.Schema:
-    fields = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, _, type_name = item.partition(":")
-        if type_name not in _TYPES:
-            raise SourceError(f"sr.schema field {item!r}: type must be one of {', '.join(sorted(_TYPES))}")
-        fields.append(pa.field(name, _TYPES[type_name]))
-    if not fields:
-        raise SourceError("sr.schema is empty; give fields like id:int64,x:float64")
-    return pa.schema(fields)
 
 
 class KafkaSource(Source):
@@ -98,7 +75,7 @@ class KafkaSource(Source):
         if self.format not in ("raw", "json"):
             raise SourceError(f"sr.format must be raw or json, got {self.format!r}")
         self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.sr.get("sr.schema", ""))
-        self.dead_letter_dir = self.sr.get("sr.dead_letter_dir", "")
+        self._dead = DeadLetters(self.sr.get("sr.dead_letter_dir", ""))
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
 
@@ -243,54 +220,9 @@ class KafkaSource(Source):
                 schema=RAW_SCHEMA,
             )
             return ReadBatch(records, start, end, offsets)
-        rows: list[dict[str, Any]] = []
-        keep: list[int] = []
-        dead = 0
-        for i, m in enumerate(msgs):
-            try:
-                row = json.loads(m.value())
-                rows.append({f.name: row[f.name] for f in self._schema})
-                keep.append(i)
-            except (ValueError, KeyError, TypeError) as exc:
-                dead += 1
-                self._dead_letter(partition_id, m, exc)
-        try:
-            records = pa.RecordBatch.from_pylist(rows, schema=self._schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):  # some value has the wrong type: find which, one by one
-            good_rows, good_keep = [], []
-            for row, i in zip(rows, keep):
-                try:
-                    pa.RecordBatch.from_pylist([row], schema=self._schema)
-                except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-                    dead += 1
-                    self._dead_letter(partition_id, msgs[i], exc)
-                    continue
-                good_rows.append(row)
-                good_keep.append(i)
-            rows, keep = good_rows, good_keep
-            records = pa.RecordBatch.from_pylist(rows, schema=self._schema)
-        positions = offsets.take(pa.array(keep, pa.int64())) if keep else pa.array([], pa.int64())
+        decoded = [Message(m.offset(), m.value() or b"", m.key()) for m in msgs]
+        records, positions, dead = decode_json(decoded, self._schema, partition_id, self._dead)
         return ReadBatch(records, start, end, positions, dead_letters=dead)
-
-    def _dead_letter(self, partition_id: str, msg: Any, exc: Exception) -> None:
-        if not self.dead_letter_dir:
-            raise SourceError(
-                f"record at {partition_id} offset {msg.offset()} cannot be decoded ({exc}); set sr.dead_letter_dir "
-                "to send such records to a dead-letter dataset"
-            )
-        root = Path(self.dead_letter_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"{partition_id}-{msg.offset():020d}.json"
-        body = {
-            "partition": partition_id,
-            "offset": msg.offset(),
-            "error": str(exc),
-            "key": (msg.key() or b"").hex(),
-            "value": (msg.value() or b"").hex(),
-        }
-        tmp = final.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(body))
-        tmp.rename(final)
 
     def close(self) -> None:
         if self._consumer is not None:

@@ -29,13 +29,10 @@ which librocketmq has no call for.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 
@@ -56,21 +53,13 @@ from streamrover.sources.rocketmq_remoting import (
     RemotingConnectionError,
     RemotingError,
 )
+from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
 RAW_SCHEMA = pa.schema([("body", pa.binary()), ("offset", pa.int64())])
 CLIENT_OPTIONS = ("consumerGroup",)
 DEFAULT_READ_TIMEOUT_MS = 60_000
 MAX_BACKOFF = 2.0
 _TOPIC_RE = re.compile(r"^[%|A-Za-z0-9_-]{1,127}$")
-_TYPES = {
-    "int64": pa.int64(),
-    "int32": pa.int32(),
-    "float64": pa.float64(),
-    "float32": pa.float32(),
-    "string": pa.string(),
-    "bool": pa.bool_(),
-    "binary": pa.binary(),
-}
 # librocketmq's CPullStatus
 _FOUND, _NO_NEW_MSG, _NO_MATCHED_MSG, _OFFSET_ILLEGAL, _BROKER_TIMEOUT = range(5)
 
@@ -84,18 +73,6 @@ def parse_uri(uri: str) -> tuple[list[str], str]:
     if not namesrvs or any(":" not in s for s in namesrvs) or not _TOPIC_RE.match(topic):
         raise SourceError(f"a RocketMQ URI looks like rocketmq://HOST:PORT[;HOST:PORT]/TOPIC, got {uri!r}")
     return namesrvs, topic
-
-
-def parse_schema(text: str) -> pa.Schema:
-    fields = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, _, type_name = item.partition(":")
-        if type_name not in _TYPES:
-            raise SourceError(f"sr.schema field {item!r}: type must be one of {', '.join(sorted(_TYPES))}")
-        fields.append(pa.field(name, _TYPES[type_name]))
-    if not fields:
-        raise SourceError("sr.schema is empty; give fields like id:int64,x:float64")
-    return pa.schema(fields)
 
 
 class RocketMQSource(Source):
@@ -119,7 +96,7 @@ class RocketMQSource(Source):
         if self.format not in ("raw", "json"):
             raise SourceError(f"sr.format must be raw or json, got {self.format!r}")
         self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.sr.get("sr.schema", ""))
-        self.dead_letter_dir = self.sr.get("sr.dead_letter_dir", "")
+        self._dead = DeadLetters(self.sr.get("sr.dead_letter_dir", ""))
         self.read_timeout = int(self.sr.get("sr.read_timeout_ms", DEFAULT_READ_TIMEOUT_MS)) / 1000.0
         self._remoting: RemotingClient | None = None
         self._routes: dict[str, QueueRoute] = {}
@@ -255,48 +232,13 @@ class RocketMQSource(Source):
     def _batch(self, partition_id: str, msgs: list[tuple[int, bytes]], start: int, end: int) -> ReadBatch:
         offsets = pa.array([off for off, _ in msgs], pa.int64())
         if self.format == "raw":
-            records = pa.RecordBatch.from_arrays([pa.array([b for _, b in msgs], pa.binary()), offsets],
-                                                 schema=RAW_SCHEMA)
-            return ReadBatch(records, start, end, offsets)
-        rows: list[dict[str, Any]] = []
-        keep: list[int] = []
-        for i, (off, body) in enumerate(msgs):
-            try:
-                obj = json.loads(body)
-                rows.append({f.name: obj[f.name] for f in self._schema})
-                keep.append(i)
-            except (ValueError, KeyError, TypeError) as exc:
-                self._dead_letter(partition_id, off, body, exc)
-        try:
-            records = pa.RecordBatch.from_pylist(rows, schema=self._schema)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):  # some value has the wrong type: find which, one by one
-            good_rows, good_keep = [], []
-            for row, i in zip(rows, keep):
-                try:
-                    pa.RecordBatch.from_pylist([row], schema=self._schema)
-                except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-                    self._dead_letter(partition_id, msgs[i][0], msgs[i][1], exc)
-                    continue
-                good_rows.append(row)
-                good_keep.append(i)
-            rows, keep = good_rows, good_keep
-            records = pa.RecordBatch.from_pylist(rows, schema=self._schema)
-        positions = offsets.take(pa.array(keep, pa.int64())) if keep else pa.array([], pa.int64())
-        return ReadBatch(records, start, end, positions, dead_letters=len(msgs) - len(keep))
-
-    def _dead_letter(self, partition_id: str, offset: int, body: bytes, exc: Exception) -> None:
-        if not self.dead_letter_dir:
-            raise SourceError(
-                f"record at {partition_id} offset {offset} cannot be decoded ({exc}); set sr.dead_letter_dir "
-                "to send such records to a dead-letter dataset"
+            records = pa.RecordBatch.from_arrays(
+                [pa.array([b for _, b in msgs], pa.binary()), offsets], schema=RAW_SCHEMA
             )
-        root = Path(self.dead_letter_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"{partition_id}-{offset:020d}.json"
-        doc = {"partition": partition_id, "offset": offset, "error": str(exc), "value": body.hex()}
-        tmp = final.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(doc))
-        tmp.rename(final)
+            return ReadBatch(records, start, end, offsets)
+        decoded = [Message(off, body) for off, body in msgs]
+        records, positions, dead = decode_json(decoded, self._schema, partition_id, self._dead)
+        return ReadBatch(records, start, end, positions, dead_letters=dead)
 
     def close(self) -> None:
         if self._puller is not None:
@@ -327,8 +269,9 @@ class _Puller:
         if dll.StartPullConsumer(self._handle) != 0:
             raise SourceUnavailableError(f"librocketmq pull consumer did not start: {dll.GetLatestErrorMessage()!r}")
 
-    def pull(self, pid: str, broker: str, queue_id: int, offset: int, end: int,
-             timeout: float) -> tuple[list[tuple[int, bytes]], int]:
+    def pull(
+        self, pid: str, broker: str, queue_id: int, offset: int, end: int, timeout: float
+    ) -> tuple[list[tuple[int, bytes]], int]:
         """Messages at ``offset`` onwards below ``end`` (one pull) and the next offset to pull."""
         mq = self._mq_type(topic=pid.partition("@")[0].encode(), brokerName=broker.encode(), queueId=queue_id)
         give_up, backoff = time.monotonic() + timeout, 0.05
