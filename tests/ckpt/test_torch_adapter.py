@@ -1,0 +1,144 @@
+"""PyTorch adapters: model + optimizer round trips, DDP (one copy / every rank) and FSDP2 shards on CPU with gloo."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from streamrover.ckpt import Checkpointer, Source, namespace_for
+from streamrover.ckpt.layout import part_names, step_dir
+from streamrover.ckpt.torch_adapter import (
+    TorchCheckpoint,
+    fsdp_sharded_state,
+    load_fsdp_sharded_state,
+    load_torch_state,
+)
+
+from .conftest import SHM, shm_names
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def make_model(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        optim.zero_grad()
+        model(torch.randn(5, 6, generator=gen)).pow(2).sum().backward()
+        optim.step()
+
+
+def params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("from_memory", [True, False])
+def test_resumed_training_matches_uninterrupted_training(root: str, from_memory: bool) -> None:
+    model = make_model()
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    train(model, optim, 3, seed=1)
+    with Checkpointer(root, saver="thread") as ckpt:
+        TorchCheckpoint(ckpt, model, optim).save(3, extra={"epoch": 2})
+        ckpt.wait(timeout=60)
+        train(model, optim, 4, seed=2)  # the uninterrupted run
+        expected = params(model)
+        model2 = make_model(seed=7)
+        optim2 = torch.optim.Adam(model2.parameters(), lr=0.01)
+        if from_memory:
+            loaded, extra = TorchCheckpoint(ckpt, model2, optim2).load()
+        else:
+            loaded = ckpt.load(memory=False)
+            extra = load_torch_state(loaded.state, model2, optim2)
+        assert loaded.source == (Source.MEMORY if from_memory else Source.STORAGE)
+        # later saves overwrite every buffer: the resumed model and optimizer must not alias shared memory
+        for step in (4, 5):
+            ckpt.save(step, {"w": torch.full((4096,), float(step))}, persist=False)
+        train(model2, optim2, 4, seed=2)
+    assert extra == {"epoch": 2}
+    for a, b in zip(expected, params(model2)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _ddp_worker(rank: int, world: int, root: str, store: str, replicate: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(make_model())
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        train(model, optim, 2, seed=rank)
+        saved = params(model)
+        ckpt = Checkpointer(root, rank=rank, world_size=world, saver="thread")
+        adapter = TorchCheckpoint(ckpt, model, optim, replicate=replicate)
+        adapter.save(2)
+        ckpt.wait(timeout=60)
+        dist.barrier()  # every part written (the last saver published the manifest)
+        train(model, optim, 3, seed=5)
+        # storage path: a new node would do this
+        loaded = ckpt.load(memory=False, part=rank if replicate else 0)
+        assert loaded.step == 2 and loaded.source == Source.STORAGE
+        info, _ = adapter.load()
+        assert info.step == 2
+        for a, b in zip(saved, params(model)):
+            assert torch.equal(a, b), f"rank {rank}: parameters differ after load"
+        assert optim.state_dict()["state"], "optimizer momentum was not restored"
+        dist.barrier()
+        ckpt.close(unlink=True)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("replicate", [False, True])
+def test_ddp_two_ranks_one_copy_or_every_rank(root: str, tmp_path: Path, replicate: bool) -> None:
+    mp.spawn(_ddp_worker, args=(2, root, str(tmp_path / "store"), replicate), nprocs=2)
+    rank1 = Path(root) / step_dir(2) / part_names(1)[0]
+    size0 = (Path(root) / step_dir(2) / part_names(0)[0]).stat().st_size
+    if replicate:
+        assert rank1.stat().st_size == size0
+    else:
+        assert rank1.stat().st_size < 200 < size0  # rank 1 wrote an empty part: header only
+    assert shm_names(namespace_for(root)) == []
+
+
+def _fsdp_worker(rank: int, world: int, root: str, store: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        model = make_model()
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        optim = torch.optim.Adam(model.parameters(), lr=0.01)
+        train(model, optim, 2, seed=3)
+        saved: dict[str, Any] = fsdp_sharded_state(model, optim)
+        snapshot = {k: v.clone() for k, v in saved["model"].items()}
+        with Checkpointer(root, rank=rank, world_size=world, saver="thread") as ckpt:
+            ckpt.save(2, saved)
+            ckpt.wait(timeout=60)
+            train(model, optim, 2, seed=4)
+            loaded = ckpt.load(zero_copy=True)
+            assert loaded.source == Source.MEMORY
+            load_fsdp_sharded_state(loaded.state, model, optim)
+            after = fsdp_sharded_state(model, optim)
+            for key, value in snapshot.items():
+                assert torch.equal(after["model"][key], value), f"rank {rank}: shard {key} differs"
+            assert sorted(after["optimizer"]["state"]) == sorted(saved["optimizer"]["state"])
+            ckpt.close(unlink=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_state_each_rank_its_shard(root: str, tmp_path: Path) -> None:
+    mp.spawn(_fsdp_worker, args=(2, root, str(tmp_path / "store")), nprocs=2)
+    for rank in range(2):
+        assert (Path(root) / step_dir(2) / part_names(rank)[0]).exists()
+    assert not any(os.path.exists(os.path.join(SHM, n)) for n in shm_names(namespace_for(root)))
