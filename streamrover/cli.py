@@ -117,7 +117,9 @@ def _dataset_table(infos: list[Any]) -> Table:
         "committed",
         "records acked",
         "records committed",
-        "done",
+        "lag",
+        "dead letters",
+        "state",
     ):
         table.add_column(col, justify="right" if col not in ("name", "kind") else "left")
     for info in infos:
@@ -133,9 +135,19 @@ def _dataset_table(infos: list[Any]) -> Table:
             str(info.shards.committed),
             f"{info.records_acked:,}",
             f"{info.records_committed:,}",
-            "yes" if info.finished else "",
+            f"{info.lag:,}" if kind == "stream" else "",
+            f"{info.dead_letters:,}",
+            _state(info),
         )
     return table
+
+
+def _state(info: Any) -> str:
+    if info.failed:
+        return f"[red]failed: {info.error}[/red]"
+    if info.error:
+        return f"[yellow]{info.error}[/yellow]"
+    return "finished" if info.finished else "running"
 
 
 def _status_view(client) -> Table:  # type: ignore[no-untyped-def]
@@ -202,10 +214,14 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     console.print(_dataset_table([info]))
                     parts = Table(title="partitions")
-                    for col in ("#", "id", "start", "end"):
+                    for col in ("#", "id", "start", "planned end", "available", "committed", "lag"):
                         parts.add_column(col)
                     for p in info.partitions:
-                        parts.add_row(str(p.index), p.id, str(p.start), str(p.end))
+                        stream = info.kind == 2
+                        parts.add_row(
+                            str(p.index), p.id, str(p.start), str(p.end),
+                            str(p.available_end) if stream else "", str(p.committed_end), str(p.lag) if stream else "",
+                        )  # fmt: skip
                     console.print(parts)
         return 0
     except (ShardServiceError, SourceError) as exc:
