@@ -11,7 +11,8 @@ passed through untouched (``security.protocol``, ``sasl.*``, ``ssl.*``, ...).
   ``json`` (each value a JSON object; ``sr.schema`` such as ``id:int64,x:float64``
   fixes the columns).
 - ``sr.dead_letter_dir``: where records that fail to decode go, raw, one file per
-  record named by partition and offset (idempotent on replay). Counts go to status.
+  record named by partition and offset (idempotent on replay); or
+  ``sr.dead_letter_topic``: a topic of the same cluster they are produced to. Counts go to status.
 
 Positions are Kafka offsets: ordered, with gaps (compaction, transaction markers,
 aborted records under ``isolation.level=read_committed``, librdkafka's default).
@@ -27,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
-from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from streamrover.sources.api import (
@@ -75,7 +76,10 @@ class KafkaSource(Source):
         if self.format not in ("raw", "json"):
             raise SourceError(f"sr.format must be raw or json, got {self.format!r}")
         self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.sr.get("sr.schema", ""))
-        self._dead = DeadLetters(self.sr.get("sr.dead_letter_dir", ""))
+        topic = self.sr.get("sr.dead_letter_topic", "")
+        self._dead = (
+            _TopicDeadLetters(self.rdkafka, topic) if topic else DeadLetters(self.sr.get("sr.dead_letter_dir", ""))
+        )
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
 
@@ -222,6 +226,8 @@ class KafkaSource(Source):
             return ReadBatch(records, start, end, offsets)
         decoded = [Message(m.offset(), m.value() or b"", m.key()) for m in msgs]
         records, positions, dead = decode_json(decoded, self._schema, partition_id, self._dead)
+        if dead:
+            self._dead.flush()
         return ReadBatch(records, start, end, positions, dead_letters=dead)
 
     def close(self) -> None:
@@ -229,6 +235,32 @@ class KafkaSource(Source):
             self._consumer.close()
             self._consumer = None
         self._admin = None
+
+
+class _TopicDeadLetters(DeadLetters):
+    """Undecodable records produced, raw, to a Kafka topic of the same cluster.
+
+    The key is ``partition:offset`` (a compacted topic keeps one copy per record
+    across replays); headers carry the partition, offset and decode error.
+    """
+
+    def __init__(self, rdkafka: Mapping[str, Any], topic: str) -> None:
+        super().__init__("")
+        conf = {k: v for k, v in rdkafka.items() if not k.startswith(("group.", "isolation.", "enable.", "auto."))}
+        conf.update({"acks": "all", "enable.idempotence": True})
+        self.topic = topic
+        self._producer = Producer(conf)
+
+    def send(self, partition_id: str, msg: Message, error: Exception) -> None:
+        headers: list[tuple[str, str | bytes | None]] = [("sr.partition", partition_id.encode()), ("sr.offset", str(msg.position).encode()),
+                   ("sr.error", str(error).encode())]  # fmt: skip
+        self._producer.produce(self.topic, value=msg.value, key=f"{partition_id}:{msg.position}", headers=headers)
+
+    def flush(self) -> None:
+        if self._producer.flush(REQUEST_TIMEOUT) != 0:
+            raise SourceUnavailableError(
+                f"dead letters not delivered to topic {self.topic!r} within {REQUEST_TIMEOUT}s"
+            )
 
 
 def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:

@@ -55,10 +55,13 @@ class Message:
 
 
 class DeadLetters:
-    """Files under ``directory``, one per undecodable record."""
+    """Files under ``directory``, one per undecodable record. Backends may subclass (a Kafka topic)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+
+    def flush(self) -> None:
+        """Make every record sent so far durable (called before the batch that holds them is handed out)."""
 
     def send(self, partition_id: str, msg: Message, error: Exception) -> None:
         if not self.directory:

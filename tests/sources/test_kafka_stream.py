@@ -232,3 +232,32 @@ def test_deleted_topic_fails_the_dataset_clearly(tmp_path: Path, kafka_broker: A
                 admin.lease("stream")
     finally:
         job.stop()
+
+
+def test_poison_records_to_a_dead_letter_topic(tmp_path: Path, kafka_broker: Any) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    total, partitions = 1_000, 2
+    poison = set(range(0, total, 97))
+    topic = _create_topic(kafka_broker, partitions)
+    dlq = _create_topic(kafka_broker, 1)
+    _produce(kafka_broker, topic, range(total), partitions, poison=poison)
+    job = _job(tmp_path, kafka_broker, topic, **{"sr.dead_letter_topic": dlq})
+    try:
+        job.start()
+        with job.admin() as admin:
+            wait_until(lambda: admin.describe_dataset("stream").records_acked == total, 120, "all positions acked")
+            assert admin.describe_dataset("stream").dead_letters == len(poison)
+        assert Ledger(job.ledger_path).verify(np.array(sorted(set(range(total)) - poison))).exact
+        consumer = Consumer({"bootstrap.servers": kafka_broker.bootstrap, "group.id": "dlq-check"})
+        consumer.assign([TopicPartition(dlq, 0, 0)])
+        got = []
+        while len(got) < len(poison):
+            msg = consumer.poll(10)
+            assert msg is not None, f"only {len(got)} dead letters in {dlq}"
+            got.append(msg)
+        consumer.close()
+        assert {m.value() for m in got} == {b"\x00not json"}
+        assert {dict(m.headers())["sr.offset"] for m in got} == {str(i // partitions).encode() for i in poison}
+    finally:
+        job.stop()
