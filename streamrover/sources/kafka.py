@@ -252,8 +252,11 @@ class _TopicDeadLetters(DeadLetters):
         self._producer = Producer(conf)
 
     def send(self, partition_id: str, msg: Message, error: Exception) -> None:
-        headers: list[tuple[str, str | bytes | None]] = [("sr.partition", partition_id.encode()), ("sr.offset", str(msg.position).encode()),
-                   ("sr.error", str(error).encode())]  # fmt: skip
+        headers: list[tuple[str, str | bytes | None]] = [
+            ("sr.partition", partition_id.encode()),
+            ("sr.offset", str(msg.position).encode()),
+            ("sr.error", str(error).encode()),
+        ]
         self._producer.produce(self.topic, value=msg.value, key=f"{partition_id}:{msg.position}", headers=headers)
 
     def flush(self) -> None:
