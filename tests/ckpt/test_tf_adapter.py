@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -11,8 +13,10 @@ tf = pytest.importorskip("tensorflow")
 
 from streamrover.ckpt.tf_adapter import load_tf_variables_state, tf_variables_state  # noqa: E402
 
+_Module: Any = tf.Module
 
-class Tower(tf.Module):  # type: ignore[name-defined]
+
+class Tower(_Module):
     def __init__(self) -> None:
         super().__init__()
         self.embedding = tf.Variable(tf.random.normal((10, 4), seed=1), name="emb")
