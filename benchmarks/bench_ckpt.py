@@ -160,7 +160,9 @@ def bench_dlrover(nbytes: int, tensors: int, repeats: int) -> dict[str, Any]:
     try:
         result: dict[str, Any] = json.loads(line)
     except ValueError:
-        return {"error": f"DLRover peer failed (said {line!r})"}
+        errors.seek(0)
+        tail = errors.read().strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"DLRover peer failed: {tail[0]}"}
     return result
 
 
