@@ -72,24 +72,19 @@ from streamrover.sources.api import (
 
 log = logging.getLogger(__name__)
 RAW_SCHEMA = pa.schema(
-    [
-        ("key", pa.binary()),
-        ("value", pa.binary()),
-        ("timestamp", pa.int64()),
-        ("position", pa.int64()),
-        ("batch_index", pa.int32()),
-    ]
+    {
+        "key": pa.binary(),
+        "value": pa.binary(),
+        "timestamp": pa.int64(),
+        "position": pa.int64(),
+        "batch_index": pa.int32(),
+    }
 )
-_TYPES = {
-    "int64": pa.int64(),
-    "int32": pa.int32(),
-    "float64": pa.float64(),
-    "float32": pa.float32(),
-    "string": pa.string(),
-    "bool": pa.bool_(),
-    "binary": pa.binary(),
+_TYPES = {n: getattr(pa, n)() for n in ("int64", "int32", "float64", "float32", "string", "binary")} | {
+    "bool": pa.bool_()
 }
 POLL_BUDGET = 0.5  # seconds a routed poll may spend tailing the topic
+REGISTER_BUDGET = 60.0  # ... and the first listing, which reads up to the end
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -239,12 +234,12 @@ class PulsarSource(Source):
         return self._consumers[name]
 
     # -- master side ---------------------------------------------------------------
-    def _scan(self) -> None:
+    def _scan(self, budget: float = POLL_BUDGET) -> None:
         """Update ``_first``/``_last`` from the broker."""
         names = self._partition_names()
         if self.mode == "routed":
             self._consumer("")  # the subscription exists from the registration on
-            self._scan_routed()
+            self._scan_routed(budget)
             return
         for name in names:
             pid = self._pid(name)
@@ -259,12 +254,12 @@ class PulsarSource(Source):
                 finally:
                     reader.close()
 
-    def _scan_routed(self) -> None:
+    def _scan_routed(self, budget: float) -> None:
         if self._tail is None:
             self._tail = self._call(
                 "create_reader", self._pulsar().create_reader, self.topic, pulsar.MessageId.earliest
             )
-        deadline = time.monotonic() + POLL_BUDGET
+        deadline = time.monotonic() + budget
         while time.monotonic() < deadline:
             try:
                 msg = self._tail.read_next(50)
@@ -286,7 +281,7 @@ class PulsarSource(Source):
         return out
 
     def partitions(self) -> list[Partition]:
-        self._scan()
+        self._scan(budget=REGISTER_BUDGET)  # routed: catch up with the topic, so that ``latest`` is the end now
         polled = self._polled()
         if self.start_mode == "latest":
             return [Partition(p.id, p.end, p.end) for p in polled]

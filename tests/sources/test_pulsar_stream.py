@@ -21,13 +21,25 @@ from typing import Any
 import pytest
 
 from streamrover.cursor import IntervalSet, PartitionKey
-from streamrover.sources.pulsar import PositionCodec
+from streamrover.sources.pulsar import PositionCodec, PulsarSource
+from tests.brokers.pulsar import PulsarLiteBroker
 from tests.helpers import wait_until
 from tests.sources.stream_job import StreamJob
 
 pulsar = pytest.importorskip("pulsar")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PARTITIONS = 4  # the pulsar_broker fixture's default_partitions
+
+
+@pytest.fixture(scope="module")
+def unpartitioned_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PulsarLiteBroker]:
+    """pulsar-lite whose topics are not partitioned: a topic is one partition, read ``direct``."""
+    broker = PulsarLiteBroker(tmp_path_factory.mktemp("pulsar-unpartitioned"), default_partitions=0)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
 
 
 @pytest.fixture
@@ -47,6 +59,10 @@ def _quiet_logger() -> Any:
 
 def _topic() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def _client(broker: Any) -> Any:
+    return pulsar.Client(broker.service_url, operation_timeout_seconds=10, logger=_quiet_logger())
 
 
 def _produce(client: Any, topic: str, ids: range, poison: set[int] | None = None) -> None:
@@ -73,6 +89,16 @@ def _produce(client: Any, topic: str, ids: range, poison: set[int] | None = None
 def _job(tmp_path: Path, broker: Any, topic: str, **options: str) -> StreamJob:
     opts = {"sr.format": "json", "sr.schema": "id:int64", "sr.max_delay_ms": "200", **options}
     return StreamJob(tmp_path, f"{broker.service_url}/{topic}", opts, records_per_shard=500)
+
+
+def _read_mode(job: StreamJob) -> str:
+    """Which partition reads the source selects for this broker (``auto``)."""
+    source = PulsarSource(job.uri, "", job.options)
+    try:
+        source.partitions()
+        return source.mode
+    finally:
+        source.close()
 
 
 def _available(job: StreamJob) -> dict[str, int]:
@@ -132,7 +158,9 @@ def test_stream_ledger_exact_under_worker_and_master_kills(tmp_path: Path, pulsa
             wait_until(lambda: _available(job) == expected, 30, f"marker round {extra} polled")  # noqa: B023
     finally:
         job.stop()
-    # Nothing holds the subscription now: its first undelivered message per partition is the first marker.
+    # Nothing holds the subscription now (pulsar-lite times out a second Failover consumer).
+    assert _read_mode(job) == "routed"  # pulsar-lite cannot open a reader on one partition
+    # The subscription's first undelivered message per partition is the first marker.
     got = _first_positions(client, topic, f"streamrover-{topic}", PARTITIONS)
     assert got == ends, f"subscription cursor {got} != committed cursor ends {ends}"
 
@@ -156,3 +184,31 @@ def test_poison_records_go_to_dead_letters(tmp_path: Path, pulsar_broker: Any, c
     files = sorted(dead_dir.glob("*.json"))
     assert len(files) == len(poison) == info.dead_letters
     assert all(bytes.fromhex(json.loads(f.read_text())["value"]) == b"\x00not json" for f in files)
+
+
+def test_unpartitioned_topic_is_one_partition_read_direct(tmp_path: Path, unpartitioned_broker: Any) -> None:
+    """A non-partitioned topic: the source reads it ``direct`` (a reader and a consumer on the topic itself)."""
+    rng = random.Random()
+    total, topic = 4_000, _topic()
+    client = _client(unpartitioned_broker)
+    try:
+        _produce(client, topic, range(total))
+        job = _job(tmp_path, unpartitioned_broker, topic)
+        try:
+            job.start()
+            job.run_chaos(total, [lambda: job.kill_worker(rng), job.kill_master], rng)
+            report, cursor, finished = job.finish(total)
+            info: Any = finished
+            assert report.exact, f"{job.events}: {report}\n{job.logs()}"
+            [part] = info.partitions
+            assert part.id == topic
+            assert cursor.get(PartitionKey("stream", 0, topic)) == IntervalSet([(part.start, part.end)])
+            for extra in (1, 2):  # as above: two polled marker rounds make sure the final commit went upstream
+                _produce(client, topic, range(total + extra - 1, total + extra))
+                wait_until(lambda: _available(job) == {topic: part.end + extra}, 30, "marker polled")  # noqa: B023
+        finally:
+            job.stop()
+        assert _read_mode(job) == "direct"
+        assert _first_positions(client, topic, f"streamrover-{topic}", 1) == {topic: part.end}
+    finally:
+        client.close()
