@@ -42,8 +42,10 @@ real Apache Pulsar. pulsar-lite answers a partition's name as another partitione
 partition's last message id (``get_last_message_id`` is not supported on a multi-topic consumer)
 and acknowledges through one consumer of the partitioned topic. ``auto`` asks the broker for the
 partitions of ``TOPIC-partition-0``: a broker that answers the partition itself gets ``direct``,
-others ``routed``. Tested here (tests/sources/test_pulsar_stream.py) against pulsar-lite 0.2.0, which
-selects ``routed``; ``direct`` is written to the Pulsar client API and only argued for, not tested.
+others ``routed`` (on pulsar-lite that lookup creates a topic ``TOPIC-partition-0``). Tested here
+(tests/sources/test_pulsar_stream.py) against pulsar-lite 0.2.0 only: partitioned topics ``routed``,
+a non-partitioned topic ``direct``. ``direct`` on a partition of a partitioned topic, ledger
+rollovers (gaps) and batched producers are written to the Pulsar client API but not tested.
 """
 
 from __future__ import annotations
