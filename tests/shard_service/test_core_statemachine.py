@@ -12,6 +12,7 @@ exactly once.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,6 +263,7 @@ class ShardServiceMachine(RuleBasedStateMachine):
         assert len(self.applied) == total and all(c == 1 for c in self.applied.values())
         assert not self.core.shards, "committed shards must be compacted away"
         self.core.journal.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 TestShardServiceMachine = ShardServiceMachine.TestCase
