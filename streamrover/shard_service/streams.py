@@ -10,6 +10,7 @@ added with the position they start at.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from streamrover.cursor import PartitionKey
@@ -26,6 +27,30 @@ DEFAULT_MAX_PENDING_SHARDS = 64
 def stream_option(ds: DatasetRecord, key: str, default: int) -> int:
     value = ds.spec.options.get(key)
     return default if value is None else int(value)
+
+
+def full_shards(
+    end: int, avail: int, size: int, segments: Sequence[tuple[int, int]] | None, limit: int
+) -> tuple[list[tuple[int, int]], int]:
+    """Up to ``limit`` shards from ``end``, each spanning ``size`` positions that can hold records.
+
+    ``segments`` are the runs of positions a sparse source says hold records (None:
+    every position does). Gaps between runs hold nothing and are folded into the
+    shard that follows them, so a gap never becomes a stream of empty shards.
+    Returns the shards and where the next shard starts.
+    """
+    runs = [(end, avail)] if segments is None else [(max(a, end), min(b, avail)) for a, b in sorted(segments)]
+    shards: list[tuple[int, int]] = []
+    start, need = end, size
+    for a, b in runs:
+        while a < b and len(shards) < limit:
+            if b - a < need:
+                need -= b - a
+                break
+            cut = a + need
+            shards.append((start, cut))
+            start, a, need = cut, cut, size
+    return shards, start
 
 
 class StreamOps(CoreState):
@@ -47,16 +72,15 @@ class StreamOps(CoreState):
                 known[p.id] = plan
                 changed = True
             self.available[(name, known[p.id].index)] = p.end
-        pending = sum(1 for sid in self.by_dataset[name] if self.shards[sid].state is ShardState.TODO)
+            self.segments[(name, known[p.id].index)] = p.segments
+        pending = self.state_counts[name][ShardState.TODO]
         planned: list[PlannedShard] = []
         for plan in list(ds.partitions):
-            avail = self.available.get((name, plan.index), plan.end)
-            end = plan.end
-            while pending < max_pending and avail - end >= size:
-                planned.append(PlannedShard(0, plan, end, end + size))
-                end += size
-                pending += 1
             key = (name, plan.index)
+            avail = self.available.get(key, plan.end)
+            full, end = full_shards(plan.end, avail, size, self.segments.get(key), max_pending - pending)
+            planned.extend(PlannedShard(0, plan, a, b) for a, b in full)
+            pending += len(full)
             if avail > end:
                 since = self.pending_since.setdefault(key, now)
                 if pending < max_pending and (force or now - since >= max_delay):

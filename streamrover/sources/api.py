@@ -64,6 +64,9 @@ class Partition:
     id: str
     start: int
     end: int
+    #: Sparse sources may say which runs ``(a, b)`` of positions below ``end`` can hold records
+    #: (a Pulsar ledger's entries, say); the planner then sizes shards by those, not by gaps.
+    segments: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
