@@ -143,10 +143,11 @@ def bench_dlrover(nbytes: int, tensors: int, repeats: int) -> dict[str, Any]:
     if not os.path.exists(DLROVER_PY):
         return {"error": f"no DLRover venv at {DLROVER_PY} (set STREAMROVER_DLROVER_PYTHON)"}
     script = Path(__file__).with_name("ckpt_dlrover_peer.py")
+    errors = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [DLROVER_PY, str(script), "--bytes", str(nbytes), "--tensors", str(tensors), "--repeats", str(repeats)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=errors,
         text=True,
         start_new_session=True,
     )
@@ -256,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="working directory on the local disk (default: system temp)")
     parser.add_argument("--skip-dcp", action="store_true")
     parser.add_argument("--skip-dlrover", action="store_true")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    parser.add_argument("--quick", action="store_true", help="smoke-sized run: 16M, 2 repeats")
+    args, _ = parser.parse_known_args(argv)  # `python -m benchmarks` passes every benchmark the same options
+    if args.quick:
+        args.sizes, args.repeats = "16M", 2
     print(f"flash checkpoint benchmark: torch {torch.__version__}, {os.cpu_count()} cores", flush=True)
     for text in args.sizes.split(","):
         size = parse_size(text)

@@ -227,12 +227,25 @@ class Checkpointer:
         Shared memory wins when its snapshot is at least as new as the newest checkpoint on
         storage (a process restart on a live node); storage otherwise. Partial or corrupted
         checkpoints are skipped with a :class:`CheckpointFallbackWarning`. With a binder and
-        ``restore``, the shard service is reset to the loaded cursor.
+        ``restore``, the shard service is reset to the loaded cursor. When storage wins, this
+        rank's memory snapshots of later steps are invalidated: training resumes from the loaded
+        step, and a snapshot of the abandoned run must not be persisted or loaded later.
         """
         loaded = self._load(self.rank if part is None else part, zero_copy, memory)
+        if loaded.source == Source.STORAGE:
+            self._drop_newer_snapshots(loaded.step)
         if restore and self.binder is not None:
             self.binder.restore_cursor(loaded.cursor)
         return loaded
+
+    def _drop_newer_snapshots(self, step: int) -> None:
+        """Training resumes from ``step``: snapshots of this rank from a later, abandoned timeline must never
+        be persisted (after a death) or loaded (after a restart) in place of the resumed run's."""
+        with self._cond:
+            for snap in self.engine.snapshots():
+                buf = self.engine.buffers[snap.index]
+                if snap.step > step and snap.index not in self._busy and buf is not None:
+                    buf.invalidate()
 
     def _memory_snapshot(self, part: int) -> tuple[MemoryEngine, Snapshot] | None:
         engine = self.engine if part == self.rank else MemoryEngine(self.namespace, part, self.engine.num_buffers)

@@ -170,6 +170,10 @@ class SharedBuffer:
         _GEN.pack_into(self.mm, 8, odd_gen + 1)
         return odd_gen + 1
 
+    def invalidate(self) -> None:
+        """Make the snapshot in this buffer unreadable (odd generation) until the next write."""
+        self.begin_write()
+
     def read_header(self) -> tuple[int, dict[str, Any]] | None:
         """``(generation, header)`` of the complete snapshot in this buffer, or None if there is none."""
         gen = self.generation()

@@ -115,6 +115,10 @@ def test_cursor_binding_prepare_commit_restore(root: str, shard_service: FakeSha
         shard_service.ack("p0", 100, 150)
         ckpt.wait(timeout=60)
         assert shard_service.committed == [1]
+        # restore from memory: the cursor of the memory snapshot (step 2)
+        loaded = ckpt.load()
+        assert (loaded.source, loaded.step, loaded.cut_id) == (Source.MEMORY, 2, 2)
+        assert shard_service.cursor == shard_service.cuts[2]
         # restore from storage: cursor of checkpoint 1 exactly, and the shard service is reset to it
         loaded = ckpt.load(memory=False)
         expected = DataCursor()
@@ -122,10 +126,6 @@ def test_cursor_binding_prepare_commit_restore(root: str, shard_service: FakeSha
         assert loaded.cursor == expected == shard_service.cuts[1]
         assert shard_service.cursor == expected and shard_service.restored[-1] == expected
         assert loaded.cut_id == 1
-        # restore from memory: the cursor of the memory snapshot (step 2)
-        loaded = ckpt.load()
-        assert (loaded.source, loaded.step, loaded.cut_id) == (Source.MEMORY, 2, 2)
-        assert shard_service.cursor == shard_service.cuts[2]
 
 
 def test_manifest_published_only_when_every_rank_part_is_written(root: str) -> None:
@@ -228,3 +228,13 @@ def test_dev_shm_too_small_is_a_clear_error(root: str, monkeypatch: pytest.Monke
     ckpt = Checkpointer(root, saver="thread")
     with pytest.raises(SharedMemoryTooSmallError, match=r"needs .* MiB more, 0\.1 MiB free of 64\.0 MiB.*shm-size"):
         ckpt.save(1, {"w": np.zeros(1 << 20)}, persist=False)
+
+
+def test_resuming_from_an_older_storage_checkpoint_drops_newer_memory_snapshots(root: str) -> None:
+    with Checkpointer(root, saver="thread") as ckpt:
+        save_persisted(ckpt, [10])
+        ckpt.save(30, state_at(30), persist=False)
+        assert ckpt.load().step == 30
+        assert ckpt.load(memory=False).step == 10  # the caller chose storage: training resumes from 10
+        assert [s.step for s in ckpt.engine.snapshots()] == [10]
+        assert ckpt.load().step == 10  # the abandoned step-30 snapshot is gone for good
