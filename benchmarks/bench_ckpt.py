@@ -181,7 +181,9 @@ def run(size: int, args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
         ours = bench_ours(state, work, args.repeats, torch_file)
         dcp = bench_dcp(state, work, args.repeats) if not args.skip_dcp else {}
         del state
-        dl = bench_dlrover(size, args.tensors, args.repeats) if not args.skip_dlrover else {"error": "skipped"}
+        dl: dict[str, Any] = {"error": "skipped"}
+        if not args.skip_dlrover:
+            dl = bench_dlrover(size, args.tensors, args.repeats)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     s = ours["save"]
