@@ -50,12 +50,9 @@ rollovers (gaps) and batched producers are written to the Pulsar client API but 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import pulsar
@@ -71,6 +68,7 @@ from streamrover.sources.api import (
     SourceUnavailableError,
     register_source,
 )
+from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
 log = logging.getLogger(__name__)
 RAW_SCHEMA = pa.schema(
@@ -82,9 +80,8 @@ RAW_SCHEMA = pa.schema(
         "batch_index": pa.int32(),
     }
 )
-_TYPES = {n: getattr(pa, n)() for n in ("int64", "int32", "float64", "float32", "string", "binary")} | {
-    "bool": pa.bool_()
-}
+
+
 POLL_BUDGET = 0.5  # seconds a routed poll may spend tailing the topic
 REGISTER_BUDGET = 60.0  # ... and the first listing, which reads up to the end
 
@@ -98,18 +95,6 @@ def parse_uri(uri: str) -> tuple[str, str]:
         raise SourceError(f"a Pulsar URI looks like pulsar://HOST:PORT/[TENANT/NAMESPACE/]TOPIC, got {uri!r}")
     tenant, ns, topic = parts if len(parts) == 3 else ("public", "default", parts[0])
     return f"{scheme}://{hosts}", f"persistent://{tenant}/{ns}/{topic}"
-
-
-def parse_schema(text: str) -> pa.Schema:
-    fields = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, _, type_name = item.partition(":")
-        if type_name not in _TYPES:
-            raise SourceError(f"sr.schema field {item!r}: type must be one of {', '.join(sorted(_TYPES))}")
-        fields.append(pa.field(name, _TYPES[type_name]))
-    if not fields:
-        raise SourceError("sr.schema is empty; give fields like id:int64,x:float64")
-    return pa.schema(fields)
 
 
 def _client_value(text: str) -> Any:
@@ -174,7 +159,7 @@ class PulsarSource(Source):
         if self.format not in ("raw", "json"):
             raise SourceError(f"sr.format must be raw or json, got {self.format!r}")
         self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.sr.get("sr.schema", ""))
-        self.dead_letter_dir = self.sr.get("sr.dead_letter_dir", "")
+        self._dead = DeadLetters(self.sr.get("sr.dead_letter_dir", ""))
         self._client: Any = None
         self._names: list[str] = []  # full topic names of the partitions, in partition order
         self._consumers: dict[str, Any] = {}  # direct: per partition; routed: "" -> one on the topic
@@ -279,7 +264,9 @@ class PulsarSource(Source):
         for name in self._names:
             pid = self._pid(name)
             if pid in self._last:
-                out.append(Partition(pid, self._first[pid], self._last[pid] + 1))
+                ledger, _ = self.codec.decode(self._last[pid])  # entries of the newest ledger are dense
+                run = ((self.codec.encode(ledger, 0), self._last[pid] + 1),)
+                out.append(Partition(pid, self._first[pid], self._last[pid] + 1, segments=run))
         return out
 
     def partitions(self) -> list[Partition]:
@@ -384,44 +371,9 @@ class PulsarSource(Source):
                 pa.array([b for _, _, b in msgs], pa.int32()),
             ]
             return ReadBatch(pa.RecordBatch.from_arrays(cols, schema=RAW_SCHEMA), start, end, positions)
-        rows: list[dict[str, Any]] = []
-        keep: list[int] = []
-        dead = 0
-        for i, (m, pos, bidx) in enumerate(msgs):
-            try:
-                row = json.loads(m.data())
-                row = {f.name: row[f.name] for f in self._schema}
-                pa.RecordBatch.from_pylist([row], schema=self._schema)  # the value types fit the schema
-            except (ValueError, KeyError, TypeError, pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-                dead += 1
-                self._dead_letter(pid, m, pos, bidx, exc)
-                continue
-            rows.append(row)
-            keep.append(i)
-        records = pa.RecordBatch.from_pylist(rows, schema=self._schema)
-        kept = positions.take(pa.array(keep, pa.int64())) if keep else pa.array([], pa.int64())
+        decoded = [Message(pos, m.data() or b"", (m.partition_key() or "").encode(), bidx) for m, pos, bidx in msgs]
+        records, kept, dead = decode_json(decoded, self._schema, pid, self._dead)
         return ReadBatch(records, start, end, kept, dead_letters=dead)
-
-    def _dead_letter(self, pid: str, msg: Any, pos: int, bidx: int, exc: Exception) -> None:
-        if not self.dead_letter_dir:
-            raise SourceError(
-                f"record at {pid} message id {msg.message_id()} cannot be decoded ({exc}); set sr.dead_letter_dir "
-                "to send such records to a dead-letter dataset"
-            )
-        root = Path(self.dead_letter_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"{pid}-{pos:020d}-{max(bidx, 0):06d}.json"
-        body = {
-            "partition": pid,
-            "position": pos,
-            "message_id": str(msg.message_id()),
-            "error": str(exc),
-            "key": (msg.partition_key() or ""),
-            "value": (msg.data() or b"").hex(),
-        }
-        tmp = final.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(body))
-        tmp.rename(final)
 
     def close(self) -> None:
         for closable in [*self._consumers.values(), self._tail]:

@@ -52,6 +52,7 @@ class Message:
     position: int
     value: bytes
     key: bytes | None = None
+    index: int = -1  # the record's index within its position, where one position holds several (Pulsar batches)
 
 
 class DeadLetters:
@@ -72,7 +73,8 @@ class DeadLetters:
         root = Path(self.directory)
         root.mkdir(parents=True, exist_ok=True)
         safe = partition_id.replace("/", "_")
-        final = root / f"{safe}-{msg.position:020d}.json"
+        suffix = f"-{msg.index:06d}" if msg.index >= 0 else ""
+        final = root / f"{safe}-{msg.position:020d}{suffix}.json"
         doc = {
             "partition": partition_id,
             "position": msg.position,
