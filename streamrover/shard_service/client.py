@@ -312,3 +312,14 @@ class ShardClient:
 
     def restore_cut(self, cut_id: int) -> pb.RestoreResponse:
         return self._call(self._stub.Restore, pb.RestoreRequest(cut_id=cut_id))
+
+    # ---------------------------------------------------------------- key-value
+    def kv_get(self, key: str) -> tuple[bytes, int] | None:
+        """(value, version) of ``key``, or None when it was never set."""
+        resp = self._call(self._stub.KvGet, pb.KvGetRequest(key=key))
+        return (resp.value, resp.version) if resp.found else None
+
+    def kv_set(self, key: str, value: bytes, expected_version: int) -> tuple[bool, bytes, int]:
+        """Compare-and-set; returns (written, current value, current version)."""
+        resp = self._call(self._stub.KvSet, pb.KvSetRequest(key=key, value=value, expected_version=expected_version))
+        return resp.ok, resp.value, resp.version

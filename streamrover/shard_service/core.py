@@ -322,3 +322,19 @@ class ShardCore(CutOps, StreamOps):
             self.ack_log.popleft()
         span = min(window, max(now - self.started, 1e-3))
         return sum(n for _, n in self.ack_log) / span, len(self.ack_log) / span
+
+    # ------------------------------------------------------------------ key-value
+    def kv_get(self, key: str) -> tuple[bytes, int] | None:
+        return self.journal.kv_get(key)
+
+    def kv_set(self, key: str, value: bytes, expected_version: int) -> tuple[bool, bytes, int]:
+        """Compare-and-set: write ``value`` if the key is at ``expected_version`` (0: absent)."""
+        if not key:
+            raise InvalidArgumentError("a key is required")
+        with self.journal.transaction():
+            current = self.journal.kv_get(key)
+            version = current[1] if current else 0
+            if version != expected_version:
+                return False, current[0] if current else b"", version
+            self.journal.kv_put(key, value, version + 1)
+        return True, value, version + 1

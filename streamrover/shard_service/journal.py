@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS workers (
 CREATE TABLE IF NOT EXISTS cursor (
     dataset TEXT NOT NULL, epoch INTEGER NOT NULL, partition TEXT NOT NULL, intervals TEXT NOT NULL,
     PRIMARY KEY (dataset, epoch, partition));
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value BLOB NOT NULL, version INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS cuts (
     id INTEGER PRIMARY KEY, step INTEGER, cursor TEXT NOT NULL, state TEXT NOT NULL);
 """
@@ -230,3 +231,11 @@ class Journal:
             CutRecord(int(i), None if step is None else int(step), DataCursor.from_json(c), CutState(state))
             for i, step, c, state in self._db.execute("SELECT * FROM cuts ORDER BY id")
         ]
+
+    # -- key-value store -------------------------------------------------------
+    def kv_get(self, key: str) -> tuple[bytes, int] | None:
+        row = self._db.execute("SELECT value, version FROM kv WHERE key = ?", (key,)).fetchone()
+        return None if row is None else (bytes(row[0]), int(row[1]))
+
+    def kv_put(self, key: str, value: bytes, version: int) -> None:
+        self._db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?)", (key, value, version))

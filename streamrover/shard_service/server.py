@@ -59,7 +59,28 @@ def _rpc(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-class ShardServicer(pb_grpc.ShardServiceServicer):
+class _KvMethods:
+    """The key-value RPCs (coordination state such as rendezvous)."""
+
+    core: ShardCore
+    cond: threading.Condition
+
+    @_rpc
+    def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
+        with self.cond:
+            found = self.core.kv_get(request.key)
+        if found is None:
+            return pb.KvGetResponse(found=False)
+        return pb.KvGetResponse(found=True, value=found[0], version=found[1])
+
+    @_rpc
+    def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
+        with self.cond:
+            ok, value, version = self.core.kv_set(request.key, request.value, request.expected_version)
+        return pb.KvSetResponse(ok=ok, value=value, version=version)
+
+
+class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     """Serialises every call on one condition variable around the :class:`ShardCore`."""
 
     def __init__(self, core: ShardCore) -> None:

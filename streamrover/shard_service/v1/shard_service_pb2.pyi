@@ -920,3 +920,90 @@ class StatusResponse(google.protobuf.message.Message):
     def ClearField(self, field_name: typing.Literal["acks_per_second", b"acks_per_second", "datasets", b"datasets", "last_committed_cut", b"last_committed_cut", "records_per_second", b"records_per_second", "uptime_seconds", b"uptime_seconds", "workers", b"workers"]) -> None: ...
 
 global___StatusResponse = StatusResponse
+
+@typing.final
+class KvGetRequest(google.protobuf.message.Message):
+    """---------------------------------------------------------- key-value store
+    A small durable compare-and-set store for coordination state, e.g. the elastic
+    trainers' rendezvous (torch.distributed.elastic's RendezvousBackend). Values are
+    opaque bytes: the service never decodes them.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: builtins.int
+    key: builtins.str
+    def __init__(
+        self,
+        *,
+        key: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["key", b"key"]) -> None: ...
+
+global___KvGetRequest = KvGetRequest
+
+@typing.final
+class KvGetResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: builtins.int
+    VALUE_FIELD_NUMBER: builtins.int
+    VERSION_FIELD_NUMBER: builtins.int
+    found: builtins.bool
+    value: builtins.bytes
+    version: builtins.int
+    """increases with every successful set"""
+    def __init__(
+        self,
+        *,
+        found: builtins.bool = ...,
+        value: builtins.bytes = ...,
+        version: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["found", b"found", "value", b"value", "version", b"version"]) -> None: ...
+
+global___KvGetResponse = KvGetResponse
+
+@typing.final
+class KvSetRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: builtins.int
+    VALUE_FIELD_NUMBER: builtins.int
+    EXPECTED_VERSION_FIELD_NUMBER: builtins.int
+    key: builtins.str
+    value: builtins.bytes
+    expected_version: builtins.int
+    """the version the caller read; 0 = the key must not exist yet"""
+    def __init__(
+        self,
+        *,
+        key: builtins.str = ...,
+        value: builtins.bytes = ...,
+        expected_version: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["expected_version", b"expected_version", "key", b"key", "value", b"value"]) -> None: ...
+
+global___KvSetRequest = KvSetRequest
+
+@typing.final
+class KvSetResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    OK_FIELD_NUMBER: builtins.int
+    VALUE_FIELD_NUMBER: builtins.int
+    VERSION_FIELD_NUMBER: builtins.int
+    ok: builtins.bool
+    """false: the version moved; value/version are the current ones"""
+    value: builtins.bytes
+    version: builtins.int
+    def __init__(
+        self,
+        *,
+        ok: builtins.bool = ...,
+        value: builtins.bytes = ...,
+        version: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["ok", b"ok", "value", b"value", "version", b"version"]) -> None: ...
+
+global___KvSetResponse = KvSetResponse

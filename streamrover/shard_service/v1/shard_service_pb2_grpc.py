@@ -99,6 +99,16 @@ class ShardServiceStub(object):
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StatusRequest.SerializeToString,
                 response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.KvGet = channel.unary_unary(
+                '/streamrover.v1.ShardService/KvGet',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvGetRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvGetResponse.FromString,
+                _registered_method=True)
+        self.KvSet = channel.unary_unary(
+                '/streamrover.v1.ShardService/KvSet',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer(object):
@@ -182,6 +192,18 @@ class ShardServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvGet(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KvSet(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +271,16 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StatusRequest.FromString,
                     response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StatusResponse.SerializeToString,
+            ),
+            'KvGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvGet,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvGetRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvGetResponse.SerializeToString,
+            ),
+            'KvSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvSet,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +634,60 @@ class ShardService(object):
             '/streamrover.v1.ShardService/Status',
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StatusRequest.SerializeToString,
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrover.v1.ShardService/KvGet',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvGetRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrover.v1.ShardService/KvSet',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetResponse.FromString,
             options,
             channel_credentials,
             insecure,

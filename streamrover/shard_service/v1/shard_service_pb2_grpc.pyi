@@ -95,6 +95,16 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.StatusResponse,
     ]
 
+    KvGet: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.KvGetRequest,
+        streamrover.shard_service.v1.shard_service_pb2.KvGetResponse,
+    ]
+
+    KvSet: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.KvSetRequest,
+        streamrover.shard_service.v1.shard_service_pb2.KvSetResponse,
+    ]
+
 class ShardServiceAsyncStub:
     RegisterDataset: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.RegisterDatasetRequest,
@@ -159,6 +169,16 @@ class ShardServiceAsyncStub:
     Status: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.StatusRequest,
         streamrover.shard_service.v1.shard_service_pb2.StatusResponse,
+    ]
+
+    KvGet: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.KvGetRequest,
+        streamrover.shard_service.v1.shard_service_pb2.KvGetResponse,
+    ]
+
+    KvSet: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.KvSetRequest,
+        streamrover.shard_service.v1.shard_service_pb2.KvSetResponse,
     ]
 
 class ShardServiceServicer(metaclass=abc.ABCMeta):
@@ -252,5 +272,19 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.StatusRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.StatusResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.StatusResponse]]: ...
+
+    @abc.abstractmethod
+    def KvGet(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.KvGetRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.KvGetResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.KvGetResponse]]: ...
+
+    @abc.abstractmethod
+    def KvSet(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.KvSetRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.KvSetResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.KvSetResponse]]: ...
 
 def add_ShardServiceServicer_to_server(servicer: ShardServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...
