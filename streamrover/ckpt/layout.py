@@ -85,6 +85,11 @@ def parse_safetensors(data: bytearray) -> tuple[dict[str, Any], int]:
         begin, end = info["data_offsets"]
         if info["dtype"] not in DTYPES or not 0 <= begin <= end <= len(data) - base:
             raise CorruptCheckpointError(f"safetensors entry {name!r} is out of bounds or has an unknown dtype")
+        count = 1
+        for dim in info["shape"]:
+            count *= int(dim)
+        if end - begin != count * DTYPES[info["dtype"]][2]:
+            raise CorruptCheckpointError(f"safetensors entry {name!r}: {end - begin} bytes for shape {info['shape']}")
     return table, base
 
 

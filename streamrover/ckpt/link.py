@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,10 @@ class SaverLink:
         self.saver_pid: int | None = None
         self._closing = False
         self._thread_saver: CheckpointSaver | None = None
+        # A forked child (a DataLoader worker) must not hold the connection open: the saver learns
+        # of the trainer's death by EOF, which a child's copy of the socket would delay.
+        ref = weakref.WeakMethod(self._close_in_child)
+        os.register_at_fork(after_in_child=lambda: (method := ref()) is not None and method())
         self._reader = threading.Thread(target=self._run, name="ckpt-saver-link", daemon=True)
         self._reader.start()
 
@@ -126,6 +131,11 @@ class SaverLink:
                 self._on_done(int(msg["index"]), result)
             elif msg["kind"] == "closed":
                 return
+
+    def _close_in_child(self) -> None:
+        if self._sock is not None:
+            self._sock.close()  # only this process's descriptor; the parent's connection is untouched
+            self._sock = None
 
     def ready(self) -> bool:
         return self._ready.is_set() and self._sock is not None

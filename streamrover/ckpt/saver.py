@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m streamrover.ckpt", description=__doc__)
     parser.add_argument("--address", required=True, help="abstract socket address (a leading '@' means NUL)")
     parser.add_argument("--linger", type=float, default=600.0, help="seconds to stay up with no trainer connected")
-    parser.add_argument("--nice", type=int, default=10, help="lower CPU priority, so persists yield to training")
+    parser.add_argument("--nice", type=int, default=0, help="lower the CPU priority of persists (os.nice increment)")
     args = parser.parse_args(argv)
     if args.nice:
         os.nice(args.nice)

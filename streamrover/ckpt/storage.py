@@ -111,7 +111,10 @@ class Storage:
         written = 0
         try:
             if self.local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                parent = os.path.dirname(path)
+                if not os.path.isdir(parent):
+                    os.makedirs(parent, exist_ok=True)
+                    self._fsync_dir(os.path.dirname(parent))  # the new directory's entry is durable too
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     for chunk in _chunks(parts):

@@ -82,6 +82,17 @@ def test_trainer_killed_right_after_memory_save_is_persisted_by_saver(root: str,
     os.kill(trainer.saver_pid, 0)  # the saver outlived its trainer and still serves a restart
 
 
+def test_forked_child_does_not_hide_the_trainers_death_from_the_saver(root: str, pids: list[int]) -> None:
+    trainer = Trainer(root, pids, "--steps", "2", "--persist", "1", "--fork-child")
+    child = int(trainer.read_until("child ").split()[1])
+    pids.append(child)
+    trainer.read_until("saver ")
+    pids.append(trainer.saver_pid)
+    trainer.kill()
+    os.kill(child, 0)  # the child still holds the trainer's descriptors
+    wait_for(lambda: (Path(root) / step_dir(2) / MANIFEST).exists(), 60, "the saver to persist step 2")
+
+
 def test_restarted_trainer_on_same_node_loads_from_memory(root: str, pids: list[int]) -> None:
     trainer = Trainer(root, pids, "--steps", "3", "--persist", "1", "--mib", "8")
     trainer.read_until("saver ")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 
 import numpy as np
@@ -38,6 +40,7 @@ def main() -> int:
     parser.add_argument("--saver", default="auto")
     parser.add_argument("--linger", type=float, default=60.0)
     parser.add_argument("--load", action="store_true")
+    parser.add_argument("--fork-child", action="store_true", help="fork a child that outlives us (a DataLoader worker)")
     args = parser.parse_args()
     ckpt = Checkpointer(args.root, saver=args.saver, linger=args.linger)
     if args.load:
@@ -62,6 +65,13 @@ def main() -> int:
         if step in persist:
             ckpt.wait(timeout=120)
         print(f"saved {step}", flush=True)
+    if args.fork_child:
+        pid = os.fork()
+        if pid == 0:
+            os.close(0)
+            signal.pause()  # holds every inherited descriptor until killed
+            os._exit(0)
+        print(f"child {pid}", flush=True)
     print(f"saver {ckpt.saver_pid or 0}", flush=True)
     sys.stdin.read()  # hang until killed (the test holds our stdin open)
     return 0
