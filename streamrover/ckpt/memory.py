@@ -130,6 +130,7 @@ class MemoryEngine:
         """The state held by ``snap``: views of shared memory if ``zero_copy``, private copies otherwise."""
         buf = self.buffers[snap.index]
         assert buf is not None
+        buf.populate_for_read()
         return read_state(buf.mm, snap.header, zero_copy)
 
     # -- writing -------------------------------------------------------------

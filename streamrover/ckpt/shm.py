@@ -170,6 +170,13 @@ class SharedBuffer:
         _GEN.pack_into(self.mm, 8, odd_gen + 1)
         return odd_gen + 1
 
+    def populate_for_read(self) -> None:
+        """Map every page now (MADV_POPULATE_READ, Linux 5.14+), cheaper than faulting them one by one."""
+        try:
+            self.mm.madvise(22)  # MADV_POPULATE_READ; not named by Python 3.11's mmap module
+        except OSError:
+            pass  # older kernel: pages fault in on first access instead
+
     def invalidate(self) -> None:
         """Make the snapshot in this buffer unreadable (odd generation) until the next write."""
         self.begin_write()
