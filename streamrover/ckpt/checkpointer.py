@@ -139,6 +139,13 @@ class Checkpointer:
                 self._dispatch_locked()
 
     def _ensure_link(self) -> None:
+        if self._link is not None and self._lost is not None:
+            # The saver died (or never came up): try a new one; wait() has reported or will report the loss
+            # of the persist that was running. The wanted snapshot is re-sent once connected.
+            log.warning("reconnecting to a checkpoint saver after: %s", self._lost)
+            self._link.close()
+            self._link = None
+            self._lost = None
         if self._link is not None:
             return
         address = saver_address(self.namespace)

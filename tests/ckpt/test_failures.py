@@ -93,6 +93,25 @@ def test_forked_child_does_not_hide_the_trainers_death_from_the_saver(root: str,
     wait_for(lambda: (Path(root) / step_dir(2) / MANIFEST).exists(), 60, "the saver to persist step 2")
 
 
+def test_two_ranks_killed_after_memory_saves_get_one_complete_checkpoint(root: str, pids: list[int]) -> None:
+    """Both ranks of a job die; the node's saver persists each rank's part and publishes the manifest."""
+    trainers = [
+        Trainer(root, pids, "--steps", "3", "--persist", "1", "--rank", str(r), "--world-size", "2") for r in (0, 1)
+    ]
+    for trainer in trainers:
+        trainer.read_until("saver ")
+        pids.append(trainer.saver_pid)
+    assert trainers[0].saver_pid == trainers[1].saver_pid  # one saver per node serves every rank
+    for trainer in trainers:
+        trainer.kill()
+    wait_for(lambda: (Path(root) / step_dir(3) / MANIFEST).exists(), 60, "the manifest of step 3")
+    for rank in (0, 1):
+        ckpt = Checkpointer(root, saver="thread", rank=rank, world_size=2)
+        loaded = ckpt.load(memory=False, restore=False)
+        assert loaded.step == 3 and loaded.cursor == cursor_at(3)
+        assert float(loaded.state["w2"][0]) == 3 + rank * 1000
+
+
 def test_restarted_trainer_on_same_node_loads_from_memory(root: str, pids: list[int]) -> None:
     trainer = Trainer(root, pids, "--steps", "3", "--persist", "1", "--mib", "8")
     trainer.read_until("saver ")
@@ -158,3 +177,7 @@ def test_saver_killed_mid_persist_leaves_previous_checkpoint_loadable(root: str,
     assert complete or not reported_done, "wait() reported step 2 persisted but it has no manifest"
     if seed == 0:
         assert not complete, "the saver was killed mid-persist, yet step 2 was published"
+        start_saver(root, pids)  # the agent restarts its saver: the next persist goes through
+        ckpt.save(3, state_at(3, 1), cursor=cursor_at(3))
+        assert [r.step for r in ckpt.wait(timeout=60)] == [3]
+        assert Checkpointer(root, saver="thread").load(memory=False, restore=False).step == 3

@@ -40,9 +40,11 @@ def main() -> int:
     parser.add_argument("--saver", default="auto")
     parser.add_argument("--linger", type=float, default=60.0)
     parser.add_argument("--load", action="store_true")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--fork-child", action="store_true", help="fork a child that outlives us (a DataLoader worker)")
     args = parser.parse_args()
-    ckpt = Checkpointer(args.root, saver=args.saver, linger=args.linger)
+    ckpt = Checkpointer(args.root, saver=args.saver, linger=args.linger, rank=args.rank, world_size=args.world_size)
     if args.load:
         loaded = ckpt.load()
         values = {float(np.unique(v)[0]) for k, v in loaded.state.items() if k.startswith("w")}
@@ -61,7 +63,8 @@ def main() -> int:
         return 0
     persist = {int(s) for s in args.persist.split(",") if s}
     for step in range(1, args.steps + 1):
-        ckpt.save(step, state_at(step, args.mib), cursor=cursor_at(step), persist=step in persist)
+        cursor = cursor_at(step) if args.rank == 0 else None  # the manifest cursor is the union of the parts'
+        ckpt.save(step, state_at(step + args.rank * 1000, args.mib), cursor=cursor, persist=step in persist)
         if step in persist:
             ckpt.wait(timeout=120)
         print(f"saved {step}", flush=True)
