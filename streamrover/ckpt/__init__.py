@@ -4,6 +4,20 @@ Save to shared memory in the time of a memcpy, persist asynchronously from a sav
 process that outlives the trainer, load the newest consistent snapshot from memory
 or storage, and keep the data cursor in every manifest. Importing this package does
 not import torch or tensorflow; the adapters import them when called.
+
+Trainer side::
+
+    ckpt = Checkpointer(url, rank=rank, world_size=world, binder=shard_client)
+    model_ckpt = TorchCheckpoint(ckpt, model, optimizer)       # or fsdp_sharded_state(...)
+    model_ckpt.save(step)                 # prepare_cut -> copy to shm -> async persist -> commit_cut
+    loaded, extra = model_ckpt.load()     # newest of shm/storage; shard_client.restore_cursor(cursor)
+
+Agent side (the elastic agent hosts the node's saver; trainers pass ``saver="agent"``)::
+
+    saver = CheckpointSaver(saver_address(namespace_for(url, job)), linger=None)
+    threading.Thread(target=saver.serve_forever).start()       # or: python -m streamrover.ckpt --address @...
+
+Without an agent, the first persisting save starts ``python -m streamrover.ckpt`` itself.
 """
 
 from streamrover.ckpt.api import (
@@ -22,6 +36,14 @@ from streamrover.ckpt.api import (
 )
 from streamrover.ckpt.checkpointer import Checkpointer, CheckpointFallbackWarning
 from streamrover.ckpt.saver import CheckpointSaver
+from streamrover.ckpt.tf_adapter import load_tf_variables_state, tf_variables_state
+from streamrover.ckpt.torch_adapter import (
+    TorchCheckpoint,
+    fsdp_sharded_state,
+    load_fsdp_sharded_state,
+    load_torch_state,
+    torch_state,
+)
 from streamrover.ckpt.wire import namespace_for, saver_address
 
 __all__ = [
@@ -39,7 +61,14 @@ __all__ = [
     "SaverError",
     "SharedMemoryTooSmallError",
     "Source",
+    "TorchCheckpoint",
     "UnsupportedStateError",
+    "fsdp_sharded_state",
+    "load_fsdp_sharded_state",
+    "load_tf_variables_state",
+    "load_torch_state",
     "namespace_for",
     "saver_address",
+    "tf_variables_state",
+    "torch_state",
 ]
