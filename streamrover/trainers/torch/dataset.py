@@ -1,0 +1,217 @@
+"""``StreamDataset``: a torch IterableDataset over leased shards, acked after the optimizer step that used them.
+
+Each rank leases its own shards from the shard service, reads them straight from the
+source (Kafka, files...), and yields *collated* batches: a ``dict`` of column name to
+tensor (Arrow → numpy → torch), at most ``batch_size`` rows, never spanning two shards.
+Use it with ``DataLoader(dataset, batch_size=None)``.
+
+Positions are tracked per yielded batch. :meth:`StreamDataset.step_done` (called after
+``optimizer.step()``; :class:`~streamrover.trainers.torch.session.StreamSession` does it)
+acks, synchronously and with that step number, everything yielded since the previous
+call. So a checkpoint cut at step S (all acks with step <= S) holds exactly the records
+whose gradients are in the model at step S.
+
+Leases revoked under a batch (a restore, or this worker declared dead) stop its shard:
+:class:`~streamrover.shard_service.LeaseLostError` on read drops the shard and leases
+another. If records of the revoked lease were already applied and not yet acked, the model
+now holds records the service will hand out again; :meth:`step_done` then raises
+:class:`StreamStateLostError` and the worker must restart from the last checkpoint
+(under ``dlrover-run`` exiting does exactly that).
+
+**DataLoader worker processes.** Leasing, reading and acking stay in the process that
+trains: ``num_workers`` must be 0 (the default). With ``num_workers > 0`` each loader
+process would lease shards that the trainer could not ack (acks must follow the optimizer
+step, in the trainer) and whose positions the checkpoint cut would not see, so
+:meth:`__iter__` raises ``RuntimeError`` inside a loader worker. Reading overlaps
+training through ``prefetch`` batches read ahead by a thread of the trainer instead.
+
+**Synchronous data parallelism.** Every rank must take part in every step. With
+``idle_timeout`` set, when no record arrives for that long (the stream is idle, or the
+dataset has ended for this rank) the dataset yields an *empty* batch (zero rows, same
+columns) so the rank can still join the step's collectives; :attr:`ended` tells whether
+this rank has seen the end of a bounded dataset.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from streamrover.shard_service import LeasedShard, LeaseLostError, ShardClient
+from streamrover.shard_service.v1 import shard_service_pb2 as pb
+from streamrover.sources.api import open_source
+
+
+class StreamStateLostError(LeaseLostError):
+    """Records applied to the model can no longer be acked: restart from the last checkpoint."""
+
+
+@dataclass
+class _Read:
+    shard: LeasedShard | None
+    end: int
+    batch: dict[str, torch.Tensor] | None  # None: a position-only read (an empty tail of a shard)
+
+
+def to_tensors(records: pa.RecordBatch, columns: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """A RecordBatch as ``{column: tensor}`` (numeric and boolean columns; others are skipped)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in columns or records.schema.names:
+        column = records.column(name)
+        kind = column.type
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+            if columns is not None:
+                raise TypeError(f"column {name!r} has type {kind}, which has no tensor form; drop it from columns")
+            continue
+        array = column.to_numpy(zero_copy_only=False)
+        out[name] = torch.from_numpy(np.array(array, copy=True))
+    return out
+
+
+class StreamDataset(IterableDataset):
+    """Batches of ``dataset`` leased for this rank; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        client: ShardClient,
+        dataset: str,
+        batch_size: int = 256,
+        *,
+        columns: list[str] | None = None,
+        idle_timeout: float | None = None,
+        prefetch: int = 2,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.client = client
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.columns = columns
+        self.idle_timeout = idle_timeout
+        self.prefetch = max(prefetch, 1)
+        self.ended = False
+        self.records_yielded = 0
+        self._pending: dict[str, tuple[LeasedShard, int]] = {}  # yielded, not acked: shard id -> (shard, end)
+        self._lock = threading.Lock()
+        self._empty: dict[str, torch.Tensor] | None = None
+
+    # -- reading -------------------------------------------------------------------------
+    def _reads(self, stop: threading.Event) -> Iterator[_Read]:
+        """Lease and read shards until the dataset ends (a stream never does)."""
+        wait = min(self.idle_timeout, 1.0) if self.idle_timeout is not None else 5.0
+        while not stop.is_set():
+            status, leased = self.client.lease(self.dataset, 1, wait)
+            if status == pb.LEASE_STATUS_END:
+                self.ended = True
+                return
+            for shard in leased:
+                try:
+                    for read in shard.batches(self.batch_size):
+                        if stop.is_set():
+                            return
+                        rows = read.records.num_rows
+                        yield _Read(shard, read.end, to_tensors(read.records, self.columns) if rows else None)
+                except LeaseLostError:  # revoked: its unread records go to whoever leases it next
+                    continue
+            if not leased:
+                yield _Read(None, 0, None)  # nothing to lease right now: let the consumer count idle time
+
+    def _producer(self, out: queue.Queue[_Read | None], stop: threading.Event, errors: list[BaseException]) -> None:
+        try:
+            for item in self._reads(stop):
+                while not stop.is_set():
+                    try:
+                        out.put(item, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # handed to the consumer, which raises it in the trainer
+            errors.append(exc)
+        finally:
+            out.put(None)
+
+    def _empty_batch(self) -> dict[str, torch.Tensor]:
+        if self._empty is None:
+            spec = self.client.describe_dataset(self.dataset).spec
+            source = open_source(spec.uri, spec.format, dict(spec.options))
+            try:
+                empty = pa.RecordBatch.from_pylist([], schema=source.schema())
+            finally:
+                source.close()
+            self._empty = to_tensors(empty, self.columns)
+        return {k: v.clone() for k, v in self._empty.items()}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if get_worker_info() is not None:
+            raise RuntimeError(
+                "StreamDataset must be iterated in the training process (DataLoader num_workers=0): acks follow "
+                "the optimizer step and checkpoint cuts need this rank's positions; it reads ahead in a thread"
+            )
+        out: queue.Queue[_Read | None] = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        thread = threading.Thread(target=self._producer, args=(out, stop, errors), name="stream-read", daemon=True)
+        thread.start()
+        idle_since = time.monotonic()
+        try:
+            while True:
+                timeout = None
+                if self.idle_timeout is not None:
+                    timeout = max(idle_since + self.idle_timeout - time.monotonic(), 0.0)
+                try:
+                    item = out.get(timeout=timeout)
+                except queue.Empty:
+                    item = _Read(None, 0, None)
+                if item is None:
+                    if errors:
+                        raise errors[0]
+                    if self.idle_timeout is None:
+                        return
+                    while True:  # ended for this rank: keep stepping with empty batches until the loop stops
+                        yield self._empty_batch()
+                if item.shard is not None:
+                    with self._lock:
+                        self._pending[item.shard.shard_id] = (item.shard, item.end)
+                if item.batch is not None:
+                    idle_since = time.monotonic()
+                    self.records_yielded += len(next(iter(item.batch.values()))) if item.batch else 0
+                    yield item.batch
+                elif self.idle_timeout is not None and time.monotonic() - idle_since >= self.idle_timeout:
+                    idle_since = time.monotonic()
+                    yield self._empty_batch()
+        finally:
+            stop.set()
+
+    # -- acking --------------------------------------------------------------------------
+    def step_done(self, step: int) -> int:
+        """Ack, with ``step``, every record yielded so far; returns how many shards were acked.
+
+        Call after the optimizer step that applied them. Raises :class:`StreamStateLostError`
+        if a lease was lost under records already applied.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for shard, end in pending.values():
+            try:
+                shard.ack(end, step=step)
+            except LeaseLostError as exc:
+                raise StreamStateLostError(
+                    f"shard {shard.shard_id}: records up to {end} were applied at step {step} but the lease is gone "
+                    f"({exc}); restart from the last checkpoint"
+                ) from exc
+        return len(pending)
+
+    def state(self) -> dict[str, Any]:
+        """Positions yielded but not yet acked, per shard (for logs; cuts come from acks)."""
+        with self._lock:
+            return {sid: end for sid, (_, end) in self._pending.items()}

@@ -1,0 +1,49 @@
+"""What ``dlrover-run`` tells its worker processes, in environment variables (read once, by :func:`from_env`).
+
+Workers started by torchrun-compatible launchers learn RANK, WORLD_SIZE, MASTER_ADDR... from the
+environment; ``dlrover-run`` adds the shard service and checkpoint settings under ``STREAMROVER_*``
+names, so a training script needs no extra flags. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+MASTER = "STREAMROVER_MASTER"
+TOKEN = "STREAMROVER_TOKEN"
+CKPT_DIR = "STREAMROVER_CKPT_DIR"
+CKPT_JOB = "STREAMROVER_CKPT_JOB"  # checkpoint namespace of this node (shared memory + the agent's saver)
+SAVER = "STREAMROVER_CKPT_SAVER"  # "agent" under dlrover-run, else the Checkpointer default ("auto")
+NODE_ID = "STREAMROVER_NODE_ID"
+RUN_ID = "STREAMROVER_RUN_ID"
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """The launcher's settings as a worker sees them."""
+
+    master: str | None
+    token: str
+    ckpt_dir: str | None
+    ckpt_job: str | None
+    saver: str
+    node_id: str
+    run_id: str
+
+    @property
+    def under_agent(self) -> bool:
+        return self.saver == "agent"
+
+
+def from_env(environ: dict[str, str] | None = None) -> WorkerEnv:
+    env = dict(os.environ) if environ is None else environ
+    return WorkerEnv(
+        master=env.get(MASTER) or None,
+        token=env.get(TOKEN, ""),
+        ckpt_dir=env.get(CKPT_DIR) or None,
+        ckpt_job=env.get(CKPT_JOB) or None,
+        saver=env.get(SAVER, "auto"),
+        node_id=env.get(NODE_ID, ""),
+        run_id=env.get(RUN_ID, ""),
+    )

@@ -1,0 +1,203 @@
+"""Rendezvous through the job master: torch.distributed.elastic's dynamic rendezvous on the master's KV store.
+
+``DynamicRendezvousHandler`` needs two things: a :class:`RendezvousBackend` that holds
+the rendezvous state with compare-and-set (get_state / set_state with fencing tokens),
+and a c10d ``Store`` the agents share for rank assignment and barriers. Both live in
+the shard service's durable key-value store (``ShardClient.kv_get`` / ``kv_set``), so
+the rendezvous survives the death of any agent (no agent hosts it, unlike c10d's
+TCPStore) and of the master itself (its journal is durable; clients retry).
+
+Registered as ``--rdzv-backend=streamrover``; ``--rdzv-endpoint`` is the master's
+``HOST:PORT`` and the token comes from ``--rdzv-conf token=...`` or ``STREAMROVER_TOKEN``.
+Workers bootstrap their own process group (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
+rank 0's worker hosts a TCPStore each round), so no agent's death leaves a stale address.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousStateError,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
+
+from streamrover.shard_service import ShardClient, ShardServiceError
+from streamrover.trainers.torch import env
+
+BACKEND_NAME = "streamrover"
+_PRESENT = b"\x01"
+_DELETED = b"\x00"
+
+
+def _kv_error(exc: ShardServiceError) -> RendezvousConnectionError:
+    return RendezvousConnectionError(f"the job master's key-value store failed: {exc}")
+
+
+class MasterRendezvousBackend(RendezvousBackend):
+    """The rendezvous state of ``run_id`` in the master's KV store; the fencing token is the key's version."""
+
+    def __init__(self, client: ShardClient, run_id: str) -> None:
+        if not run_id:
+            raise ValueError("a run id is required (--rdzv-id)")
+        self._client = client
+        self._key = f"rdzv/{run_id}/state"
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        try:
+            found = self._client.kv_get(self._key)
+        except ShardServiceError as exc:
+            raise _kv_error(exc) from exc
+        return found
+
+    def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
+        if token is not None and not isinstance(token, int):
+            raise RendezvousStateError(f"the fencing token {token!r} did not come from this backend")
+        try:
+            ok, value, version = self._client.kv_set(self._key, state, token or 0)
+        except ShardServiceError as exc:
+            raise _kv_error(exc) from exc
+        if not ok and version == 0:
+            return None  # a token for a state that no longer exists
+        return value, version, ok
+
+
+class MasterStore(Store):
+    """A c10d ``Store`` over the master's KV store, for the agents (never for collectives).
+
+    Blocking reads (``get``, ``wait``) poll with backoff up to ``timeout``: the KV store
+    has no watches, and agents read a handful of keys per rendezvous round.
+    """
+
+    def __init__(self, client: ShardClient, prefix: str, timeout: timedelta = timedelta(seconds=300)) -> None:
+        super().__init__()
+        self._client = client
+        self._prefix = prefix
+        self._timeout = timeout
+        self._wake = threading.Event()  # never set: a timed wait between polls that a test can't mistake for sync
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}/{key}"
+
+    def _read(self, key: str) -> tuple[bytes | None, int]:
+        try:
+            found = self._client.kv_get(self._key(key))
+        except ShardServiceError as exc:
+            raise _kv_error(exc) from exc
+        if found is None:
+            return None, 0
+        value, version = found
+        return (value[1:] if value[:1] == _PRESENT else None), version
+
+    def _cas(self, key: str, value: bytes | None, version: int) -> tuple[bool, bytes | None, int]:
+        raw = _DELETED if value is None else _PRESENT + value
+        try:
+            ok, current, now = self._client.kv_set(self._key(key), raw, version)
+        except ShardServiceError as exc:
+            raise _kv_error(exc) from exc
+        return ok, (current[1:] if current[:1] == _PRESENT else None), now
+
+    def _poll(self, keys: list[str], timeout: timedelta | None) -> dict[str, bytes]:
+        limit = (timeout or self._timeout).total_seconds()
+        give_up = time.monotonic() + limit
+        delay = 0.01
+        found: dict[str, bytes] = {}
+        while True:
+            for key in keys:
+                if key not in found:
+                    value, _ = self._read(key)
+                    if value is not None:
+                        found[key] = value
+            if len(found) == len(keys):
+                return found
+            if time.monotonic() > give_up:
+                missing = sorted(set(keys) - set(found))
+                raise TimeoutError(f"keys {missing} did not appear in the master's store within {limit:.0f} s")
+            self._wake.wait(delay)
+            delay = min(delay * 2, 0.2)
+
+    # -- the c10d Store interface ----------------------------------------------------
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        _, version = self._read(key)
+        while True:
+            ok, _, version = self._cas(key, data, version)
+            if ok:
+                return
+
+    def get(self, key: str) -> bytes:
+        return self._poll([key], None)[key]
+
+    def add(self, key: str, amount: int) -> int:
+        current, version = self._read(key)
+        while True:
+            new = int(current or b"0") + amount
+            ok, current, version = self._cas(key, str(new).encode(), version)
+            if ok:
+                return new
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        want = expected.encode() if isinstance(expected, str) else bytes(expected)
+        new = desired.encode() if isinstance(desired, str) else bytes(desired)
+        current, version = self._read(key)
+        while True:
+            if (current is None and want == b"") or current == want:
+                ok, current, version = self._cas(key, new, version)
+                if ok:
+                    return new
+                continue
+            return current if current is not None else want
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._poll(list(keys), timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._read(k)[0] is not None for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        current, version = self._read(key)
+        while current is not None:
+            ok, current, version = self._cas(key, None, version)
+            if ok:
+                return True
+        return False
+
+    def num_keys(self) -> int:
+        raise NotImplementedError("the master's store does not count keys")
+
+
+def master_client(endpoint: str, token: str | None, name: str) -> ShardClient:
+    """A client of the master for an agent: no heartbeat (an agent is not a shard worker)."""
+    return ShardClient(endpoint, token=token, name=name, heartbeat=False, timeout=120.0)
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The ``streamrover`` backend: dynamic rendezvous with its state and store in the job master."""
+    if not params.endpoint:
+        raise ValueError("--rdzv-endpoint must be the job master's HOST:PORT for --rdzv-backend=streamrover")
+    token = params.get("token") or os.environ.get(env.TOKEN, "")
+    client = master_client(params.endpoint, token, f"rdzv:{params.run_id}")
+    store = MasterStore(client, f"rdzv/{params.run_id}/store")
+    backend = MasterRendezvousBackend(client, params.run_id)
+    return create_handler(store, backend, params)
+
+
+def register() -> None:
+    """Make ``--rdzv-backend=streamrover`` known to torch.distributed.elastic (idempotent)."""
+    try:
+        rendezvous_handler_registry.register(BACKEND_NAME, create_rdzv_handler)
+    except ValueError:  # already registered in this process
+        pass

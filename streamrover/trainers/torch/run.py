@@ -1,0 +1,177 @@
+"""``dlrover-run``: torchrun's command line, launching torchelastic's agent with streamrover's duties.
+
+Every torchrun flag keeps its meaning (the parser *is* ``torch.distributed.run``'s);
+streamrover adds:
+
+``--shard-service HOST:PORT``  the job master (also ``STREAMROVER_MASTER``); workers lease shards from it
+``--token TOKEN``              its bearer token (also ``STREAMROVER_TOKEN``)
+``--ckpt-dir URL``             flash-checkpoint root; the agent hosts this node's checkpoint saver
+``--node-id ID``               this node's name in health reports and its checkpoint namespace
+
+``--rdzv-backend=streamrover`` runs the rendezvous through the job master (its endpoint
+defaults to ``--shard-service``); ``--standalone`` and ``c10d`` work as with torchrun.
+
+Example (two nodes, elastic between 1 and 3, four restarts per node)::
+
+    dlrover-run --nnodes 1:3 --nproc-per-node 2 --max-restarts 4 --rdzv-backend streamrover \\
+        --rdzv-id job1 --shard-service 10.0.0.5:7070 --token $TOKEN --ckpt-dir /data/ckpt train.py
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import uuid
+from argparse import ArgumentParser, Namespace
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
+from torch.distributed.run import config_from_args, get_args_parser
+
+from streamrover.ckpt import namespace_for, saver_address
+from streamrover.trainers.torch import env
+from streamrover.trainers.torch.agent import HealthReporter, StreamroverAgent
+from streamrover.trainers.torch.rendezvous import BACKEND_NAME, master_client, register
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> ArgumentParser:
+    parser = get_args_parser()
+    parser.prog = "dlrover-run"
+    parser.description = "torchrun, with streams: " + (parser.description or "")
+    group = parser.add_argument_group("streamrover")
+    group.add_argument("--shard-service", "--shard_service", default=os.environ.get(env.MASTER),
+                       help="HOST:PORT of the job master (shard service); default $STREAMROVER_MASTER")  # fmt: skip
+    group.add_argument("--token", default=os.environ.get(env.TOKEN, ""), help="bearer token of the job master")
+    group.add_argument("--ckpt-dir", "--ckpt_dir", default=os.environ.get(env.CKPT_DIR),
+                       help="flash-checkpoint root (a directory or fsspec URL); the agent hosts its saver")  # fmt: skip
+    group.add_argument("--node-id", "--node_id", default=None,
+                       help="this node's name (default: HOST-PID-RANDOM, unique per agent)")  # fmt: skip
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Namespace:
+    args = build_parser().parse_args(argv)
+    if args.standalone:  # as torchrun's run(): c10d on a private store
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, _, max_nodes = args.nnodes.partition(":")
+        if int(max_nodes or args.nnodes) == 1:
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    if args.rdzv_backend == BACKEND_NAME:
+        if not args.rdzv_endpoint:
+            args.rdzv_endpoint = args.shard_service
+        if not args.rdzv_endpoint:
+            raise SystemExit("dlrover-run: --rdzv-backend=streamrover needs --shard-service HOST:PORT")
+        if args.token and "token=" not in (args.rdzv_conf or ""):
+            args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"token={args.token}"]))
+    if args.node_id is None:
+        args.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    return args
+
+
+def _worker_environment(args: Namespace, run_id: str) -> dict[str, str]:
+    """What the workers learn about streamrover (see env.py); the agent's environment passes to them."""
+    out = {env.NODE_ID: args.node_id, env.RUN_ID: run_id}
+    if args.shard_service:
+        out[env.MASTER] = args.shard_service
+    if args.token:
+        out[env.TOKEN] = args.token
+    if args.ckpt_dir:
+        out[env.CKPT_DIR] = args.ckpt_dir
+        out[env.CKPT_JOB] = f"{run_id}.{args.node_id}"
+        out[env.SAVER] = "agent"
+    return out
+
+
+def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: Namespace) -> dict[int, Any]:
+    """torchelastic's ``launch_agent`` with :class:`StreamroverAgent` in place of LocalElasticAgent."""
+    run_id = config.run_id or str(uuid.uuid4().int)
+    config.run_id = run_id
+    os.environ.update(_worker_environment(args, run_id))
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(params)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(script_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    client = master_client(args.shard_service, args.token, f"agent:{args.node_id}") if args.shard_service else None
+    health = HealthReporter(client, run_id, args.node_id)
+    address = saver_address(namespace_for(args.ckpt_dir, os.environ[env.CKPT_JOB])) if args.ckpt_dir else None
+    agent = StreamroverAgent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=int(config.shutdown_timeout or 30),
+        saver_address=address,
+        health=health,
+    )
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=str(entrypoint), failures=result.failures)
+        return result.return_values
+    except ChildFailedError:
+        raise
+    except Exception as exc:
+        # A signal (SIGTERM: the node is leaving) must not close the rendezvous for the others.
+        shutdown_rdzv = type(exc).__name__ != "SignalException"
+        raise
+    finally:
+        if shutdown_rdzv:
+            try:
+                spec.rdzv_handler.shutdown()
+            except Exception:  # torchelastic's launcher logs and goes on here too
+                log.exception("error shutting down the rendezvous handler")
+        if client is not None:
+            client.close()
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    register()
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.rdzv_backend == BACKEND_NAME:
+        # Workers bootstrap their own store each round (rank 0's worker hosts it): an agent's death
+        # never leaves the others pointing at a TCPStore that died with it.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    config, cmd, cmd_args = config_from_args(args)
+    launch(config, cmd, list(cmd_args), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""``StreamSession``: exactly-once glue for a synchronous data-parallel torch script.
+
+The order that keeps every record's effect in the model exactly once
+(ARCHITECTURE.md, "The exactly-once contract"):
+
+1. **Restore once, before anyone leases.** Rank 0 loads the newest checkpoint (this node's
+   shared memory if newest, else storage) and resets the shard service to its cursor,
+   which revokes every lease of the previous round. It then broadcasts the model and
+   optimizer state to all ranks, and a barrier follows: no rank leases a shard until the
+   cursor is reset. So after any failure all ranks resume from the same checkpoint.
+2. **Ack after the step.** :meth:`step_done` (after ``optimizer.step()``) acks, synchronously
+   and tagged with the step number, every record each rank's datasets yielded for it.
+3. **Cut after every rank acked.** Every ``ckpt_every`` steps a barrier makes sure all
+   ranks' acks for steps <= S are in; then rank 0 snapshots the model (one copy: the state
+   is identical on all ranks) into shared memory and takes the cut for S — the acks with
+   step <= S. The agent's saver persists it; the cut is committed once the manifest is durable.
+
+A per-record ledger or any other state that must be exact belongs in the model's state
+(a buffer), kept identical on all ranks (e.g. by all-reducing each step's update).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from streamrover.ckpt import Checkpointer, CursorBinder, NoCheckpointError, RetentionPolicy
+from streamrover.ckpt.torch_adapter import TorchCheckpoint, load_torch_state, torch_state
+from streamrover.cursor import DataCursor
+from streamrover.shard_service import ShardClient
+from streamrover.trainers.torch import env
+from streamrover.trainers.torch.dataset import StreamDataset
+
+log = logging.getLogger(__name__)
+
+
+def _die_with_agent() -> None:
+    """Under dlrover-run, a worker whose agent is SIGKILLed dies too (no orphan keeps stale leases or sockets)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: orphans are fenced by the lease attempt anyway
+        return
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+class StreamSession:
+    """One rank's connection to the shard service and its checkpoints. See the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any | None = None,
+        *,
+        master: str | None = None,
+        token: str | None = None,
+        ckpt_dir: str | None = None,
+        ckpt_every: int = 50,
+        retention: RetentionPolicy | None = None,
+    ) -> None:
+        cfg = env.from_env()
+        self.model = model
+        self.optimizer = optimizer
+        self.ckpt_every = ckpt_every
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        if cfg.under_agent:
+            _die_with_agent()
+        address = master or cfg.master
+        if not address:
+            raise ValueError("no shard service: run under dlrover-run --shard-service HOST:PORT, or pass master=")
+        root = ckpt_dir or cfg.ckpt_dir
+        if not root:
+            raise ValueError("no checkpoint location: run under dlrover-run --ckpt-dir URL, or pass ckpt_dir=")
+        node = cfg.node_id or "local"
+        self.client = ShardClient(address, token=cfg.token if token is None else token, name=f"rank{self.rank}@{node}")
+        self.client.join()
+        self.datasets: list[StreamDataset] = []
+        self.step = 0
+        self._ckpt: TorchCheckpoint | None = None
+        if self.rank == 0:
+            checkpointer = Checkpointer(
+                root,
+                rank=0,
+                world_size=1,  # one copy: the state is the same on every rank; the cut is global
+                binder=cast(CursorBinder, self.client),  # returns values the protocol types as None
+                retention=retention or RetentionPolicy(keep_last=3),
+                saver=cfg.saver if cfg.ckpt_job else "auto",
+                job=cfg.ckpt_job,
+            )
+            self._ckpt = TorchCheckpoint(checkpointer, model, optimizer)
+        self.restored_from: str | None = None
+        self._restore()
+
+    # -- restore ---------------------------------------------------------------------------
+    def _restore(self) -> None:
+        payload: list[Any] = [None]
+        if self._ckpt is not None:
+            try:
+                loaded, _ = self._ckpt.load(restore=True)  # resets the shard service to the loaded cursor
+                self.step = loaded.step
+                self.restored_from = f"{loaded.source.value}:{loaded.step}"
+            except NoCheckpointError:
+                self.client.restore_cursor(DataCursor())  # nothing applied: forget a crashed first round's acks
+                self.step = 0
+                self.restored_from = None
+            if self.world_size > 1:
+                payload = [{"step": self.step, "from": self.restored_from,
+                            "state": torch_state(self.model, self.optimizer)}]  # fmt: skip
+        if self.world_size > 1:
+            dist.broadcast_object_list(payload, src=0)
+            if self.rank != 0:
+                self.step = int(payload[0]["step"])
+                self.restored_from = payload[0]["from"]
+                load_torch_state(payload[0]["state"], self.model, self.optimizer)
+            dist.barrier()  # nobody leases before rank 0 has reset the cursor
+        log.info("rank %d resumes at step %d (%s)", self.rank, self.step, self.restored_from or "fresh start")
+
+    # -- datasets --------------------------------------------------------------------------
+    def dataset(self, name: str, batch_size: int = 256, **kwargs: Any) -> StreamDataset:
+        """A :class:`StreamDataset` of ``name`` for this rank, acked by :meth:`step_done`."""
+        ds = StreamDataset(self.client, name, batch_size, **kwargs)
+        self.datasets.append(ds)
+        return ds
+
+    def all_ended(self) -> bool:
+        """True on every rank once every rank's datasets have ended (a collective: call it on all ranks)."""
+        ended = torch.tensor([1 if all(d.ended for d in self.datasets) else 0], dtype=torch.int32)
+        if self.world_size > 1:
+            dist.all_reduce(ended, op=dist.ReduceOp.MIN)
+        return bool(ended.item())
+
+    # -- per step ----------------------------------------------------------------------------
+    def step_done(self) -> int:
+        """Call after ``optimizer.step()``: ack this step's records; checkpoint every ``ckpt_every`` steps."""
+        self.step += 1
+        for ds in self.datasets:
+            ds.step_done(self.step)
+        if self.ckpt_every and self.step % self.ckpt_every == 0:
+            self.checkpoint()
+        return self.step
+
+    def checkpoint(self, persist: bool = True) -> None:
+        """Snapshot the model at the current step with the cut of every rank's acks (a collective)."""
+        if self.world_size > 1:
+            dist.barrier()  # every rank's acks with step <= self.step are in the shard service
+        if self._ckpt is not None:
+            self._ckpt.save(self.step, persist=persist)
+
+    def close(self, final_checkpoint: bool = True) -> None:
+        """End of training: a last checkpoint, durable and committed; leave the shard service."""
+        if final_checkpoint:
+            self.checkpoint()
+        if self._ckpt is not None:
+            self._ckpt.checkpointer.wait(timeout=300)
+            self._ckpt.checkpointer.close()
+        if self.world_size > 1:
+            dist.barrier()
+        self.client.leave()
+        self.client.close()
+
+
+def attach(model: Any, optimizer: Any | None = None, **kwargs: Any) -> StreamSession:
+    """Join the shard service and restore the newest checkpoint into ``model``/``optimizer`` (all ranks)."""
+    return StreamSession(model, optimizer, **kwargs)

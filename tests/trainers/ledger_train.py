@@ -1,0 +1,84 @@
+"""A DDP training script with a per-record ledger in the model, run under dlrover-run by the tests.
+
+Records are ``{id, x, y}`` with ``y = 3x + 1``: a linear model learns it (the loss falls).
+The model's state holds, besides the weights, ``ledger``: how often each record id was
+applied. Each step all-reduces the step's id counts, so every rank holds the same ledger
+and checkpointing one copy suffices. Training stops when the ledger holds every record;
+rank 0 then writes ``ledger.npy`` and appends losses to ``loss.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+import streamrover.trainers.torch as srt
+
+
+class LedgerModel(nn.Module):
+    def __init__(self, records: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.register_buffer("ledger", torch.zeros(records, dtype=torch.int32))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dataset", default="stream")
+    parser.add_argument("--records", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--ckpt-every", type=int, default=10)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = LedgerModel(args.records, args.hidden)
+    ddp = DDP(model.net)
+    optimizer = torch.optim.Adam(model.net.parameters(), lr=0.01)
+
+    session = srt.attach(model, optimizer, ckpt_every=args.ckpt_every)
+    dataset = session.dataset(args.dataset, batch_size=args.batch_size, idle_timeout=0.5, columns=["id", "x", "y"])
+    out = Path(args.out)
+    log = open(out / "loss.txt", "a") if rank == 0 else None
+    if log is not None:
+        log.write(f"# attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} world {dist.get_world_size()} "
+                  f"resumed at {session.step} from {session.restored_from}\n")  # fmt: skip
+    done = bool(model.ledger.sum() >= args.records)
+    for batch in DataLoader(dataset, batch_size=None):
+        if done:
+            break
+        ids = batch["id"].long()
+        x = batch["x"].float().unsqueeze(1)
+        y = batch["y"].float().unsqueeze(1)
+        loss = ((ddp(x) - y) ** 2).sum() / max(len(ids), 1)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        counts = torch.zeros(args.records, dtype=torch.int32)
+        counts.index_add_(0, ids, torch.ones(len(ids), dtype=torch.int32))
+        dist.all_reduce(counts)
+        model.ledger += counts
+        step = session.step_done()
+        if log is not None and len(ids):
+            log.write(f"{step} {loss.item():.6f}\n")
+            log.flush()
+        done = bool(model.ledger.sum() >= args.records)
+    session.close()
+    if rank == 0:
+        np.save(out / "ledger.npy", model.ledger.numpy())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
