@@ -27,7 +27,7 @@ from streamrover.ckpt import wire
 from streamrover.ckpt.api import RetentionPolicy
 from streamrover.ckpt.persist import PersistTarget, SupersededError, already_persisted, persist_buffer
 from streamrover.ckpt.shm import SharedBuffer, shm_path
-from streamrover.ckpt.storage import Storage
+from streamrover.ckpt.storage import CHECKSUM_ALGO, Storage
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class _Session:
         retention = RetentionPolicy(**hello.get("retention", {}))
         storage = Storage(hello["url"], hello.get("storage_options"))
         self.target = PersistTarget(
-            storage, int(hello["rank"]), int(hello["world_size"]), retention, hello.get("checksum", "sha256")
+            storage, int(hello["rank"]), int(hello["world_size"]), retention, hello.get("checksum", CHECKSUM_ALGO)
         )
         self.persist_on_exit = bool(hello.get("persist_on_exit", True))
         wire.send(self.sock, "ready", pid=os.getpid())

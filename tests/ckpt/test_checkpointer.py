@@ -50,8 +50,9 @@ def test_load_prefers_memory_when_newer_and_storage_otherwise(root: str) -> None
     assert fresh.load().step == 1
 
 
-def test_corrupted_file_falls_back_to_previous_checkpoint(root: str) -> None:
-    with Checkpointer(root, saver="thread") as ckpt:
+@pytest.mark.parametrize("algo", ["crc32", "sha256"])
+def test_corrupted_file_falls_back_to_previous_checkpoint(root: str, algo: str) -> None:
+    with Checkpointer(root, saver="thread", checksum=algo) as ckpt:
         save_persisted(ckpt, [1, 2])
     path = Path(root) / step_dir(2) / part_names(0)[0]
     data = bytearray(path.read_bytes())
