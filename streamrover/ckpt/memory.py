@@ -130,7 +130,6 @@ class MemoryEngine:
         """The state held by ``snap``: views of shared memory if ``zero_copy``, private copies otherwise."""
         buf = self.buffers[snap.index]
         assert buf is not None
-        buf.populate_for_read(int(snap.header["data_end"]))
         return read_state(buf.mm, snap.header, zero_copy)
 
     # -- writing -------------------------------------------------------------

@@ -170,13 +170,6 @@ class SharedBuffer:
         _GEN.pack_into(self.mm, 8, odd_gen + 1)
         return odd_gen + 1
 
-    def populate_for_read(self, length: int) -> None:
-        """Map the first ``length`` bytes now (MADV_POPULATE_READ, Linux 5.14+): cheaper than page by page faults."""
-        try:
-            self.mm.madvise(22, 0, min(align(length, mmap.PAGESIZE), self.size))  # not named in Python 3.11
-        except OSError:
-            pass  # older kernel: pages fault in on first access instead
-
     def invalidate(self) -> None:
         """Make the snapshot in this buffer unreadable (odd generation) until the next write."""
         self.begin_write()
