@@ -60,7 +60,9 @@ class TorchJob:
             "--ckpt-dir", str(self.ckpt), "--node-id", name, str(script), *script_args,
         ]  # fmt: skip
 
-    def start_agent(self, name: str, nnodes: str, nproc: int, script_args: list[str], script: Path = LEDGER_SCRIPT) -> None:
+    def start_agent(
+        self, name: str, nnodes: str, nproc: int, script_args: list[str], script: Path = LEDGER_SCRIPT
+    ) -> None:
         env = python_env()
         env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
         log = open(self.workdir / f"agent-{name}.log", "ab")
