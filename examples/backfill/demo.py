@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from rich.table import Table
 
 from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.testing.ledger import Ledger
-from streamrover.testing.procs import MasterProcess, python_env
+from streamrover.testing.procs import MasterProcess, start_ledger_worker
 
 
 def write_files(root: Path, rows: int, files: int) -> np.ndarray:
@@ -44,27 +43,6 @@ def write_files(root: Path, rows: int, files: int) -> np.ndarray:
         )
         pq.write_table(table, root / f"impressions-{i:02d}.parquet", row_group_size=25_000)
     return ids
-
-
-def start_worker(master: MasterProcess, ledger: Path, name: str, batch_size: int) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrover.testing.ledger_worker",
-        "--master",
-        master.address,
-        "--token",
-        master.token,
-        "--dataset",
-        "impressions",
-        "--ledger",
-        str(ledger),
-        "--name",
-        name,
-        "--batch-size",
-        str(batch_size),
-    ]
-    return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         admin = ShardClient(master.address, token=master.token, heartbeat=False)
         info = admin.register_dataset(DatasetSpec("impressions", str(work / "data"), records_per_shard=10_000)).dataset
         console.print(f"dataset 'impressions': {len(info.partitions)} partitions, {info.shards.todo} shards")
-        workers = {name: start_worker(master, ledger_path, name, 1_000) for name in ("worker-a", "worker-b")}
+        workers = {
+            name: start_ledger_worker(master, "impressions", ledger_path, name=name, batch_size=1_000)
+            for name in ("worker-a", "worker-b")
+        }
         killed = ""
         columns = (
             TextColumn("{task.description}"),

@@ -6,14 +6,7 @@ before it returns, so a process killed at any point restarts (:meth:`ShardCore.o
 with nothing lost or doubled. Lease deadlines and worker liveness are not
 journalled: a restarted master gives every lease and worker one fresh TTL.
 
-Cut, commit and restore (ARCHITECTURE.md, "The exactly-once contract"):
-
-- ``cut_prepare(step)``: the cursor of a model state = the committed cursor plus
-  every ack with ``step <= step`` (all acks when ``step`` is None).
-- ``cut_commit(cut_id)``: the checkpoint holding that cursor is durable; it
-  becomes the committed cursor, and shards inside it are compacted away.
-- ``restore(cursor)``: everything outside the cursor is to be read again: leases
-  are revoked and the uncovered ranges are re-planned as fresh shards.
+Cut, commit and restore live in ``cuts.py``, stream planning in ``streams.py``.
 """
 
 from __future__ import annotations

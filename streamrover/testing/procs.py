@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 
 class MasterProcess:
@@ -101,3 +102,24 @@ def python_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def start_ledger_worker(
+    master: MasterProcess,
+    dataset: str,
+    ledger: str | Path,
+    *,
+    name: str | None = None,
+    batch_size: int = 4096,
+    extra: list[str] | None = None,
+    stdout: Any = subprocess.PIPE,
+) -> subprocess.Popen[bytes]:
+    """A ``streamrover.testing.ledger_worker`` process consuming ``dataset`` into ``ledger``."""
+    cmd = [
+        sys.executable, "-m", "streamrover.testing.ledger_worker", "--master", master.address,
+        "--token", master.token, "--dataset", dataset, "--ledger", str(ledger), "--batch-size", str(batch_size),
+    ]  # fmt: skip
+    if name:
+        cmd += ["--name", name]
+    cmd += extra or []
+    return subprocess.Popen(cmd, env=python_env(), stdout=stdout, stderr=subprocess.STDOUT)

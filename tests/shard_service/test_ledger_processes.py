@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -22,31 +21,14 @@ import pytest
 from streamrover.cursor import IntervalSet
 from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.testing.ledger import Ledger
-from streamrover.testing.procs import MasterProcess, python_env
+from streamrover.testing.procs import MasterProcess, start_ledger_worker
 from tests.helpers import wait_until, write_parquet_dataset
 
 ROWS = 1_000_000
 
 
 def _worker(master: MasterProcess, ledger: Path, name: str, batch_size: int) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrover.testing.ledger_worker",
-        "--master",
-        master.address,
-        "--token",
-        master.token,
-        "--dataset",
-        "rows",
-        "--ledger",
-        str(ledger),
-        "--batch-size",
-        str(batch_size),
-        "--name",
-        name,
-    ]
-    return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return start_ledger_worker(master, "rows", ledger, name=name, batch_size=batch_size)
 
 
 def _applied(ledger: Path) -> int:

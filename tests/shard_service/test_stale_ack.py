@@ -5,35 +5,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.testing.ledger import Ledger
-from streamrover.testing.procs import MasterProcess, python_env
+from streamrover.testing.procs import MasterProcess, start_ledger_worker
 from tests.helpers import write_parquet_dataset
 
 ROWS = 40_000
 
 
 def _worker(master: MasterProcess, ledger: Path, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "streamrover.testing.ledger_worker",
-        "--master",
-        master.address,
-        "--token",
-        master.token,
-        "--dataset",
-        "rows",
-        "--ledger",
-        str(ledger),
-        "--batch-size",
-        "1000",
-        *extra,
-    ]
-    return subprocess.Popen(cmd, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return start_ledger_worker(master, "rows", ledger, batch_size=1000, extra=list(extra))
 
 
 def test_resumed_worker_ack_is_refused_and_ledger_exact(tmp_path: Path, master: MasterProcess) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ import numpy as np
 from streamrover.cursor import DataCursor
 from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.testing.ledger import Ledger, LedgerReport
-from streamrover.testing.procs import MasterProcess, python_env
+from streamrover.testing.procs import MasterProcess, start_ledger_worker
 from tests.helpers import wait_until
 
 
@@ -54,14 +53,10 @@ class StreamJob:
         return ShardClient(self.master.address, token=self.master.token, heartbeat=False, timeout=90)
 
     def start_worker(self, name: str) -> None:
-        cmd = [
-            sys.executable, "-m", "streamrover.testing.ledger_worker", "--master", self.master.address,
-            "--token", self.master.token, "--dataset", "stream", "--ledger", str(self.ledger_path),
-            "--batch-size", str(self.batch_size), "--name", name,
-        ]  # fmt: skip
-        log = open(self.workdir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(cmd, env=python_env(), stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with open(self.workdir / f"{name}.log", "ab") as log:
+            self.procs[name] = start_ledger_worker(
+                self.master, "stream", self.ledger_path, name=name, batch_size=self.batch_size, stdout=log
+            )
 
     def kill_worker(self, rng: random.Random) -> None:
         name = rng.choice(sorted(self.procs))
