@@ -155,10 +155,12 @@ def test_saver_killed_mid_persist_leaves_previous_checkpoint_loadable(root: str,
     ckpt = Checkpointer(root, saver="agent")  # the saver an agent would host, here a process we own
     ckpt.save(1, state_at(1, 16), cursor=cursor_at(1))
     ckpt.wait(timeout=60)
-    ckpt.save(2, state_at(2, 64), cursor=cursor_at(2))
+    big = 192 if seed == 0 else 64  # seed 0 kills mid-write: make the write last well beyond one poll
+    ckpt.save(2, state_at(2, big), cursor=cursor_at(2))
     step2 = Path(root) / step_dir(2)
     if seed == 0:  # deterministic: kill once the tensors file is being written
-        wait_for(lambda: step2.exists() and any(p.name.startswith(".") for p in step2.iterdir()), 30, "a temp file")
+        tmp = ".rank-00000.safetensors.tmp"
+        wait_for(lambda: step2.exists() and any(p.name.startswith(tmp) for p in step2.iterdir()), 30, "a temp file")
     else:
         time.sleep(rng.uniform(0.0, 0.4))  # a random kill point
     saver.send_signal(signal.SIGKILL)
@@ -173,7 +175,7 @@ def test_saver_killed_mid_persist_leaves_previous_checkpoint_loadable(root: str,
     complete = (step2 / MANIFEST).exists()
     assert loaded.step == (2 if complete else 1)
     assert loaded.cursor == cursor_at(loaded.step)
-    np.testing.assert_array_equal(loaded.state["w3"], state_at(loaded.step, 16 if loaded.step == 1 else 64)["w3"])
+    np.testing.assert_array_equal(loaded.state["w3"], state_at(loaded.step, 16 if loaded.step == 1 else big)["w3"])
     assert complete or not reported_done, "wait() reported step 2 persisted but it has no manifest"
     if seed == 0:
         assert not complete, "the saver was killed mid-persist, yet step 2 was published"
