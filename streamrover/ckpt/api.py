@@ -73,11 +73,11 @@ class CursorBinder(Protocol):
         """Take a cut for ``step``: return its id and the cursor of positions applied up to it."""
         ...
 
-    def commit_cut(self, cut_id: int) -> None:
-        """Mark cut ``cut_id`` committed: its manifest is durable."""
+    def commit_cut(self, cut_id: int) -> object:
+        """Mark cut ``cut_id`` committed: its manifest is durable (any return value is ignored)."""
         ...
 
-    def restore_cursor(self, cursor: DataCursor) -> None:
+    def restore_cursor(self, cursor: DataCursor) -> object:
         """Reset the shard service to ``cursor``: everything acked or leased after it is read again."""
         ...
 
