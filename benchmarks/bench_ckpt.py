@@ -60,6 +60,22 @@ print(json.dumps({"memory_load_zero_copy": zero_copy, "memory_load_copy": copied
 """
 
 
+# Peak resident memory of one size, in state sizes: the state and two shared-memory buffers (+ slack) while
+# saving; then the buffers plus, in the load child, a model and a torch.load result. Page cache comes on top.
+PEAK_FACTOR = 4.5
+
+
+def available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def parse_size(text: str) -> int:
     text = text.strip().upper().removesuffix("IB").removesuffix("B")
     return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
@@ -117,6 +133,7 @@ def bench_ours(state: dict[str, torch.Tensor], work: Path, repeats: int, torch_f
     ckpt.wait()
     out["persist"] = time.perf_counter() - t
     ckpt.save(step + 1, state, persist=False)  # the newest snapshot is in memory only
+    state.clear()  # last user of the state: free it before the load child builds a model and a torch.load copy
     res = subprocess.run(
         [sys.executable, "-c", LOAD_SNIPPET, root, str(torch_file)], capture_output=True, text=True, check=True
     )
@@ -197,8 +214,8 @@ def run(size: int, args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
         memcpy = bench_memcpy(state, args.repeats)
         torch_file = work / "torch.pt"
         tsave = bench_torch_save(state, torch_file)
-        ours = bench_ours(state, work, args.repeats, torch_file)
         dcp = bench_dcp(state, work, args.repeats) if not args.skip_dcp else {}
+        ours = bench_ours(state, work, args.repeats, torch_file)  # frees the state at its end
         del state
         dl: dict[str, Any] = {"error": "skipped"}
         if not args.skip_dlrover:
@@ -300,6 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"flash checkpoint benchmark: torch {torch.__version__}, {os.cpu_count()} cores", flush=True)
     for text in args.sizes.split(","):
         size = parse_size(text)
+        need, have = PEAK_FACTOR * size, available_memory()
+        if have is not None and need > have:
+            print(
+                f"\n== state dict {text.strip()}: skipped, its peak needs ~{need / (1 << 30):.1f} GiB of memory "
+                f"and {have / (1 << 30):.1f} GiB is available ==",
+                flush=True,
+            )
+            continue
         rows = run(size, args)
         print(f"\n== state dict {text.strip()} ({size / (1 << 20):.0f} MiB, {args.tensors} tensors) ==")
         width = max(len(r[0]) for r in rows)
