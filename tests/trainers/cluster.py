@@ -82,9 +82,9 @@ class TorchJob:
                 continue
             for child in children:
                 try:
-                    if any(str(LEDGER_SCRIPT.name) in part or part.endswith(".py") for part in child.cmdline()):
+                    if child.status() != psutil.STATUS_ZOMBIE and any(p.endswith(".py") for p in child.cmdline()):
                         found.append(child)
-                except psutil.NoSuchProcess:
+                except psutil.Error:  # exited while we looked
                     continue
         return found
 

@@ -165,10 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     register()
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.rdzv_backend == BACKEND_NAME:
-        # Workers bootstrap their own store each round (rank 0's worker hosts it): an agent's death
-        # never leaves the others pointing at a TCPStore that died with it.
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # Workers bootstrap their own store each attempt (rank 0's worker hosts it). Torch's shared agent store
+    # is reused across restarts without a per-attempt prefix when MASTER_ADDR names this host (so a
+    # restarted group reads the dead group's gloo addresses), and it dies with the agent that hosts it.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config, cmd, cmd_args = config_from_args(args)
     launch(config, cmd, list(cmd_args), args)
 

@@ -25,6 +25,7 @@ import ctypes
 import logging
 import os
 import signal
+import time
 from typing import Any, cast
 
 import torch
@@ -102,6 +103,7 @@ class StreamSession:
 
     # -- restore ---------------------------------------------------------------------------
     def _restore(self) -> None:
+        started = time.monotonic()
         payload: list[Any] = [None]
         if self._ckpt is not None:
             try:
@@ -115,6 +117,7 @@ class StreamSession:
             if self.world_size > 1:
                 payload = [{"step": self.step, "from": self.restored_from,
                             "state": torch_state(self.model, self.optimizer)}]  # fmt: skip
+        loaded_at = time.monotonic()
         if self.world_size > 1:
             dist.broadcast_object_list(payload, src=0)
             if self.rank != 0:
@@ -122,7 +125,9 @@ class StreamSession:
                 self.restored_from = payload[0]["from"]
                 load_torch_state(payload[0]["state"], self.model, self.optimizer)
             dist.barrier()  # nobody leases before rank 0 has reset the cursor
-        log.info("rank %d resumes at step %d (%s)", self.rank, self.step, self.restored_from or "fresh start")
+        self.restore_seconds = (loaded_at - started, time.monotonic() - loaded_at)
+        log.info("rank %d resumes at step %d (%s); load %.2f s, broadcast %.2f s", self.rank, self.step,
+                 self.restored_from or "fresh start", *self.restore_seconds)  # fmt: skip
 
     # -- datasets --------------------------------------------------------------------------
     def dataset(self, name: str, batch_size: int = 256, **kwargs: Any) -> StreamDataset:
