@@ -41,19 +41,20 @@ def into_model(state, model):  # what load_state_dict does: copy into the live p
     with torch.no_grad():
         for k, v in state.items():
             model[k].copy_(v)
-t = time.perf_counter(); loaded = Checkpointer(sys.argv[1], saver="thread").load(zero_copy=True, restore=False)
+def load(zero_copy):
+    return Checkpointer(sys.argv[1], saver="thread").load(zero_copy=zero_copy, restore=False)
+t = time.perf_counter(); loaded = load(True)
 zero_copy = time.perf_counter() - t
 assert loaded.source.value == "memory", loaded.source
-model = {k: torch.zeros_like(v) for k, v in loaded.state.items()}  # the restarted trainer's model, already built
-t = time.perf_counter()
-into_model(Checkpointer(sys.argv[1], saver="thread").load(zero_copy=True, restore=False).state, model)
-ours_into_model = time.perf_counter() - t
-t = time.perf_counter(); Checkpointer(sys.argv[1], saver="thread").load(zero_copy=False, restore=False)
+t = time.perf_counter(); load(False)  # a private copy, dropped at once (peak: one state)
 copied = time.perf_counter() - t
+model = {k: torch.zeros_like(v) for k, v in loaded.state.items()}  # the restarted trainer's model, already built
+t = time.perf_counter(); into_model(load(True).state, model)
+ours_into_model = time.perf_counter() - t
+del loaded
 t = time.perf_counter(); sd = torch.load(sys.argv[2], weights_only=True)
 tl = time.perf_counter() - t
 into_model(sd, model)
-t = time.perf_counter(); into_model(torch.load(sys.argv[2], weights_only=True), model)
 tl_into_model = time.perf_counter() - t
 print(json.dumps({"memory_load_zero_copy": zero_copy, "memory_load_copy": copied, "torch_load": tl,
                   "ours_into_model": ours_into_model, "torch_load_into_model": tl_into_model}))
@@ -108,7 +109,19 @@ def bench_memcpy(state: dict[str, torch.Tensor], repeats: int) -> float:
 
 def bench_ours(state: dict[str, torch.Tensor], work: Path, repeats: int, torch_file: Path) -> dict[str, float]:
     root = str(work / "ours")
-    ckpt = Checkpointer(root, saver="auto", linger=30.0)
+    ckpt = Checkpointer(root, saver="auto", linger=30.0, persist_on_exit=False)
+    try:
+        return _bench_ours(ckpt, state, root, repeats, torch_file)
+    finally:
+        saver = ckpt.saver_pid
+        ckpt.close(unlink=True)
+        if saver:
+            os.kill(saver, signal.SIGTERM)
+
+
+def _bench_ours(
+    ckpt: Checkpointer, state: dict[str, torch.Tensor], root: str, repeats: int, torch_file: Path
+) -> dict[str, float]:
     out: dict[str, float] = {}
     t = time.perf_counter()
     ckpt.save(1, state, persist=False)
@@ -138,10 +151,6 @@ def bench_ours(state: dict[str, torch.Tensor], work: Path, repeats: int, torch_f
         [sys.executable, "-c", LOAD_SNIPPET, root, str(torch_file)], capture_output=True, text=True, check=True
     )
     out.update(json.loads(res.stdout))
-    saver = ckpt.saver_pid
-    ckpt.close(unlink=True)
-    if saver:
-        os.kill(saver, signal.SIGTERM)
     return out
 
 
