@@ -35,6 +35,7 @@ from streamrover.ckpt.api import (
     UnsupportedStateError,
 )
 from streamrover.ckpt.checkpointer import Checkpointer, CheckpointFallbackWarning
+from streamrover.ckpt.memory import purge_shared_memory
 from streamrover.ckpt.saver import CheckpointSaver
 from streamrover.ckpt.tf_adapter import load_tf_variables_state, tf_variables_state
 from streamrover.ckpt.torch_adapter import (
@@ -68,6 +69,7 @@ __all__ = [
     "load_tf_variables_state",
     "load_torch_state",
     "namespace_for",
+    "purge_shared_memory",
     "saver_address",
     "tf_variables_state",
     "torch_state",

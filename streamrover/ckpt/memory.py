@@ -28,6 +28,24 @@ def buffer_name(namespace: str, rank: int, index: int) -> str:
     return f"srckpt-{_SAFE.sub('_', namespace)}-r{rank}-b{index}"
 
 
+def purge_shared_memory(namespace: str) -> list[str]:
+    """Remove every snapshot buffer of ``namespace`` (all ranks) from this node; return their names.
+
+    For a job that ends for good, or for tests and agents cleaning up after trainers that were killed
+    without a saver to reap their buffers. Never call it while a trainer of the namespace still runs.
+    """
+    prefix = f"srckpt-{_SAFE.sub('_', namespace)}-r"
+    removed = []
+    for name in sorted(os.listdir(SHM_DIR)):
+        if name.startswith(prefix) and re.fullmatch(r"\d+-b\d+", name[len(prefix) :]):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 @dataclass
 class Snapshot:
     """A complete snapshot found in a buffer: where, which generation, and its header."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrover.ckpt import namespace_for
+from streamrover.ckpt import namespace_for, purge_shared_memory
 from streamrover.cursor import DataCursor, PartitionKey
 
 SHM = "/dev/shm"
@@ -50,11 +50,7 @@ def root(tmp_path: Path) -> Iterator[str]:
     """A checkpoint root; its shared memory and any saver pids in ``root.pids`` are cleaned up after the test."""
     path = str(tmp_path / "ckpt")
     yield path
-    for name in shm_names(namespace_for(path)):
-        try:
-            os.unlink(os.path.join(SHM, name))
-        except FileNotFoundError:  # a stopping in-process saver removed it first
-            pass
+    purge_shared_memory(namespace_for(path))
 
 
 @pytest.fixture

@@ -17,6 +17,8 @@ from streamrover.ckpt import (
     RetentionPolicy,
     SharedMemoryTooSmallError,
     Source,
+    namespace_for,
+    purge_shared_memory,
 )
 from streamrover.ckpt.layout import MANIFEST, complete_steps, part_names, step_dir
 from streamrover.ckpt.shm import SharedBuffer
@@ -239,3 +241,15 @@ def test_resuming_from_an_older_storage_checkpoint_drops_newer_memory_snapshots(
         assert ckpt.load(memory=False).step == 10  # the caller chose storage: training resumes from 10
         assert [s.step for s in ckpt.engine.snapshots()] == [10]
         assert ckpt.load().step == 10  # the abandoned step-30 snapshot is gone for good
+
+
+def test_purge_removes_every_rank_of_a_namespace_and_nothing_else(root: str, tmp_path: Path) -> None:
+    other = Checkpointer(str(tmp_path / "other"), saver="thread")
+    other.save(1, state_at(1), persist=False)
+    for rank in range(2):
+        Checkpointer(root, rank=rank, world_size=2, saver="thread").save(1, state_at(1), persist=False)
+    ns = namespace_for(root)
+    removed = purge_shared_memory(ns)
+    assert sorted(removed) == sorted(f"srckpt-{ns}-r{r}-b{b}" for r in range(2) for b in range(2))
+    assert shm_names(ns) == [] and len(shm_names(other.namespace)) == 2
+    other.close(unlink=True)
