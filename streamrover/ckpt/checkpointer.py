@@ -322,6 +322,7 @@ class Checkpointer:
         Without ``unlink`` the snapshots stay in shared memory for a restarted trainer;
         an auto-started saver removes them when it exits after ``linger`` idle seconds.
         """
+        self.engine._join_prefault()  # a buffer still being allocated in the background is finished first
         try:
             if self._link is not None and self._lost is None:
                 self.wait()

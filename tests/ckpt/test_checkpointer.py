@@ -202,6 +202,8 @@ def test_zero_copy_memory_load_views_shared_memory(root: str) -> None:
     assert ptr <= view.data_ptr() < ptr + buf.size
     assert not ptr <= copy.data_ptr() < ptr + buf.size
     assert torch.equal(view, copy)
+    del view
+    ckpt.close(unlink=True)
 
 
 def test_double_buffering_never_overwrites_the_buffer_being_persisted(root: str) -> None:
@@ -247,7 +249,9 @@ def test_purge_removes_every_rank_of_a_namespace_and_nothing_else(root: str, tmp
     other = Checkpointer(str(tmp_path / "other"), saver="thread")
     other.save(1, state_at(1), persist=False)
     for rank in range(2):
-        Checkpointer(root, rank=rank, world_size=2, saver="thread").save(1, state_at(1), persist=False)
+        ckpt = Checkpointer(root, rank=rank, world_size=2, saver="thread")
+        ckpt.save(1, state_at(1), persist=False)
+        ckpt.close()  # keeps the snapshots (a restart could use them): purging is what removes them
     ns = namespace_for(root)
     removed = purge_shared_memory(ns)
     assert sorted(removed) == sorted(f"srckpt-{ns}-r{r}-b{b}" for r in range(2) for b in range(2))
