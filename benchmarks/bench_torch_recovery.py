@@ -59,7 +59,11 @@ class Job:
             launcher = [sys.executable, "-m", "torch.distributed.run", *common]
             script += ["--ckpt-file", str(self.root / "ckpt.pt")]
         out = open(self.root / "launcher.log", "ab")
-        self.proc = subprocess.Popen([*launcher, *script], env=python_env(), stdout=out, stderr=subprocess.STDOUT)
+        env = python_env()
+        # Both sides: workers bootstrap a fresh store per attempt. With torch's shared agent store a restarted
+        # group can read the dead group's gloo addresses and fail once more before it recovers (torch 2.15).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        self.proc = subprocess.Popen([*launcher, *script], env=env, stdout=out, stderr=subprocess.STDOUT)
         out.close()
 
     def _dataset(self) -> None:
