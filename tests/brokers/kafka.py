@@ -188,6 +188,8 @@ class KafkaBroker:
             # incarnation's session expires: 9 s by default, which made a kill+restart take ~12 s.
             "broker.session.timeout.ms": "2000",
             "broker.heartbeat.interval.ms": "500",
+            # Compacted-topic tests: let the log cleaner look for dirty segments every 0.2 s (default 15 s).
+            "log.cleaner.backoff.ms": "200",
         }
         props.update(self._extra)
         return props

@@ -261,3 +261,54 @@ def test_poison_records_to_a_dead_letter_topic(tmp_path: Path, kafka_broker: Any
         assert {dict(m.headers())["sr.offset"] for m in got} == {str(i // partitions).encode() for i in poison}
     finally:
         job.stop()
+
+
+def _visible_ids(broker: Any, topic: str) -> list[int]:
+    """Every record a read_committed consumer sees now, read to the end of partition 0."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "peek", "enable.partition.eof": True})
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    ids = []
+    while True:
+        msg = consumer.poll(10)
+        assert msg is not None, "no end-of-partition event within 10 s"
+        if msg.error() is not None:
+            assert msg.error().code() == KafkaError._PARTITION_EOF, msg.error()
+            break
+        ids.append(json.loads(msg.value())["id"])
+    consumer.close()
+    return ids
+
+
+def test_compacted_topic_trains_every_visible_record_once(tmp_path: Path, kafka_broker: Any) -> None:
+    """The log cleaner removes superseded records: offsets get gaps; each surviving record is trained once."""
+    config = {"cleanup.policy": "compact", "segment.bytes": "1048576", "min.cleanable.dirty.ratio": "0.01",
+              "delete.retention.ms": "0", "min.compaction.lag.ms": "0", "segment.ms": "100"}  # fmt: skip
+    topic = _create_topic(kafka_broker, 1, **config)
+    producer = _producer(kafka_broker)
+    pad = "x" * 1000  # ~1 KB records: three 1 MiB segments, two of them cleanable
+    for i in range(3_000):
+        producer.produce(topic, key=str(i % 100).encode(), value=json.dumps({"id": i, "pad": pad}).encode())
+    assert producer.flush(30) == 0
+    seen: list[list[int]] = [[]]
+
+    def compacted_and_settled() -> bool:
+        ids = _visible_ids(kafka_broker, topic)
+        settled = len(ids) < 3_000 and ids == seen[0]
+        seen[0] = ids
+        return settled
+
+    wait_until(compacted_and_settled, 90, "the log cleaner to compact the topic", interval=0.5)
+    visible = seen[0]
+    job = _job(tmp_path, kafka_broker, topic)
+    try:
+        job.start()
+        wait_until(lambda: job.applied() >= len(visible), 120, f"{len(visible)} visible records")
+        with job.admin() as admin:  # every position of the log, the gaps included, is covered once
+            wait_until(lambda: admin.describe_dataset("stream").records_acked == 3_000, 30, "all offsets acked")
+        report = Ledger(job.ledger_path).verify(np.array(visible))
+        assert report.exact, str(report)
+        assert len(visible) < 3_000  # the topic really had gaps
+    finally:
+        job.stop()
