@@ -271,10 +271,14 @@ class ShardClient:
                 shards.append(shard)
         return resp.status, shards
 
-    def shards(self, dataset: str, wait: float = 5.0) -> Iterator[LeasedShard]:
-        """Lease shards one at a time until the dataset ends (batch) or forever (stream)."""
+    def shards(self, dataset: str, wait: float = 5.0, prefetch: int = 2) -> Iterator[LeasedShard]:
+        """Yield leased shards until the dataset ends (batch) or forever (stream).
+
+        Shards are leased ``prefetch`` at a time, so one lease round trip serves several
+        shards; the ones waiting their turn are kept alive by heartbeats like the rest.
+        """
         while True:
-            status, leased = self.lease(dataset, 1, wait)
+            status, leased = self.lease(dataset, max(prefetch, 1), wait)
             if status == pb.LEASE_STATUS_END:
                 return
             yield from leased

@@ -89,6 +89,9 @@ class FileSource(Source):
         self._schema: pa.Schema | None = None
         self._cache: OrderedDict[tuple[str, int | None], pa.Table] = OrderedDict()
         self._cache_size = int(self.options.get("cache_partitions", "2"))
+        self._files: dict[str, pq.ParquetFile] = {}
+        protocol = self._fs.protocol if isinstance(self._fs.protocol, str) else self._fs.protocol[0]
+        self._local = protocol in ("file", "local")
         self._scan()
 
     # -- resolution and validation ------------------------------------------
@@ -198,12 +201,22 @@ class FileSource(Source):
             table = self._read_whole(part.path)
         else:
             try:
-                with self._open(part.path) as fh:
-                    table = pq.ParquetFile(fh).read_row_group(part.row_group)
+                table = self._parquet(part.path).read_row_group(part.row_group)
             except (pa.ArrowInvalid, OSError) as exc:
                 raise SourceUnreadableError(f"cannot read {self._part_id(part)!r}: {exc}") from exc
         self._remember(key, table)
         return table
+
+    def _parquet(self, path: str) -> pq.ParquetFile:
+        """An open parquet file (metadata parsed once); local files are memory-mapped."""
+        pf = self._files.get(path)
+        if pf is None:
+            if self._local:
+                pf = pq.ParquetFile(path, memory_map=True)
+            else:
+                pf = pq.ParquetFile(self._open(path))
+            self._files[path] = pf
+        return pf
 
     def _remember(self, key: tuple[str, int | None], table: pa.Table) -> None:
         self._cache[key] = table
@@ -212,6 +225,9 @@ class FileSource(Source):
 
     def close(self) -> None:
         self._cache.clear()
+        for pf in self._files.values():
+            pf.close()
+        self._files.clear()
 
 
 def _schema_str(schema: pa.Schema) -> str:
