@@ -20,6 +20,7 @@ import random
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -99,8 +100,9 @@ class LeasedShard:
     def ack(self, position: int | None = None, step: int | None = None) -> AckResult:
         """Say the records before ``position`` (default: everything read so far) are applied."""
         pos = self.position if position is None else position
+        more = self.client._lease_more.get(self.lease.dataset, 0) if pos == self.lease.end else 0
         try:
-            result = self.client.ack(self.lease, pos, step, self._dead_letters)
+            result = self.client.ack(self.lease, pos, step, self._dead_letters, lease_more=more)
         except FailedPreconditionError as exc:
             raise LeaseLostError(str(exc)) from exc
         self._dead_letters = 0
@@ -142,6 +144,8 @@ class ShardClient:
         self._request_id = 0
         self._sources: dict[str, Source] = {}
         self._held: dict[str, LeasedShard] = {}
+        self._prefetched: dict[str, deque[LeasedShard]] = {}  # leases that came with acks, not yet yielded
+        self._lease_more: dict[str, int] = {}
         self._revoked: set[str] = set()
 
     # ------------------------------------------------------------------ plumbing
@@ -261,14 +265,9 @@ class ShardClient:
             self.worker_id = ""
             self.join()
             return pb.LEASE_STATUS_WAIT, []
-        source = self._source(dataset) if resp.leases else None
-        shards = []
-        with self._lock:
-            for msg in resp.leases:
-                assert source is not None
-                shard = LeasedShard(self, convert.lease_from_pb(msg), source)
-                self._held[shard.shard_id] = shard
-                shards.append(shard)
+        shards: list[LeasedShard] = []
+        if resp.leases:
+            self._adopt(dataset, resp.leases, shards)
         return resp.status, shards
 
     def shards(self, dataset: str, wait: float = 5.0, prefetch: int = 2) -> Iterator[LeasedShard]:
@@ -277,14 +276,26 @@ class ShardClient:
         Shards are leased ``prefetch`` at a time, so one lease round trip serves several
         shards; the ones waiting their turn are kept alive by heartbeats like the rest.
         """
-        while True:
-            status, leased = self.lease(dataset, max(prefetch, 1), wait)
-            if status == pb.LEASE_STATUS_END:
-                return
-            yield from leased
+        queue = self._prefetched.setdefault(dataset, deque())
+        self._lease_more[dataset] = 1  # each finished shard's ack brings the next lease back with it
+        try:
+            while True:
+                if not queue:
+                    status, leased = self.lease(dataset, max(prefetch, 1), wait)
+                    if status == pb.LEASE_STATUS_END:
+                        return
+                    queue.extend(leased)
+                while queue:
+                    yield queue.popleft()
+        finally:
+            self._lease_more.pop(dataset, None)
 
-    def ack(self, lease: LeaseGrant, position: int, step: int | None = None, dead_letters: int = 0) -> AckResult:
+    def ack(
+        self, lease: LeaseGrant, position: int, step: int | None = None, dead_letters: int = 0, lease_more: int = 0
+    ) -> AckResult:
+        """Ack ``position`` of ``lease``; with ``lease_more``, a finished shard brings up to that many new leases."""
         request = pb.AckRequest(
+            lease_more=lease_more,
             dead_letters=dead_letters,
             worker_id=self.worker_id,
             shard_id=lease.shard_id,
@@ -294,7 +305,17 @@ class ShardClient:
             step=step or 0,
         )
         resp = self._call(self._stub.Ack, request)
+        if resp.leases:
+            self._adopt(lease.dataset, resp.leases, self._prefetched.setdefault(lease.dataset, deque()))
         return AckResult(shard_done=resp.shard_done, duplicate=resp.duplicate)
+
+    def _adopt(self, dataset: str, leases: Any, into: deque[LeasedShard] | list[LeasedShard]) -> None:
+        source = self._source(dataset)
+        with self._lock:
+            for msg in leases:
+                shard = LeasedShard(self, convert.lease_from_pb(msg), source)
+                self._held[shard.shard_id] = shard
+                into.append(shard)
 
     # ------------------------------------------------------------------- cursor
     def prepare_cut(self, step: int | None = None) -> tuple[int, DataCursor]:

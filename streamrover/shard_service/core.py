@@ -265,6 +265,14 @@ class ShardCore(CutOps, StreamOps):
                 self.journal.put_dataset(ds)
         return AckResult(shard_done=done, duplicate=False)
 
+    def shards_dataset(self, shard_id: str) -> str | None:
+        """The dataset a shard id belongs to (None if it names no registered dataset)."""
+        s = self.shards.get(shard_id)
+        if s is not None:
+            return s.dataset
+        key_range = ackrules.committed_range(shard_id, self.datasets)
+        return key_range[0].dataset if key_range is not None else None
+
     def _ack_unknown(self, shard_id: str, attempt: int) -> AckResult:
         key_range = ackrules.committed_range(shard_id, self.datasets)
         if key_range is not None and self.committed.get(key_range[0]).covers(key_range[1], key_range[2]):

@@ -240,7 +240,15 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             )
             if result.shard_done:  # a lease call waiting for the last shards may now be answered END
                 self.cond.notify_all()
-            return pb.AckResponse(shard_done=result.shard_done, duplicate=result.duplicate)
+            more: list[pb.Lease] = []
+            if result.shard_done and request.lease_more > 0:
+                dataset = self.core.shards_dataset(request.shard_id)
+                if dataset is not None:
+                    # Request id -attempt (attempts are unique in the job): a retried ack, whose first answer
+                    # was lost with the master, gets the same leases back instead of orphaning them.
+                    outcome = self.core.lease(request.worker_id, dataset, request.lease_more, -request.attempt)
+                    more = [convert.lease_to_pb(g) for g in outcome.leases]
+            return pb.AckResponse(shard_done=result.shard_done, duplicate=result.duplicate, leases=more)
 
     # ------------------------------------------------------------------- cursor
     @_rpc

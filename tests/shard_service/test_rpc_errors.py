@@ -197,3 +197,20 @@ def test_unknown_worker_is_not_found(client: ShardClient, dataset: str) -> None:
         client._call(client._stub.Heartbeat, pb.HeartbeatRequest(worker_id="w-ghost"))
     with pytest.raises(InvalidArgumentError, match="worker name"):
         client._call(client._stub.Join, pb.JoinRequest(name=""))
+
+
+def test_a_retried_finishing_ack_returns_the_same_piggybacked_leases(client: ShardClient, dataset: str) -> None:
+    """An ack that finishes a shard can lease the next ones; if its answer is lost and it is retried
+    (a duplicate), the same leases come back rather than being held by nobody who knows it."""
+    client.join()
+    _, (shard,) = client.lease(dataset)
+    lease = shard.lease
+    request = pb.AckRequest(
+        worker_id=client.worker_id, shard_id=lease.shard_id, attempt=lease.attempt, position=lease.end, lease_more=2
+    )
+    first = client._call(client._stub.Ack, request)
+    again = client._call(client._stub.Ack, request)
+    assert first.shard_done and not first.duplicate and len(first.leases) == 2
+    assert again.duplicate and [(x.shard_id, x.attempt) for x in again.leases] == [
+        (x.shard_id, x.attempt) for x in first.leases
+    ]

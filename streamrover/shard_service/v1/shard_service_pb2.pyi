@@ -595,6 +595,7 @@ class AckRequest(google.protobuf.message.Message):
     HAS_STEP_FIELD_NUMBER: builtins.int
     STEP_FIELD_NUMBER: builtins.int
     DEAD_LETTERS_FIELD_NUMBER: builtins.int
+    LEASE_MORE_FIELD_NUMBER: builtins.int
     worker_id: builtins.str
     shard_id: builtins.str
     attempt: builtins.int
@@ -605,6 +606,8 @@ class AckRequest(google.protobuf.message.Message):
     """the optimizer step after which they are applied"""
     dead_letters: builtins.int
     """records in this ack's range that failed to decode (sent to the dead-letter dataset)"""
+    lease_more: builtins.int
+    """when this ack finishes the shard: lease up to this many more of its dataset (no wait)"""
     def __init__(
         self,
         *,
@@ -615,8 +618,9 @@ class AckRequest(google.protobuf.message.Message):
         has_step: builtins.bool = ...,
         step: builtins.int = ...,
         dead_letters: builtins.int = ...,
+        lease_more: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["attempt", b"attempt", "dead_letters", b"dead_letters", "has_step", b"has_step", "position", b"position", "shard_id", b"shard_id", "step", b"step", "worker_id", b"worker_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["attempt", b"attempt", "dead_letters", b"dead_letters", "has_step", b"has_step", "lease_more", b"lease_more", "position", b"position", "shard_id", b"shard_id", "step", b"step", "worker_id", b"worker_id"]) -> None: ...
 
 global___AckRequest = AckRequest
 
@@ -626,17 +630,23 @@ class AckResponse(google.protobuf.message.Message):
 
     SHARD_DONE_FIELD_NUMBER: builtins.int
     DUPLICATE_FIELD_NUMBER: builtins.int
+    LEASES_FIELD_NUMBER: builtins.int
     shard_done: builtins.bool
     """position reached the shard end: the lease is released"""
     duplicate: builtins.bool
     """a repeat of an earlier ack of this attempt: no effect"""
+    @property
+    def leases(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___Lease]:
+        """leased because of lease_more (one round trip per shard instead of two)"""
+
     def __init__(
         self,
         *,
         shard_done: builtins.bool = ...,
         duplicate: builtins.bool = ...,
+        leases: collections.abc.Iterable[global___Lease] | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["duplicate", b"duplicate", "shard_done", b"shard_done"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["duplicate", b"duplicate", "leases", b"leases", "shard_done", b"shard_done"]) -> None: ...
 
 global___AckResponse = AckResponse
 
