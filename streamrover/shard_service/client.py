@@ -81,7 +81,7 @@ class LeasedShard:
 
     @property
     def revoked(self) -> bool:
-        return self.shard_id in self.client._revoked
+        return (self.shard_id, self.lease.attempt) in self.client._revoked
 
     def batches(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[ReadBatch]:
         """The shard's records from its resume position to its end. Stops early if the lease is revoked."""
@@ -146,7 +146,7 @@ class ShardClient:
         self._held: dict[str, LeasedShard] = {}
         self._prefetched: dict[str, deque[LeasedShard]] = {}  # leases that came with acks, not yet yielded
         self._lease_more: dict[str, int] = {}
-        self._revoked: set[str] = set()
+        self._revoked: set[tuple[str, int]] = set()  # (shard id, attempt): a shard id may be leased again
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
@@ -237,7 +237,7 @@ class ShardClient:
                 )
             except NotFoundError:  # declared dead (paused too long): every lease is gone; join afresh
                 with self._lock:
-                    self._revoked.update(self._held)
+                    self._revoked.update((s.shard_id, s.lease.attempt) for s in self._held.values())
                     self._held.clear()
                 self.worker_id = ""
                 self.join()
@@ -245,7 +245,7 @@ class ShardClient:
             except ShardServiceError:
                 continue
             with self._lock:
-                self._revoked.update(resp.revoked_shard_ids)
+                self._revoked.update((r.shard_id, r.attempt) for r in resp.revoked)
 
     def lease(self, dataset: str, max_shards: int = 1, wait: float = 5.0) -> tuple[int, list[LeasedShard]]:
         """Lease up to ``max_shards``; returns (pb.LeaseStatus value, leased shards)."""
@@ -333,10 +333,23 @@ class ShardClient:
         return convert.cursor_from_pb(resp.committed), convert.cursor_from_pb(resp.acked)
 
     def restore_cursor(self, cursor: DataCursor) -> pb.RestoreResponse:
-        return self._call(self._stub.Restore, pb.RestoreRequest(cursor=convert.cursor_to_pb(cursor)))
+        """Reset the service to ``cursor``; every lease (this client's too) is revoked."""
+        resp = self._call(self._stub.Restore, pb.RestoreRequest(cursor=convert.cursor_to_pb(cursor)))
+        self._forget_leases()
+        return resp
 
     def restore_cut(self, cut_id: int) -> pb.RestoreResponse:
-        return self._call(self._stub.Restore, pb.RestoreRequest(cut_id=cut_id))
+        resp = self._call(self._stub.Restore, pb.RestoreRequest(cut_id=cut_id))
+        self._forget_leases()
+        return resp
+
+    def _forget_leases(self) -> None:
+        """A restore revoked every lease: drop the held and prefetched ones so none is read again."""
+        with self._lock:
+            self._revoked.update((s.shard_id, s.lease.attempt) for s in self._held.values())
+            self._held.clear()
+            for queue in self._prefetched.values():
+                queue.clear()
 
     # ---------------------------------------------------------------- key-value
     def kv_get(self, key: str) -> tuple[bytes, int] | None:

@@ -169,7 +169,7 @@ class ShardCore(CutOps, StreamOps):
         times += [w.last_seen + self.lease_ttl for w in self.workers.values()]
         return min(times) if times else None
 
-    def heartbeat(self, worker_id: str) -> tuple[float, list[str]]:
+    def heartbeat(self, worker_id: str) -> tuple[float, list[tuple[str, int]]]:
         w = self.worker(worker_id)
         now = self.clock()
         w.last_seen = now

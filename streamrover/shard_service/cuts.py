@@ -118,7 +118,7 @@ class CutOps(CoreState):
                 w = self.workers.get(s.worker or "")
                 if w is not None:
                     w.leases.discard(sid)
-                    w.revoked.add(sid)
+                    w.revoked.add((sid, s.attempt))
                 revoked += 1
             self.leased.clear()
             for ds in self.datasets.values():

@@ -73,7 +73,7 @@ class WorkerRecord:
     name: str
     last_seen: float = 0.0  # memory only
     leases: set[str] = field(default_factory=set)  # derived from shards on load
-    revoked: set[str] = field(default_factory=set)  # memory only: told on the next heartbeat
+    revoked: set[tuple[str, int]] = field(default_factory=set)  # memory only: (shard, attempt), told at heartbeat
     last_request_id: int = 0
     last_lease_ids: list[str] = field(default_factory=list)
     records_acked: int = 0  # memory only (status)

@@ -229,7 +229,11 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         with self.cond:
             deadline, revoked = self.core.heartbeat(request.worker_id)
-            return pb.HeartbeatResponse(deadline_unix=deadline, revoked_shard_ids=revoked)
+            return pb.HeartbeatResponse(
+                deadline_unix=deadline,
+                revoked_shard_ids=[sid for sid, _ in revoked],
+                revoked=[pb.ShardProgress(shard_id=sid, attempt=attempt) for sid, attempt in revoked],
+            )
 
     @_rpc
     def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:

@@ -569,18 +569,24 @@ class HeartbeatResponse(google.protobuf.message.Message):
 
     DEADLINE_UNIX_FIELD_NUMBER: builtins.int
     REVOKED_SHARD_IDS_FIELD_NUMBER: builtins.int
+    REVOKED_FIELD_NUMBER: builtins.int
     deadline_unix: builtins.float
     @property
     def revoked_shard_ids(self) -> google.protobuf.internal.containers.RepeatedScalarFieldContainer[builtins.str]:
-        """leases this worker no longer holds: stop reading them"""
+        """deprecated: ids only (a shard may be leased again under the same id)"""
+
+    @property
+    def revoked(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___ShardProgress]:
+        """leases (shard id and attempt) this worker no longer holds: stop reading them"""
 
     def __init__(
         self,
         *,
         deadline_unix: builtins.float = ...,
         revoked_shard_ids: collections.abc.Iterable[builtins.str] | None = ...,
+        revoked: collections.abc.Iterable[global___ShardProgress] | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["deadline_unix", b"deadline_unix", "revoked_shard_ids", b"revoked_shard_ids"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["deadline_unix", b"deadline_unix", "revoked", b"revoked", "revoked_shard_ids", b"revoked_shard_ids"]) -> None: ...
 
 global___HeartbeatResponse = HeartbeatResponse
 
