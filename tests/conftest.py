@@ -35,3 +35,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _skipped and exitstatus == 0:
         print(f"\n{len(_skipped)} test(s) skipped, which this project counts as failures: " + ", ".join(_skipped))
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _free_leaked_shared_memory() -> Iterator[None]:
+    """Trainers SIGKILLed on purpose leave checkpoint buffers in /dev/shm; free the ones this run created."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("srckpt-*")) if shm.is_dir() else set()
+    yield
+    for leftover in set(shm.glob("srckpt-*")) - before if shm.is_dir() else ():
+        leftover.unlink(missing_ok=True)

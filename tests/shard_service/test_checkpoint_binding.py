@@ -95,5 +95,5 @@ def test_restore_resets_the_cursor_to_the_manifest_even_after_a_master_restart(
     state = {k: np.array(v) for k, v in older.state.items()}
     _train(client, ckpt, state, older.step, stop_at=None)
     assert np.all(state["seen"] == 1), f"{int((state['seen'] != 1).sum())} records not seen exactly once"
-    ckpt.close()
+    ckpt.close(unlink=True)
     client.close()
