@@ -32,6 +32,7 @@ from streamrover.sources.api import (
     SourceError,
     SourceKind,
     SourceNotFoundError,
+    SourceUnavailableError,
     open_source,
     validate_dataset_name,
 )
@@ -52,6 +53,8 @@ def _rpc(method: Callable[..., T]) -> Callable[..., T]:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         except SourceNotFoundError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except SourceUnavailableError as exc:  # a broker down or slow: clients retry UNAVAILABLE with backoff
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except SourceError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         raise AssertionError("unreachable: context.abort raises")
