@@ -16,6 +16,9 @@ Agent side (the elastic agent hosts the node's saver; trainers pass ``saver="age
 
     saver = CheckpointSaver(saver_address(namespace_for(url, job)), linger=None)
     threading.Thread(target=saver.serve_forever).start()       # or: python -m streamrover.ckpt --address @...
+    ...                                                         # workers stopped or died:
+    saver.wait_idle(timeout)              # their sessions ended: snapshots of dead workers persisted
+    purge_shared_memory(namespace_for(url, job))               # only when no worker will restart here
 
 Without an agent, the first persisting save starts ``python -m streamrover.ckpt`` itself.
 """

@@ -28,21 +28,39 @@ def buffer_name(namespace: str, rank: int, index: int) -> str:
     return f"srckpt-{_SAFE.sub('_', namespace)}-r{rank}-b{index}"
 
 
-def purge_shared_memory(namespace: str) -> list[str]:
-    """Remove every snapshot buffer of ``namespace`` (all ranks) from this node; return their names.
+def purge_shared_memory(namespace: str, ranks: Iterable[int] | None = None) -> list[str]:
+    """Remove the snapshot buffers of ``namespace`` from this node's ``/dev/shm``; return the names removed.
 
-    For a job that ends for good, or for tests and agents cleaning up after trainers that were killed
-    without a saver to reap their buffers. Never call it while a trainer of the namespace still runs.
+    ``namespace`` is ``namespace_for(url, job)``, the one the trainers' :class:`Checkpointer` used;
+    ``ranks`` limits the purge to those ranks' buffers (default: every rank of the namespace).
+    Buffers of other namespaces are not touched. Removing a buffer that is
+    already gone is not an error, so agents racing to clean up may both call it.
+
+    Use it when a job ends for good, or when an agent gives up on trainers that were SIGKILLed and
+    will not be restarted on this node (a restarted trainer would load its snapshot from these
+    buffers). Call it only once nothing writes them any more: after the trainers are dead and the
+    node's saver is idle (:meth:`CheckpointSaver.wait_idle`), since a saver persisting a dead
+    trainer's snapshot opens the buffers by name. A process that still maps a buffer keeps its
+    memory until it unmaps; the name is gone at once.
     """
+    if not namespace or namespace != namespace.strip():
+        raise ValueError(f"namespace must be the non-empty name from namespace_for(), got {namespace!r}")
     prefix = f"srckpt-{_SAFE.sub('_', namespace)}-r"
+    wanted = None if ranks is None else {int(r) for r in ranks}
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:  # no POSIX shared memory on this system: nothing of ours can be there
+        return []
     removed = []
-    for name in sorted(os.listdir(SHM_DIR)):
-        if name.startswith(prefix) and re.fullmatch(r"\d+-b\d+", name[len(prefix) :]):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+    for name in names:
+        m = re.fullmatch(r"(\d+)-b\d+", name[len(prefix) :]) if name.startswith(prefix) else None
+        if m is None or (wanted is not None and int(m.group(1)) not in wanted):
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
     return removed
 
 
@@ -118,14 +136,14 @@ class MemoryEngine:
         for i in range(self.num_buffers):
             self._ensure(i, size)
 
-    def _ensure(self, index: int, size: int) -> SharedBuffer:
+    def _ensure(self, index: int, size: int, populate: bool = True) -> SharedBuffer:
         buf = self.buffers[index]
         if buf is not None and buf.size >= size:
             return buf
         grown = size + size // 16 if buf is not None else size  # grow with slack, the state grew once already
         if buf is not None:
             buf.close()
-        new = SharedBuffer.create(self.names()[index], align(grown, 1 << 21))
+        new = SharedBuffer.create(self.names()[index], align(grown, 1 << 21), populate)
         self.buffers[index] = new
         return new
 
@@ -177,24 +195,25 @@ class MemoryEngine:
         }
         size_needed = data_end + HEADER_RESERVE
         self._join_prefault()
+        others: list[int] = []
         if all(b is None or b.size < size_needed for b in self.buffers):
-            # First save (or the state outgrew every buffer): check the whole ring fits, allocate the
-            # buffer written now, and pre-fault the others in the background, off the critical path.
+            # First save (or the state outgrew every buffer): check the whole ring fits and allocate the
+            # buffer written now; the others are allocated in the background once this copy is done, so
+            # they neither delay this save nor compete with its copy for cores and memory bandwidth.
             missing = sum(size_needed - (b.size if b else 0) for b in self.buffers)
             check_shm_space(missing, f"{self.num_buffers} snapshot buffers of {size_needed / (1 << 20):.1f} MiB")
             others = [i for i in range(self.num_buffers) if i != index]
-            buf = self._ensure(index, size_needed)
-            self._prefault = threading.Thread(
-                target=lambda: [self._ensure(i, size_needed) for i in others], name="ckpt-prefault", daemon=True
-            )
-            self._prefault.start()
-        else:
-            buf = self._ensure(index, size_needed)
+        buf = self._ensure(index, size_needed, populate=not others)  # written now: the copy faults pages in
         odd = buf.begin_write()
         for entry, offset in zip(entries, offsets):
             copy_into(entry, buf.mm, offset)
         gen = buf.end_write(odd, header)
         self._seq += 1
+        if others:
+            self._prefault = threading.Thread(
+                target=lambda: [self._ensure(i, size_needed) for i in others], name="ckpt-prefault", daemon=True
+            )
+            self._prefault.start()
         return Snapshot(index, buf.name, gen, header)
 
     def _join_prefault(self) -> None:

@@ -45,6 +45,7 @@ class _Session:
         self.persist_on_exit = True
 
     def run(self) -> None:
+        lower_thread_priority(self.saver.nice)  # persists (and the hash threads they start) yield to training
         try:
             self._serve()
         except Exception:  # a session must never take the saver down; the trainer sees EOF
@@ -153,18 +154,43 @@ class _Session:
         self.saver._orphan(self)
 
 
+def lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by ``increment`` (Linux: nice is per thread, inherited by the
+    threads it starts); a no-op where that is not supported."""
+    if increment <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError as exc:  # a sandbox may forbid it: persists then run at the trainer's priority
+        log.debug("cannot lower the persist thread's priority: %s", exc)
+
+
 class CheckpointSaver:
     """Serves trainer sessions on ``address`` until stopped or idle for ``linger`` seconds.
 
     ``linger=None`` serves until :meth:`stop` (an agent hosting it). On an idle exit the
     shared-memory buffers of trainers that died and never came back are unlinked.
+
+    ``nice``: each session's thread (it persists, and its checksum thread) runs this much
+    nicer than the thread that serves, so on a node short of cores a persist takes CPU time
+    the trainers leave rather than slowing their steps and their copies into shared memory.
+    0 keeps persists at the saver's priority.
+
+    :meth:`wait_idle` tells an agent when every session has ended: after it stopped its
+    workers, that is when their persists on death are done and their buffers may be freed
+    (:func:`~streamrover.ckpt.purge_shared_memory`) or a new generation of workers started.
     """
 
-    def __init__(self, address: str, linger: float | None = 600.0) -> None:
+    def __init__(self, address: str, linger: float | None = 600.0, *, nice: int = 10) -> None:
+        if nice < 0:
+            raise ValueError(f"nice must be >= 0 (a persist never runs above the trainers' priority), got {nice}")
         self.address = address
         self.linger = linger
+        self.nice = nice
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._sessions: dict[tuple[str, int], threading.Thread] = {}
         self._threads: set[threading.Thread] = set()
         self._orphans: dict[tuple[str, int], list[str]] = {}
@@ -209,6 +235,20 @@ class CheckpointSaver:
         self._stopping = True
         os.write(self._wake_w, b"x")
 
+    @property
+    def sessions(self) -> int:
+        """Trainer connections being served now (including sessions persisting after their trainer died)."""
+        with self._lock:
+            return len(self._threads)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no session is served: every connected trainer closed or died, and every persist those
+        sessions were running (a persist on death included) has finished. True once idle; False if
+        ``timeout`` seconds passed first. Trainers that are still connected keep the saver busy, so an agent
+        calls this after its workers stopped. A trainer that connects afterwards makes it busy again."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._threads, timeout)
+
     # -- called by sessions --------------------------------------------------------
     def _adopt(self, session: _Session) -> None:
         """A rank (re)connects: wait for its previous session (e.g. persisting after a death) to finish."""
@@ -231,6 +271,7 @@ class CheckpointSaver:
             self._threads.discard(threading.current_thread())
             if session.key is not None and self._sessions.get(session.key) is threading.current_thread():
                 del self._sessions[session.key]
+            self._idle.notify_all()
         os.write(self._wake_w, b"x")
 
     def _unlink_orphans(self) -> None:
@@ -248,13 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m streamrover.ckpt", description=__doc__)
     parser.add_argument("--address", required=True, help="abstract socket address (a leading '@' means NUL)")
     parser.add_argument("--linger", type=float, default=600.0, help="seconds to stay up with no trainer connected")
-    parser.add_argument("--nice", type=int, default=0, help="lower the CPU priority of persists (os.nice increment)")
+    parser.add_argument(
+        "--nice", type=int, default=10, help="how much nicer than the saver persists run (0: the same priority)"
+    )
     args = parser.parse_args(argv)
-    if args.nice:
-        os.nice(args.nice)
     address = "\0" + args.address[1:] if args.address.startswith("@") else args.address
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ckpt-saver %(levelname)s %(message)s")
-    saver = CheckpointSaver(address, linger=args.linger)
+    saver = CheckpointSaver(address, linger=args.linger, nice=args.nice)
     try:
         saver.bind()
     except OSError as exc:
