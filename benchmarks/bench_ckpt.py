@@ -1,20 +1,38 @@
-"""Flash checkpoint benchmark: blocking save time and load time against peers measured in the same run.
+"""Flash checkpoint benchmark: blocking save time and restore time against peers measured in the same run.
 
-Peers: a plain memcpy of the same bytes into pre-touched memory (the physical limit),
-``torch.save`` + fsync to local disk, ``torch.distributed.checkpoint.async_save``, and
-DLRover's flash checkpoint (``DdpCheckpointer``; run from its own venv, see
-``ckpt_dlrover_peer.py``). Load: ours from shared memory in a fresh process (a trainer
-restart on a live node) against ``torch.load(weights_only=True)`` of the torch.save file.
+Peers, on the same state (float32 tensors of random values):
 
-    python benchmarks/bench_ckpt.py --sizes 256M,1G,4G
-    python benchmarks/bench_ckpt.py --sizes 16M --repeats 2        # quick
+* memcpy: the same bytes copied into pre-touched memory, the physical limit; the faster of
+  ``Tensor.copy_`` (torch's intra-op threads) and libc ``memmove`` (one thread);
+* ``torch.save`` to local disk, with ``fsync`` (durable, like our persist) and without (page cache);
+* ``torch.distributed.checkpoint.async_save`` (blocking part);
+* DLRover's flash checkpoint (``DdpCheckpointer``, run from its own venv by ``ckpt_dlrover_peer.py``);
+* restore after a process restart: ours from shared memory in a fresh process against
+  ``torch.load(weights_only=True)`` of the ``torch.save`` file, both copied into an already built model.
 
-Goals (issue 4): save <= 1.5x memcpy; >= 20x faster than torch.save; load >= 5x faster than torch.load.
+Method: every timed operation runs ``--warmups`` untimed times first, then ``--repeats`` timed times; the
+median is reported (with min-max). Our memory saves and the memcpy peers run interleaved, one of each per
+round, so drift in the machine's other load hits both alike. Each state size runs in a fresh process (no
+allocator or page-cache state carries over between sizes), restores run in fresh processes of their own,
+and our saver is a process of its own, as an elastic agent would host it. Page cache: every file a phase
+writes is fsync'd and dropped from the page cache (``posix_fadvise(DONTNEED)``) once timed, and dirty data
+is flushed (``sync``) between phases, so no phase pays for another's writeback. ``torch.load`` is timed from disk (its
+file dropped from the page cache before each call: the goal's "torch.load from disk") and from the page
+cache (its best case, shown beside it). Both restores end with the weights copied into a built model.
+Free memory, ``/dev/shm`` and disk are checked before each size; a size that cannot fit fails with a
+message. Temp dirs, shared memory and child processes are removed on exit, on errors and on SIGTERM/SIGINT.
+
+    python -m benchmarks ckpt --sizes 256M,1G,4G
+    python -m benchmarks ckpt --quick                      # 16M, 2 repeats
+
+Goals (issue 4): save <= 1.5x memcpy; >= 20x faster than torch.save+fsync; restore >= 5x faster than torch.load.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -24,185 +42,453 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from streamrover.ckpt import Checkpointer
+from benchmarks._common import load as load_average
+from benchmarks._common import table
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[1]
 DLROVER_PY = os.environ.get("STREAMROVER_DLROVER_PYTHON", "/work/venvs/dlrover/bin/python")
-LOAD_SNIPPET = """
-import json, sys, time, torch
-from streamrover.ckpt import Checkpointer
-def into_model(state, model):  # what load_state_dict does: copy into the live parameters
-    with torch.no_grad():
-        for k, v in state.items():
-            model[k].copy_(v)
-def load(zero_copy):
-    return Checkpointer(sys.argv[1], saver="thread").load(zero_copy=zero_copy, restore=False)
-t = time.perf_counter(); loaded = load(True)
-zero_copy = time.perf_counter() - t
-assert loaded.source.value == "memory", loaded.source
-t = time.perf_counter(); load(False)  # a private copy, dropped at once (peak: one state)
-copied = time.perf_counter() - t
-model = {k: torch.zeros_like(v) for k, v in loaded.state.items()}  # the restarted trainer's model, already built
-t = time.perf_counter(); into_model(load(True).state, model)
-ours_into_model = time.perf_counter() - t
-del loaded
-t = time.perf_counter(); sd = torch.load(sys.argv[2], weights_only=True)
-tl = time.perf_counter() - t
-into_model(sd, model)
-tl_into_model = time.perf_counter() - t
-print(json.dumps({"memory_load_zero_copy": zero_copy, "memory_load_copy": copied, "torch_load": tl,
-                  "ours_into_model": ours_into_model, "torch_load_into_model": tl_into_model}))
-"""
+# Peak resident memory of one size, in state sizes: the state, our two shared-memory buffers and the memcpy
+# peer's destination while saving (page cache is reclaimable); the restore children need less.
+PEAK_FACTOR = 4.0
+MEMORY_MARGIN = GIB  # interpreters, torch, the saver, the DLRover peer's own process
+DISK_FACTOR = 4.0  # torch.save file + a DCP checkpoint + our newest and next persisted checkpoint
+CHILD_GRACE = 15.0
 
 
-# Peak resident memory of one size, in state sizes: the state and two shared-memory buffers (+ slack) while
-# saving; then the buffers plus, in the load child, a model and a torch.load result. Page cache comes on top.
-PEAK_FACTOR = 4.5
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived; unwinds through every ``finally`` so cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
 
 
-def available_memory() -> int | None:
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # cleanup must not be interrupted in turn
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def install_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    signal.signal(signal.SIGINT, _raise_interrupted)
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the parent dies (even by SIGKILL), so nothing is orphaned."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+# -- measuring ---------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+
+
+def meminfo(field: str) -> int | None:
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
-def median_time(fn: Callable[[], Any], repeats: int) -> float:
+def summary(times: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
+
+
+def timed(fn: Callable[[], Any], warmups: int, repeats: int, before: Callable[[], Any] | None = None) -> list[float]:
+    """``fn`` run ``warmups`` times untimed, then ``repeats`` times timed; ``before`` runs untimed each time."""
     times = []
-    for _ in range(repeats):
+    for i in range(warmups + repeats):
+        if before is not None:
+            before()
         t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        elapsed = time.perf_counter() - t
+        if i >= warmups:
+            times.append(elapsed)
+    return times
 
 
-def make_state(nbytes: int, tensors: int) -> dict[str, torch.Tensor]:
+def drop_cache(path: Path | str) -> None:
+    """Write back and drop the page cache of a file, or of every file under a directory."""
+    paths = [Path(path)] if Path(path).is_file() else [p for p in Path(path).rglob("*") if p.is_file()]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def make_state(nbytes: int, tensors: int) -> dict[str, Any]:
+    import torch
+
     n = nbytes // 4 // tensors
     return {f"layer{i}.weight": torch.randn(n) for i in range(tensors)}
 
 
-def bench_memcpy(state: dict[str, torch.Tensor], repeats: int) -> float:
+def empty_model(nbytes: int, tensors: int) -> dict[str, Any]:
+    """The restarted trainer's model, already built (pages touched), that a restore copies into."""
+    import torch
+
+    n = nbytes // 4 // tensors
+    return {f"layer{i}.weight": torch.zeros(n) for i in range(tensors)}
+
+
+def into_model(state: dict[str, Any], model: dict[str, Any]) -> None:
+    """What ``load_state_dict`` does: copy into the live parameters."""
+    import torch
+
+    with torch.no_grad():
+        for k, v in state.items():
+            model[k].copy_(v)
+
+
+# -- one size, in a fresh process ------------------------------------------------------------------
+def memcpy_peers(state: dict[str, Any]) -> dict[str, Callable[[], None]]:
+    """The same bytes copied into pre-touched private memory: ``Tensor.copy_`` and libc ``memmove``."""
+    import torch
+
     dst = {k: torch.empty_like(v) for k, v in state.items()}
 
     def copy() -> None:
         for k, v in state.items():
             dst[k].copy_(v)
 
-    copy()  # touch the destination first, as a reused buffer would be
-    return median_time(copy, repeats)
+    def memmove() -> None:
+        for k, v in state.items():
+            ctypes.memmove(dst[k].data_ptr(), v.data_ptr(), v.nbytes)
+
+    copy()  # touch the destination once, as a reused buffer is
+    return {"copy_": copy, "memmove": memmove}
 
 
-def bench_ours(state: dict[str, torch.Tensor], work: Path, repeats: int, torch_file: Path) -> dict[str, float]:
-    root = str(work / "ours")
-    ckpt = Checkpointer(root, saver="auto", linger=30.0, persist_on_exit=False)
-    try:
-        return _bench_ours(ckpt, state, root, repeats, torch_file)
-    finally:
-        saver = ckpt.saver_pid
-        ckpt.close(unlink=True)
-        if saver:
-            os.kill(saver, signal.SIGTERM)
+def bench_torch_save(state: dict[str, Any], work: Path, a: argparse.Namespace) -> dict[str, Any]:
+    import torch
 
+    out: dict[str, Any] = {}
+    path = work / "torch-save.pt"
+    for fsync in (False, True):
 
-def _bench_ours(
-    ckpt: Checkpointer, state: dict[str, torch.Tensor], root: str, repeats: int, torch_file: Path
-) -> dict[str, float]:
-    out: dict[str, float] = {}
-    t = time.perf_counter()
-    ckpt.save(1, state, persist=False)
-    out["first_save"] = time.perf_counter() - t
-    ckpt.save(2, state, persist=False)  # the second buffer's first use
-    blocking = []
-    for step in range(3, 3 + repeats):  # memory-only saves: what DLRover's memory saves and memcpy do
-        t = time.perf_counter()
-        ckpt.save(step, state, persist=False)
-        blocking.append(time.perf_counter() - t)
-    out["save"] = statistics.median(blocking)
-    blocking = []
-    for step in range(10, 10 + repeats):  # each save while the previous one is being persisted (2 cores shared)
-        t = time.perf_counter()
-        ckpt.save(step, state, persist=True)
-        blocking.append(time.perf_counter() - t)
-    ckpt.wait()
-    out["save_during_persist"] = statistics.median(blocking)
-    step = 20 + repeats
-    t = time.perf_counter()
-    ckpt.save(step, state, persist=True)
-    ckpt.wait()
-    out["persist"] = time.perf_counter() - t
-    ckpt.save(step + 1, state, persist=False)  # the newest snapshot is in memory only
-    state.clear()  # last user of the state: free it before the load child builds a model and a torch.load copy
-    res = subprocess.run(
-        [sys.executable, "-c", LOAD_SNIPPET, root, str(torch_file)], capture_output=True, text=True, check=True
-    )
-    out.update(json.loads(res.stdout))
-    return out
+        def save(fsync: bool = fsync) -> None:
+            with open(path, "wb") as fh:
+                torch.save(state, fh)
+                if fsync:
+                    fh.flush()
+                    os.fsync(fh.fileno())
 
+        def reset() -> None:  # untimed: the previous file written back, dropped from the cache, removed
+            if path.exists():
+                drop_cache(path)
+                path.unlink()
+            os.sync()
 
-def bench_torch_save(state: dict[str, torch.Tensor], path: Path) -> float:
-    t = time.perf_counter()
-    with open(path, "wb") as fh:
+        out["fsync" if fsync else "plain"] = summary(timed(save, a.warmups, a.repeats, before=reset))
+        reset()
+    final = work / "torch.pt"  # the file the restore children torch.load
+    with open(final, "wb") as fh:
         torch.save(state, fh)
         fh.flush()
         os.fsync(fh.fileno())
-    return time.perf_counter() - t
-
-
-def bench_dcp(state: dict[str, torch.Tensor], work: Path, repeats: int) -> dict[str, float]:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{work}/pg-store", rank=0, world_size=1)
-    out: dict[str, float] = {}
-    times = []
-    for i in range(1 + repeats):
-        t = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=str(work / f"dcp-{i}"))
-        elapsed = time.perf_counter() - t
-        if i == 0:
-            out["first_save"] = elapsed
-        else:
-            times.append(elapsed)
-        (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
-    out["save"] = statistics.median(times)
+    drop_cache(final)
     return out
 
 
-def bench_dlrover(nbytes: int, tensors: int, repeats: int) -> dict[str, Any]:
+def bench_dcp(state: dict[str, Any], work: Path, a: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist.init_process_group("gloo", init_method=f"file://{work}/pg-store", rank=0, world_size=1)
+    target = work / "dcp"
+    times = []
+    first: float | None = None
+    try:
+        for i in range(a.warmups + a.repeats):
+            if target.exists():
+                shutil.rmtree(target)
+            os.sync()
+            t = time.perf_counter()
+            fut = dcp.async_save(state, checkpoint_id=str(target))
+            elapsed = time.perf_counter() - t
+            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+            drop_cache(target)
+            if i == 0:
+                first = elapsed
+            if i >= a.warmups:
+                times.append(elapsed)
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+        dist.destroy_process_group()
+    return {"save": summary(times), "first": first}
+
+
+def bench_ours(state: dict[str, Any], root: str, a: argparse.Namespace) -> dict[str, Any]:
+    from streamrover.ckpt import Checkpointer, RetentionPolicy
+
+    # saver="agent": the saver process the parent started, as dlrover-run's agent hosts it; keep_last=1 bounds
+    # the disk the bench uses (retention deletes the previous checkpoint after publishing the next).
+    ckpt = Checkpointer(root, saver="agent", retention=RetentionPolicy(keep_last=1), persist_on_exit=False)
+    out: dict[str, Any] = {}
+    step = 0
+
+    def save(persist: bool) -> Callable[[], None]:
+        def run() -> None:
+            nonlocal step
+            step += 1
+            ckpt.save(step, state, persist=persist)
+
+        return run
+
+    t = time.perf_counter()
+    save(False)()  # allocates and pre-faults the first buffer; the second is pre-faulted in the background
+    out["first"] = time.perf_counter() - t
+    # Memory-only saves (what DLRover's memory saves and memcpy do) interleaved with the memcpy peers, one of
+    # each per round, so drift in what else runs on the machine hits both sides alike. The first warm-up
+    # round's save is the second buffer's first use.
+    peers = memcpy_peers(state)
+    runs: dict[str, list[float]] = {"save": [], **{name: [] for name in peers}}
+    for i in range(a.warmups + 1 + a.repeats):
+        for name, fn in [("save", save(False)), *peers.items()]:
+            t = time.perf_counter()
+            fn()
+            if i > a.warmups:
+                runs[name].append(time.perf_counter() - t)
+    del peers
+    out["save"] = summary(runs["save"])
+    out["memcpy"] = {name: summary(runs[name]) for name in ("copy_", "memmove")}
+    out["memcpy"]["best"] = min(out["memcpy"][n]["median"] for n in ("copy_", "memmove"))
+    os.sync()
+    # each save while the saver persists an earlier one (2 cores shared with it); the warm-up starts a persist
+    out["during_persist"] = summary(timed(save(True), 1, a.repeats))
+    ckpt.wait()
+
+    def persisted() -> None:
+        save(True)()
+        ckpt.wait()
+
+    def settle() -> None:
+        drop_cache(root)
+        os.sync()
+
+    out["persist"] = summary(timed(persisted, 0, a.repeats, before=settle))
+    save(False)()  # the newest snapshot is in memory only: a restart must load it from there
+    ckpt.close()  # keeps the snapshots in shared memory for the restore child
+    return out
+
+
+def run_child(role: str, *args: str) -> dict[str, Any]:
+    """A restore measured in a fresh process (a restarted trainer); its JSON result."""
+    res = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_ckpt", "--role", role, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"{role} child failed (exit {res.returncode}): {res.stderr.strip()[-2000:]}")
+    result: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+    return result
+
+
+def size_main(a: argparse.Namespace) -> int:
+    """One state size: every save peer and ours, then the restores; prints one JSON line."""
+    import torch
+
+    from streamrover.ckpt import namespace_for, purge_shared_memory
+
+    install_signal_handlers()
+    work = Path(a.work)
+    root = str(work / "ours")
+    out: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        state = make_state(a.bytes, a.tensors)
+        out["torch_save"] = bench_torch_save(state, work, a)
+        if not a.skip_dcp:
+            out["dcp"] = bench_dcp(state, work, a)
+        os.sync()
+        out["ours"] = bench_ours(state, root, a)
+        out["memcpy"] = out["ours"].pop("memcpy")
+        del state  # freed before the restore children build their models
+        common = [str(a.bytes), str(a.tensors), str(a.warmups), str(a.repeats)]
+        out["restore_ours"] = run_child("restore-ours", root, *common)
+        purge_shared_memory(namespace_for(root))  # our buffers go before torch.load's child allocates
+        out["restore_torch"] = run_child("restore-torch", str(work / "torch.pt"), *common)
+    finally:
+        purge_shared_memory(namespace_for(root))
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def restore_ours_main(a: argparse.Namespace) -> int:
+    from streamrover.ckpt import Checkpointer, Source
+
+    root = a.target
+
+    def load(zero_copy: bool) -> Any:
+        loaded = Checkpointer(root, saver="thread").load(zero_copy=zero_copy, restore=False)
+        assert loaded.source == Source.MEMORY, loaded.source
+        return loaded
+
+    out = {
+        "zero_copy": summary(timed(lambda: load(True), a.warmups, a.repeats)),
+        "copied": summary(timed(lambda: load(False), a.warmups, a.repeats)),
+    }
+    model = empty_model(a.bytes, a.tensors)
+    out["into_model"] = summary(timed(lambda: into_model(load(True).state, model), a.warmups, a.repeats))
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def restore_torch_main(a: argparse.Namespace) -> int:
+    import torch
+
+    path = a.target
+    model = empty_model(a.bytes, a.tensors)
+
+    def load() -> Any:
+        return torch.load(path, weights_only=True)
+
+    out = {
+        "load": summary(timed(load, a.warmups, a.repeats)),
+        "into_model": summary(timed(lambda: into_model(load(), model), a.warmups, a.repeats)),
+        "cold_into_model": summary(
+            timed(lambda: into_model(load(), model), 0, a.repeats, before=lambda: drop_cache(path))
+        ),
+    }
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+# -- the parent: one fresh process per size, cleanup of everything it started ---------------------------
+class Run:
+    """What one size started: removed by :meth:`cleanup` on every exit path."""
+
+    def __init__(self, base: str | None) -> None:
+        self.work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=base))
+        self.procs: list[subprocess.Popen[str]] = []  # each leads its own process group
+        self.stopped: set[int] = set()
+        self.dlrover_job = f"srbench-{uuid.uuid4().hex[:12]}"
+        self.namespace: str | None = None
+
+    def start(self, cmd: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(cmd, cwd=REPO, text=True, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[str], grace: float = CHILD_GRACE) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after ``grace`` seconds."""
+        if proc.pid in self.stopped or proc.returncode is not None:  # stopped, or ended and reaped already
+            return
+        self.stopped.add(proc.pid)
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=wait)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # forked helpers that outlive the leader
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            self.stop(proc)
+        if self.namespace is not None:
+            from streamrover.ckpt import purge_shared_memory
+
+            purge_shared_memory(self.namespace)
+        for name in os.listdir("/dev/shm"):  # the DLRover peer's buffers, named after its job id
+            if name.startswith(self.dlrover_job):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
+        shutil.rmtree(f"/tmp/ckpt_sock/{self.dlrover_job}", ignore_errors=True)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def fits(size: int, base: str | None) -> str | None:
+    """Why ``size`` cannot run now (memory, /dev/shm, disk), or None."""
+    from streamrover.ckpt.memory import HEADER_RESERVE
+
+    problems = []
+    need, have = PEAK_FACTOR * size + MEMORY_MARGIN, meminfo("MemAvailable")
+    if have is not None and need > have:
+        problems.append(f"~{need / GIB:.1f} GiB of memory at its peak, {have / GIB:.1f} GiB is available")
+    need = 2 * (size + HEADER_RESERVE) + (64 << 20)
+    if need > (shm := free_bytes("/dev/shm")):
+        problems.append(f"{need / GIB:.1f} GiB in /dev/shm for two snapshot buffers, {shm / GIB:.1f} GiB is free")
+    need = DISK_FACTOR * size
+    if need > (disk := free_bytes(base or tempfile.gettempdir())):
+        problems.append(f"{need / GIB:.1f} GiB of disk, {disk / GIB:.1f} GiB is free")
+    return "; ".join(problems) or None
+
+
+def run_size(size: int, a: argparse.Namespace) -> dict[str, Any]:
+    from streamrover.ckpt import namespace_for, saver_address
+
+    run = Run(a.dir)
+    try:
+        root = str(run.work / "ours")
+        run.namespace = namespace_for(root)
+        address = "@" + saver_address(run.namespace)[1:]
+        saver = run.start(
+            [sys.executable, "-m", "streamrover.ckpt", "--address", address, "--linger", "3600"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        assert saver.stdout is not None
+        if saver.stdout.readline().strip() != "READY":
+            raise RuntimeError("the checkpoint saver did not start")
+        common = ["--bytes", str(size), "--tensors", str(a.tensors), "--warmups", str(a.warmups)]
+        common += ["--repeats", str(a.repeats)]
+        cmd = [sys.executable, "-m", "benchmarks.bench_ckpt", "--role", "size", "--work", str(run.work), *common]
+        if a.skip_dcp:
+            cmd.append("--skip-dcp")
+        child = run.start(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        stdout, stderr = child.communicate()
+        if child.returncode != 0:
+            raise RuntimeError(f"size child failed (exit {child.returncode}): {stderr.strip()[-3000:]}")
+        result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+        run.stop(saver)
+        os.sync()
+        result["dlrover"] = {"error": "skipped"} if a.skip_dlrover else bench_dlrover(run, size, a)
+        return result
+    finally:
+        run.cleanup()
+
+
+def bench_dlrover(run: Run, size: int, a: argparse.Namespace) -> dict[str, Any]:
     if not os.path.exists(DLROVER_PY):
         return {"error": f"no DLRover venv at {DLROVER_PY} (set STREAMROVER_DLROVER_PYTHON)"}
     script = Path(__file__).with_name("ckpt_dlrover_peer.py")
-    errors = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(
-        [DLROVER_PY, str(script), "--bytes", str(nbytes), "--tensors", str(tensors), "--repeats", str(repeats)],
-        stdout=subprocess.PIPE,
-        stderr=errors,
-        text=True,
-        start_new_session=True,
-    )
+    cmd = [DLROVER_PY, str(script), "--bytes", str(size), "--tensors", str(a.tensors), "--dir", str(run.work)]
+    cmd += ["--warmups", str(a.warmups), "--repeats", str(a.repeats)]
+    errors = tempfile.TemporaryFile(mode="w+", dir=run.work)
+    # its job id names its shared memory and socket directory, so cleanup finds exactly its own
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": run.dlrover_job}
+    proc = run.start(cmd, stdout=subprocess.PIPE, stderr=errors, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline()  # its forked saver keeps the pipe open: read the one line, then end the group
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for name in os.listdir("/dev/shm"):
-        if name.startswith("ckpt_shm_"):
-            os.unlink(os.path.join("/dev/shm", name))
+    run.stop(proc, grace=0)
     try:
         result: dict[str, Any] = json.loads(line)
     except ValueError:
@@ -212,134 +498,161 @@ def bench_dlrover(nbytes: int, tensors: int, repeats: int) -> dict[str, Any]:
     return result
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.1f}x" if a and b else "n/a"
+# -- report -------------------------------------------------------------------------------------------
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
-def run(size: int, args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
-    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
-    try:
-        state = make_state(size, args.tensors)
-        memcpy = bench_memcpy(state, args.repeats)
-        torch_file = work / "torch.pt"
-        tsave = bench_torch_save(state, torch_file)
-        dcp = bench_dcp(state, work, args.repeats) if not args.skip_dcp else {}
-        ours = bench_ours(state, work, args.repeats, torch_file)  # frees the state at its end
-        del state
-        dl: dict[str, Any] = {"error": "skipped"}
-        if not args.skip_dlrover:
-            dl = bench_dlrover(size, args.tensors, args.repeats)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    s = ours["save"]
-    rows = [
-        (
-            "save blocking (steady)",
-            f"{s:.4f}",
-            "vs memcpy",
-            f"{s / memcpy:.2f}x of memcpy {memcpy:.4f}s (goal <= 1.5x)",
-        ),
-        (
-            "save during a persist",
-            f"{ours['save_during_persist']:.4f}",
-            "vs memcpy",
-            f"{ours['save_during_persist'] / memcpy:.2f}x (DLRover skips such saves)",
-        ),
-        ("save blocking (first)", f"{ours['first_save']:.4f}", "vs memcpy", f"{ours['first_save'] / memcpy:.2f}x"),
-        ("torch.save+fsync", f"{tsave:.4f}", "ours faster by", f"{ratio(tsave, s)} (goal >= 20x)"),
-    ]
-    if dcp:
-        rows.append(
-            (
-                "DCP async_save blocking",
-                f"{dcp['save']:.4f}",
-                "ours faster by",
-                f"{ratio(dcp['save'], s)} (first call {dcp['first_save']:.3f}s: "
-                f"{ratio(dcp['first_save'], ours['first_save'])} of our first)",
-            )
-        )
-    if "error" in dl:
-        rows.append(("DLRover flash ckpt", "-", "not measured", str(dl["error"])))
-    else:
-        rows.append(("DLRover memory save", f"{dl['memory_save']:.4f}", "ours faster by", ratio(dl["memory_save"], s)))
-        rows.append(
-            (
-                "DLRover first save",
-                f"{dl['first_memory_save']:.4f}",
-                "ours faster by",
-                ratio(dl["first_memory_save"], ours["first_save"]),
-            )
-        )
-        rows.append(
-            (
-                "DLRover persist",
-                f"{dl['disk_save_persisted']:.4f}",
-                "ours faster by",
-                f"{ratio(dl['disk_save_persisted'], ours['persist'])} (ours {ours['persist']:.3f}s)",
-            )
-        )
-    tl = ours["torch_load"]
-    rows.append(
-        (
-            "load from memory, restart",
-            f"{ours['memory_load_zero_copy']:.4f}",
-            "vs torch.load",
-            f"{ratio(tl, ours['memory_load_zero_copy'])} faster (torch.load {tl:.3f}s; goal >= 5x)",
-        )
-    )
-    rows.append(
-        (
-            "load+copy into model",
-            f"{ours['ours_into_model']:.4f}",
-            "vs torch.load",
-            f"{ratio(ours['torch_load_into_model'], ours['ours_into_model'])} faster "
-            f"(torch.load+copy {ours['torch_load_into_model']:.3f}s)",
-        )
-    )
-    rows.append(
-        (
-            "load from memory, copied",
-            f"{ours['memory_load_copy']:.4f}",
-            "vs torch.load",
-            f"{ratio(tl, ours['memory_load_copy'])} faster",
-        )
-    )
-    if "error" not in dl:
-        rows.append(
-            ("DLRover load (in process)", f"{dl['memory_load_in_process']:.4f}", "note", "same process, no restart")
-        )
+RATIOS: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = [
+    # (comparison, goal, numerator, denominator): medians; "memcpy best" is the faster of the two memcpy peers
+    ("save blocking / memcpy (x, lower is better)", "<= 1.5", ("ours", "save"), ("memcpy", "best")),
+    ("save during a persist / memcpy", "", ("ours", "during_persist"), ("memcpy", "best")),
+    ("torch.save+fsync / our save", ">= 20", ("torch_save", "fsync"), ("ours", "save")),
+    ("  ceiling: torch.save+fsync / memcpy", "", ("torch_save", "fsync"), ("memcpy", "best")),
+    ("torch.save (page cache) / our save", "", ("torch_save", "plain"), ("ours", "save")),
+    ("DCP async_save blocking / our save", "", ("dcp", "save"), ("ours", "save")),
+    ("DLRover memory save / our save", "", ("dlrover", "memory_save"), ("ours", "save")),
+    ("DLRover first save / our first save", "", ("dlrover", "first_memory_save"), ("ours", "first")),
+    ("DLRover persist / our persist", "", ("dlrover", "persisted"), ("ours", "persist")),
+    ("torch.load+copy (from disk) / our restore+copy", ">= 5", ("restore_torch", "cold_into_model"),
+     ("restore_ours", "into_model")),
+    ("torch.load+copy (page cache) / our restore+copy", "", ("restore_torch", "into_model"),
+     ("restore_ours", "into_model")),
+    ("torch.load (page cache) / our zero-copy load", "", ("restore_torch", "load"), ("restore_ours", "zero_copy")),
+    ("torch.load (page cache) / our load, private copy", "", ("restore_torch", "load"), ("restore_ours", "copied")),
+]  # fmt: skip
+
+
+def median_at(result: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    node: Any = result
+    for key in path:
+        node = node.get(key) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node = node.get("median")
+    return float(node) if isinstance(node, (int, float)) else None
+
+
+def ratio_rows(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    """(comparison, goal, ratio per size): > 1 means ours is faster, except the memcpy rows (ours / memcpy)."""
+    rows = []
+    for name, goal, num, den in RATIOS:
+        cells = []
+        for r in results.values():
+            value = ratio(median_at(r, num), median_at(r, den))
+            cells.append(f"{value:.2f}x" if value is not None else "-")
+        rows.append([name, goal, *cells])
     return rows
+
+
+def time_rows(r: dict[str, Any]) -> list[list[Any]]:
+    def cell(node: Any) -> str:
+        if node is None:
+            return "-"
+        if isinstance(node, dict):
+            return f"{node['median']:.4f}  [{node['min']:.4f}-{node['max']:.4f}]"
+        return f"{node:.4f}"
+
+    def get(*path: str) -> Any:
+        node: Any = r
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        return node
+
+    return [
+        [name, cell(get(*path))]
+        for name, path in [
+            ("memcpy, Tensor.copy_", ("memcpy", "copy_")),
+            ("memcpy, libc memmove (1 thread)", ("memcpy", "memmove")),
+            ("our save (memory only)", ("ours", "save")),
+            ("our save during a persist", ("ours", "during_persist")),
+            ("our first save (allocates)", ("ours", "first")),
+            ("our persist (save + wait, durable)", ("ours", "persist")),
+            ("torch.save+fsync", ("torch_save", "fsync")),
+            ("torch.save (page cache)", ("torch_save", "plain")),
+            ("DCP async_save blocking", ("dcp", "save")),
+            ("DCP async_save first call", ("dcp", "first")),
+            ("DLRover memory save", ("dlrover", "memory_save")),
+            ("DLRover first save", ("dlrover", "first_memory_save")),
+            ("DLRover persist (save to persisted)", ("dlrover", "persisted")),
+            ("our restore, zero-copy views", ("restore_ours", "zero_copy")),
+            ("our restore, private copy", ("restore_ours", "copied")),
+            ("our restore + copy into model", ("restore_ours", "into_model")),
+            ("torch.load (page cache)", ("restore_torch", "load")),
+            ("torch.load + copy into model (page cache)", ("restore_torch", "into_model")),
+            ("torch.load + copy into model (from disk)", ("restore_torch", "cold_into_model")),
+        ]
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="256M,1G,4G", help="comma-separated state sizes (K/M/G suffixes)")
     parser.add_argument("--tensors", type=int, default=16, help="tensors per state dict")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats of each operation (median reported)")
+    parser.add_argument("--warmups", type=int, default=1, help="untimed runs of each operation before its repeats")
     parser.add_argument("--dir", default=None, help="working directory on the local disk (default: system temp)")
     parser.add_argument("--skip-dcp", action="store_true")
     parser.add_argument("--skip-dlrover", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke-sized run: 16M, 2 repeats")
+    # internal: the fresh processes of one size and of its restores
+    parser.add_argument("--role", choices=["size", "restore-ours", "restore-torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("target", nargs="?", help=argparse.SUPPRESS)
+    parser.add_argument("pos", nargs="*", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args(argv)  # `python -m benchmarks` passes every benchmark the same options
+    if args.role == "size":
+        return size_main(args)
+    if args.role in ("restore-ours", "restore-torch"):
+        args.bytes, args.tensors, args.warmups, args.repeats = (int(x) for x in args.pos)
+        return restore_ours_main(args) if args.role == "restore-ours" else restore_torch_main(args)
     if args.quick:
         args.sizes, args.repeats = "16M", 2
-    print(f"flash checkpoint benchmark: torch {torch.__version__}, {os.cpu_count()} cores", flush=True)
-    for text in args.sizes.split(","):
-        size = parse_size(text)
-        need, have = PEAK_FACTOR * size, available_memory()
-        if have is not None and need > have:
+    return parent_main(args)
+
+
+def parent_main(a: argparse.Namespace) -> int:
+    install_signal_handlers()
+    print(
+        f"flash checkpoint benchmark: {os.cpu_count()} cores, load average {load_average()}; "
+        f"{a.warmups} warm-up(s) + median of {a.repeats} repeats per operation; one fresh process per size",
+        flush=True,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    status = 0
+    try:
+        for text in a.sizes.split(","):
+            label, size = text.strip(), parse_size(text)
+            problem = fits(size, a.dir)
+            if problem:
+                print(f"\n== state dict {label}: CANNOT RUN, it needs {problem} ==", flush=True)
+                results[label] = {"error": problem}
+                status = 1
+                continue
+            t = time.perf_counter()
+            try:
+                r = run_size(size, a)
+            except RuntimeError as exc:
+                print(f"\n== state dict {label}: FAILED: {exc} ==", flush=True)
+                results[label] = {"error": str(exc)}
+                status = 1
+                continue
+            results[label] = r
             print(
-                f"\n== state dict {text.strip()}: skipped, its peak needs ~{need / (1 << 30):.1f} GiB of memory "
-                f"and {have / (1 << 30):.1f} GiB is available ==",
+                f"\n== state dict {label} ({size / (1 << 20):.0f} MiB, {a.tensors} tensors; torch {r['torch']}, "
+                f"{r['threads']} intra-op threads; {time.perf_counter() - t:.0f} s; "
+                f"load average {load_average()}) ==",
                 flush=True,
             )
-            continue
-        rows = run(size, args)
-        print(f"\n== state dict {text.strip()} ({size / (1 << 20):.0f} MiB, {args.tensors} tensors) ==")
-        width = max(len(r[0]) for r in rows)
-        for name, secs, what, note in rows:
-            print(f"  {name:<{width}}  {secs:>9} s  {what:<15} {note}", flush=True)
-    return 0
+            print(table(["operation", "seconds: median [min-max]"], time_rows(r)), flush=True)
+            if "error" in r.get("dlrover", {}):
+                print(f"  DLRover peer not measured: {r['dlrover']['error']}", flush=True)
+    except Interrupted as exc:
+        print(f"\ninterrupted by signal {exc.signum}: temp dirs, shared memory and children removed", flush=True)
+        return 128 + exc.signum
+    print(f"\n== ratios (ours faster by, medians; {a.repeats} repeats after {a.warmups} warm-up) ==", flush=True)
+    print(table(["comparison", "goal", *results], ratio_rows(results)), flush=True)
+    return status
 
 
 if __name__ == "__main__":
