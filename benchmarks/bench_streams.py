@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import os
 import pstats
 import statistics
@@ -173,8 +174,12 @@ def kafka_raw_pass(job: tuple[Any, ...], shared: Any) -> Result:
 def shard_pass(job: tuple[Any, ...], counter: Any) -> Result:
     """Lease shards of ``dataset`` and ack every batch until ``counter`` (all workers) reaches ``expected``.
 
-    ``latency``: note, per record, the time its batch's ack returned minus the record's
-    produce time (the raw ``timestamp`` column), except for warm-up records (they have a key).
+    Leases two shards per round trip, like ``ShardClient.shards`` (which cannot be left
+    while it waits for a stream's next shard). Where acks are queued (asynchronous acks)
+    the pass ends when the master has recorded the last ones: ``flush()`` then.
+    ``latency``: note, per record, the time its batch's ack was recorded (flushed after
+    each batch) minus the record's produce time (the raw ``timestamp`` column), except for
+    warm-up records (they have a key).
     ``profile``: cProfile into that path.
     """
     import numpy as np
@@ -189,15 +194,18 @@ def shard_pass(job: tuple[Any, ...], counter: Any) -> Result:
     last = t0
     lat: list[Any] = []
     with _profiled(profile), ShardClient(address, token=TOKEN, name=f"bench-worker-{index}") as client:
+        flush = getattr(client, "flush", None)  # acks are queued: wait until the master has them
         while counter.value < expected:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the workers acked {counter.value} of {expected} records in {PASS_DEADLINE:.0f}s")
-            _, leased = client.lease(dataset, 1, wait=0.25)
+            _, leased = client.lease(dataset, 2, wait=0.25)
             for shard in leased:
                 for batch in shard.batches(batch_size):
                     n = batch.num_records
                     b = _value_bytes(batch.records.column("value"))
                     shard.ack(batch.end)
+                    if latency and flush is not None:
+                        flush()  # the latency of a record ends when the master has its ack
                     last = time.monotonic()
                     if latency and n:
                         measured = pc.is_null(batch.records.column("key"))  # warm-up records have a key
@@ -206,6 +214,9 @@ def shard_pass(job: tuple[Any, ...], counter: Any) -> Result:
                     records, nbytes = records + n, nbytes + b
                     with counter.get_lock():
                         counter.value += n
+            if flush is not None and leased and counter.value >= expected:
+                flush()  # the pass ends when the master has the last acks
+                last = time.monotonic()
     end, cpu = time.monotonic(), time.process_time() - c0
     extra = [(int(t), float(x)) for t, x in np.concatenate(lat)] if lat else []  # (produce time ms, latency ms)
     return Result(records, nbytes, t0, last, end, cpu, extra if latency else None)
@@ -563,10 +574,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", choices=["kafka", "pulsar", "freshness"], help="run one of the benches")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="add a dataset option for the shard path (sr.* or librdkafka), e.g. sr.max_delay_ms=100")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="rounds of the throughput benches (default 3, --quick 1): more rounds, steadier medians")
     parser.add_argument("--profile", metavar="DIR", default="",
                         help="cProfile the shard-path workers into DIR/*.prof and print the merged top functions")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
+    if args.rounds > 0:
+        sizes = dataclasses.replace(sizes, rounds=args.rounds)
     extra = dict(o.split("=", 1) for o in args.option)
     status = 0
     print(environment())

@@ -35,6 +35,9 @@ from streamrover.shard_service.records import DatasetRecord, ShardRecord, Worker
 from streamrover.shard_service.streams import StreamOps
 from streamrover.sources.api import Partition, SourceKind
 
+# how many queued shards a lease looks past for one of a partition no other worker reads
+AFFINITY_SCAN = 64
+
 
 @dataclass(frozen=True)
 class LeaseOutcome:
@@ -132,6 +135,8 @@ class ShardCore(CutOps, StreamOps):
             self._return_lease(self.shards[sid])
             returned += 1
         del self.workers[w.id]
+        for key in [k for k in self.tails if k[0] == w.id]:
+            del self.tails[key]
         self.journal.delete_worker(w.id)
         self._save_counters()
         return returned
@@ -194,9 +199,10 @@ class ShardCore(CutOps, StreamOps):
         grants: list[LeaseGrant] = []
         with self.journal.transaction():
             while len(grants) < max(max_shards, 1):
-                s = self._pop_todo(ds)
+                s = self._pop_todo(ds, w)
                 if s is None:
                     break
+                self.tails[(w.id, ds.name)] = (s.epoch, s.pindex, s.end)
                 self._lease_seq += 1
                 self._set_state(s, ShardState.LEASED)
                 s.attempt, s.worker, s.deadline = self._lease_seq, w.id, now + self.lease_ttl
@@ -216,18 +222,66 @@ class ShardCore(CutOps, StreamOps):
         retry = 1.0 if deadline is None else min(max(deadline - now, 0.05), 1.0)
         return LeaseOutcome(LeaseStatus.WAIT, [], retry)
 
-    def _pop_todo(self, ds: DatasetRecord) -> ShardRecord | None:
+    def _pop_todo(self, ds: DatasetRecord, w: WorkerRecord | None = None) -> ShardRecord | None:
+        """The next shard to lease: queue order, with lease affinity for ``w`` unless the dataset is shuffled.
+
+        Affinity: a worker gets the shard that starts where the last shard it was granted ends
+        (its reader is positioned there: a Kafka consumer keeps its prefetched records), unless
+        a returned shard waits (those go first); otherwise the first shard in queue order of a
+        partition that no other worker is reading, so that workers do not leapfrog along one
+        partition. Neither changes what is leased, only in which order and to whom.
+        """
         queue = self.queues[ds.name]
+        prefer = w is not None and not ds.spec.shuffle
         while True:
+            head = self._queue_head(queue)
+            if prefer and w is not None and (head is None or head[0] >= 0):  # (front priorities are < 0)
+                tail = self.tails.get((w.id, ds.name))
+                sid = self.todo_at.get((ds.name, *tail)) if tail is not None else None
+                if sid is not None:
+                    return self.shards[sid]  # its queue entry is now stale and skipped later
+            skipped: list[tuple[float, str]] = []
+            found: ShardRecord | None = None
             while queue:
                 prio, sid = heapq.heappop(queue)
                 s = self.shards.get(sid)
-                if s is not None and s.state is ShardState.TODO and s.priority == prio:
-                    return s
+                if s is None or s.state is not ShardState.TODO or s.priority != prio:
+                    continue  # stale
+                if prefer and prio >= 0 and len(skipped) < AFFINITY_SCAN and self._read_by_others(s, w):
+                    skipped.append((prio, sid))
+                    continue
+                found = s
+                break
+            if found is None and skipped:
+                found = self.shards[skipped.pop(0)[1]]
+            for item in skipped:
+                heapq.heappush(queue, item)
+            if found is not None:
+                return found
             if ds.kind is SourceKind.BATCH and ds.epochs_planned < ds.spec.epochs:
                 self._plan_next_epoch(ds)
                 continue
             return None
+
+    def _queue_head(self, queue: list[tuple[float, str]]) -> tuple[float, str] | None:
+        """The first live entry of a queue (stale entries in front of it are dropped)."""
+        while queue:
+            prio, sid = queue[0]
+            s = self.shards.get(sid)
+            if s is not None and s.state is ShardState.TODO and s.priority == prio:
+                return prio, sid
+            heapq.heappop(queue)
+        return None
+
+    def _read_by_others(self, s: ShardRecord, w: WorkerRecord | None) -> bool:
+        """Whether another worker than ``w`` holds a lease on ``s``'s partition (in ``s``'s epoch)."""
+        key = (s.dataset, s.epoch, s.pindex)
+        mine = 0 if w is None else sum(1 for sid in w.leases if self._reading_key(sid) == key)
+        return self.reading.get(key, 0) > mine
+
+    def _reading_key(self, sid: str) -> tuple[str, int, int] | None:
+        s = self.shards.get(sid)
+        return None if s is None else (s.dataset, s.epoch, s.pindex)
 
     def _grant(self, ds: DatasetRecord, s: ShardRecord) -> LeaseGrant:
         part = ds.partitions[s.pindex]

@@ -27,6 +27,12 @@ class CoreState:
         self.queues: dict[str, list[tuple[float, str]]] = {}
         self.state_counts: dict[str, Counter[ShardState]] = {}
         self.leased: set[str] = set()
+        # lease affinity (core.lease): leased shards per (dataset, epoch, partition index), shards
+        # waiting by (dataset, epoch, partition index, start), and per worker and dataset where the
+        # last shard it was granted ends, (epoch, partition index, end). Memory only.
+        self.reading: Counter[tuple[str, int, int]] = Counter()
+        self.todo_at: dict[tuple[str, int, int, int], str] = {}
+        self.tails: dict[tuple[str, str], tuple[int, int, int]] = {}
         self.unfolded: set[str] = set()  # shards with acks not yet in the committed cursor
         self.workers: dict[str, WorkerRecord] = {}
         self.committed = DataCursor()
@@ -77,6 +83,7 @@ class CoreState:
             heapq.heappush(self.queues[s.dataset], (s.priority, s.id))
         elif s.state is ShardState.LEASED:
             self.leased.add(s.id)
+        self._track(s, s.state, +1)
         if s.acks:
             self.unfolded.add(s.id)
 
@@ -85,6 +92,8 @@ class CoreState:
         counts = self.state_counts[s.dataset]
         counts[s.state] -= 1
         counts[state] += 1
+        self._track(s, s.state, -1)
+        self._track(s, state, +1)
         s.state = state
         if state is ShardState.LEASED:
             self.leased.add(s.id)
@@ -98,7 +107,22 @@ class CoreState:
         self.unfolded.discard(sid)
         self.leased.discard(sid)
         self.state_counts[s.dataset][s.state] -= 1
+        self._track(s, s.state, -1)
         return s
+
+    def _track(self, s: ShardRecord, state: ShardState, delta: int) -> None:
+        """Keep the affinity indexes (``reading``, ``todo_at``) as ``s`` enters (+1) or leaves (-1) ``state``."""
+        if state is ShardState.LEASED:
+            key = (s.dataset, s.epoch, s.pindex)
+            self.reading[key] += delta
+            if self.reading[key] <= 0:
+                del self.reading[key]
+        elif state is ShardState.TODO:
+            at = (s.dataset, s.epoch, s.pindex, s.start)
+            if delta > 0:
+                self.todo_at[at] = s.id
+            elif self.todo_at.get(at) == s.id:
+                del self.todo_at[at]
 
     def _new_dataset_indexes(self, name: str) -> None:
         self.by_dataset[name] = set()
