@@ -241,7 +241,7 @@ def bench_dcp(state: dict[str, Any], work: Path, a: argparse.Namespace) -> dict[
     return {"save": summary(times), "first": first}
 
 
-def bench_ours(state: dict[str, Any], root: str, a: argparse.Namespace) -> dict[str, Any]:
+def bench_ours(state: dict[str, Any], root: str, a: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     from streamrover.ckpt import Checkpointer, RetentionPolicy
 
     # saver="agent": the saver process the parent started, as dlrover-run's agent hosts it; keep_last=1 bounds
@@ -291,8 +291,7 @@ def bench_ours(state: dict[str, Any], root: str, a: argparse.Namespace) -> dict[
 
     out["persist"] = summary(timed(persisted, 0, a.repeats, before=settle))
     save(False)()  # the newest snapshot is in memory only: a restart must load it from there
-    ckpt.close()  # keeps the snapshots in shared memory for the restore child
-    return out
+    return out, ckpt  # the caller closes it after the restore child (mapped meanwhile, like a live node's)
 
 
 def run_child(role: str, *args: str) -> dict[str, Any]:
@@ -325,11 +324,12 @@ def size_main(a: argparse.Namespace) -> int:
         if not a.skip_dcp:
             out["dcp"] = bench_dcp(state, work, a)
         os.sync()
-        out["ours"] = bench_ours(state, root, a)
+        out["ours"], ckpt = bench_ours(state, root, a)
         out["memcpy"] = out["ours"].pop("memcpy")
         del state  # freed before the restore children build their models
         common = [str(a.bytes), str(a.tensors), str(a.warmups), str(a.repeats)]
         out["restore_ours"] = run_child("restore-ours", root, *common)
+        ckpt.close(unlink=True)
         purge_shared_memory(namespace_for(root))  # our buffers go before torch.load's child allocates
         out["restore_torch"] = run_child("restore-torch", str(work / "torch.pt"), *common)
     finally:

@@ -43,5 +43,22 @@ def _free_leaked_shared_memory() -> Iterator[None]:
     shm = Path("/dev/shm")
     before = set(shm.glob("srckpt-*")) if shm.is_dir() else set()
     yield
+    in_use = _mapped_checkpoint_buffers()  # a live process's buffers (another run's trainer, saver or bench)
     for leftover in set(shm.glob("srckpt-*")) - before if shm.is_dir() else ():
-        leftover.unlink(missing_ok=True)
+        if str(leftover) not in in_use:
+            leftover.unlink(missing_ok=True)
+
+
+def _mapped_checkpoint_buffers() -> set[str]:
+    """Paths of checkpoint buffers that some live process maps: not leaked, whoever created them."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        for line in text.splitlines():
+            at = line.find("/dev/shm/srckpt-")
+            if at >= 0:
+                mapped.add(line[at:].removesuffix(" (deleted)"))
+    return mapped
