@@ -1,15 +1,27 @@
 """bench_streams [2]: Pulsar records/s through the shard path against a raw pulsar-client reader.
 
-pulsar-lite (tests/brokers/pulsar.py) with a 4-partition topic; records produced without
-batching (pulsar-lite does not persist acks of batched messages; a position is then a
-message). Values are printable ASCII, like JSON records: with a Python ``logging`` logger
-(what the source gives its client) pulsar-client 3.13 formats a DEBUG line per received
-message and, when the value is not UTF-8, prints it to stdout, payload included. The raw
-peer's client logs to the console at WARN. The raw peer is one pulsar-client ``Reader`` of
-the partitioned topic from the earliest message, in one process, dropping duplicate deliveries (pulsar-lite redelivers
-when readers read a backlog) by each partition's last (ledger, entry): what any correct
-reader must do there. It reads ``batch_size`` messages, then does the per-batch work
-(count, value bytes), like the shard-path workers.
+pulsar-lite (tests/brokers/pulsar.py) with one non-partitioned topic; records produced without
+batching (pulsar-lite does not persist acks of batched messages; a position is then a message).
+What pulsar-lite 0.2.0 allows, measured: its readers and consumers stop delivering a backlog at
+random points and never resume (receiver queues of 100 and 1000, partitioned or not, readers,
+Shared and Exclusive consumers); a new reader at the position reached goes on. On a partitioned
+topic the shard path's master learns each partition's end by tailing the whole topic with one
+reader (``routed``: pulsar-lite cannot look a partition up on its own) and that reader stalls
+the same way, so planning waits: not measurable there yet. A non-partitioned topic is read
+``direct`` (the master asks for the last message id), which is what this bench uses.
+
+Both sides read the same way: a ``Reader`` from a message id with a receiver queue of 1000
+(pulsar-client's default), dropping duplicate deliveries (pulsar-lite redelivers when readers
+read a backlog) by message id, and, after 0.5 s without a new message while records are known
+to be there, a new reader from the last message kept (the source's ``sr.reopen_ms``). The raw
+peer is one reader in one process from the earliest message; it reads ``batch_size`` messages,
+then does the per-batch work (count, value bytes), like the shard-path workers (2 processes,
+shards of ``pulsar_records_per_shard`` messages).
+
+Values are printable ASCII, like JSON records: pulsar-client 3.13 given a Python ``logging``
+logger (what the source gave its client before) formats a DEBUG line per received message and,
+when the value is not UTF-8, prints it to stdout, payload included. Both sides' clients log to
+the console at WARN.
 """
 
 from __future__ import annotations
@@ -25,7 +37,8 @@ from benchmarks._common import CTX, processes
 from benchmarks._streams_pool import Pass, Pool, Result
 
 TOPIC = "persistent://public/default/bench-throughput"
-STALL = 10.0  # seconds without a new message after which a read counts as stuck (pulsar-lite readers do stall)
+STALL = 10.0  # seconds without a new message after which a read fails (after re-opening its reader)
+REOPEN = 0.5  # seconds without a new message after which a reader is re-opened where it stopped
 
 
 def _quiet() -> Any:
@@ -43,38 +56,49 @@ def pulsar_raw_pass(job: tuple[Any, ...], shared: Any) -> Result:
     client = pulsar.Client(service_url, operation_timeout_seconds=10, logger=_quiet())
     records = nbytes = 0
     last = progress = t0
+    reader = None
     try:
-        reader = client.create_reader(topic, pulsar.MessageId.earliest)
-        seen: dict[str, tuple[int, int, int]] = {}  # partition -> (ledger, entry, batch index) last kept
+        reader = client.create_reader(topic, pulsar.MessageId.earliest, receiver_queue_size=1000)
+        seen = (-1, -1, -1)  # (ledger, entry, batch index) last kept
+        last_id = None
         batch: list[Any] = []
+        quiet = time.monotonic()
         while records < expected:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"raw reader saw {records + len(batch)} of {expected} records")
             try:
                 msg = reader.read_next(200)
             except pulsar.Timeout:
-                if time.monotonic() - progress > STALL:
+                now = time.monotonic()
+                if now - progress > STALL:
                     raise TimeoutError(
                         f"the raw reader stalled: no new message for {STALL:.0f}s after {records + len(batch)} "
-                        f"of {expected} (pulsar-lite's partitioned-topic reader stops delivering a backlog)"
+                        f"of {expected}"
                     ) from None
+                if now - quiet > REOPEN:  # pulsar-lite stopped delivering: a new reader where this one stopped
+                    reader.close()
+                    start = pulsar.MessageId.earliest if last_id is None else last_id
+                    reader = client.create_reader(topic, start, start_message_id_inclusive=True,
+                                                  receiver_queue_size=1000)
+                    quiet = now
                 continue
             mid = msg.message_id()
             pos = (mid.ledger_id(), mid.entry_id(), mid.batch_index())
-            part = msg.topic_name()
-            if pos <= seen.get(part, (-1, -1, -1)):
+            quiet = time.monotonic()
+            if pos <= seen:
                 continue  # a duplicate delivery
-            seen[part] = pos
-            progress = time.monotonic()
+            seen, last_id = pos, mid
+            progress = quiet
             batch.append(msg)
             if len(batch) >= batch_size or records + len(batch) >= expected:
                 records += len(batch)
                 nbytes += sum(len(m.data()) for m in batch)
                 batch = []
                 last = time.monotonic()
-        reader.close()
     finally:
         end, cpu = time.monotonic(), time.process_time() - c0
+        if reader is not None:
+            reader.close()
         client.close()
     return Result(records, nbytes, t0, last, end, cpu)
 
@@ -125,13 +149,13 @@ def bench_pulsar(tmp: Path, sizes: Any, profile_dir: str, extra: dict[str, str])
     from tests.brokers.pulsar import PulsarLiteBroker
 
     sr_extra = {k: v for k, v in extra.items() if k.startswith("sr.")}  # librdkafka options are Kafka's
-    broker = PulsarLiteBroker(tmp / "pulsar", default_partitions=sizes.partitions, log_level="warn")
+    broker = PulsarLiteBroker(tmp / "pulsar", default_partitions=0, log_level="warn")  # see the docstring
     broker.start()
     try:
         n = sizes.pulsar_records
         print(f"  pulsar-lite {broker.address} started in {broker.startup_seconds:.1f}s", flush=True)
         rate = _produce(broker.service_url, n, sizes.record_bytes)
-        print(f"  produced {n:,} records (not batched, round robin over {sizes.partitions} partitions) "
+        print(f"  produced {n:,} records (not batched) to a non-partitioned topic "
               f"at {rate:,.0f} records/s; {sizes.pulsar_records_per_shard:,} records/shard", flush=True)
         counter = CTX.Value("q", 0)
         raw = Pool(pulsar_raw_pass, 1, "pulsar-raw", imports=("pulsar",))
@@ -139,7 +163,8 @@ def bench_pulsar(tmp: Path, sizes: Any, profile_dir: str, extra: dict[str, str])
         ours = Pool(shard_pass, 2, "pulsar-worker", shared=counter, imports=imports)
         uri = f"pulsar://{broker.address}/bench-throughput"
         # a stuck read fails after STALL seconds instead of the source's default 60
-        options = {"sr.format": "raw", "sr.read_timeout_ms": str(int(STALL * 1000)), **sr_extra}
+        options = {"sr.format": "raw", "sr.read_timeout_ms": str(int(STALL * 1000)),
+                   "sr.reopen_ms": str(int(REOPEN * 1000)), **sr_extra}
         meter = CpuMeter(broker=broker.pid)
         runs: list[dict[str, Pass]] = []
         failed: dict[str, str] = {}
