@@ -8,8 +8,9 @@ not import torch or tensorflow; the adapters import them when called.
 Trainer side::
 
     ckpt = Checkpointer(url, rank=rank, world_size=world, binder=shard_client)
-    model_ckpt = TorchCheckpoint(ckpt, model, optimizer)       # or fsdp_sharded_state(...)
-    model_ckpt.save(step)                 # prepare_cut -> copy to shm -> async persist -> commit_cut
+    model_ckpt = TorchCheckpoint(ckpt, model, optimizer, overlap=True)   # or fsdp_sharded_state(...)
+    model_ckpt.save(step)                 # prepare_cut -> copy to shm (params in the background until the
+                                          # next optimizer.step()) -> async persist -> commit_cut
     loaded, extra = model_ckpt.load()     # newest of shm/storage; shard_client.restore_cursor(cursor)
 
 Agent side (the elastic agent hosts the node's saver; trainers pass ``saver="agent"``)::
@@ -34,6 +35,7 @@ from streamrover.ckpt.api import (
     RetentionPolicy,
     SaverError,
     SharedMemoryTooSmallError,
+    SnapshotCopyError,
     Source,
     UnsupportedStateError,
 )
@@ -64,6 +66,7 @@ __all__ = [
     "RetentionPolicy",
     "SaverError",
     "SharedMemoryTooSmallError",
+    "SnapshotCopyError",
     "Source",
     "TorchCheckpoint",
     "UnsupportedStateError",

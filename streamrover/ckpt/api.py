@@ -41,6 +41,11 @@ class UnsupportedStateError(CheckpointError, TypeError):
     """The state holds a value that cannot be checkpointed (a key that is not str/int, an object...)."""
 
 
+class SnapshotCopyError(CheckpointError):
+    """The copy of a snapshot into shared memory failed (raised by the next save, step, load or wait after an
+    overlapped save); that snapshot was never published, the previous one is still the newest."""
+
+
 class SaverError(CheckpointError):
     """The saver process could not be started or reached, or reported a failed persist."""
 

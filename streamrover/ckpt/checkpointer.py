@@ -2,6 +2,7 @@
 
 >>> ckpt = Checkpointer("/data/ckpt", rank=0, world_size=1, binder=shard_client)
 >>> ckpt.save(step, {"model": model.state_dict(), "optim": optim.state_dict()})   # blocks for a memcpy
+>>> TorchCheckpoint(ckpt, model, optim, overlap=True).save(step)   # copies params in the background
 >>> loaded = ckpt.load()          # newest of shared memory and storage; resets the shard service's cursor
 """
 
@@ -11,6 +12,7 @@ import logging
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from streamrover.ckpt.api import (
@@ -26,7 +28,7 @@ from streamrover.ckpt.api import (
 )
 from streamrover.ckpt.layout import complete_steps, read_manifest, read_part
 from streamrover.ckpt.link import SaverLink
-from streamrover.ckpt.memory import MemoryEngine, Snapshot
+from streamrover.ckpt.memory import MemoryEngine, Snapshot, SnapshotWrite
 from streamrover.ckpt.storage import CHECKSUM_ALGO, Storage
 from streamrover.ckpt.wire import namespace_for, saver_address
 from streamrover.cursor import DataCursor
@@ -96,6 +98,7 @@ class Checkpointer:
         self._newest: Snapshot | None = None
         self._results: list[PersistResult] = []
         self._lost: str | None = None
+        self._pending: SnapshotWrite | None = None
 
     # -- save ------------------------------------------------------------------------
     def prepare(self, state: Any) -> None:
@@ -110,18 +113,32 @@ class Checkpointer:
         cursor: DataCursor | None = None,
         persist: bool = True,
         meta: dict[str, Any] | None = None,
+        defer: Callable[[Any], bool] | None = None,
     ) -> None:
         """Snapshot ``state`` at ``step`` into shared memory; with ``persist``, have the saver write it out.
 
-        Blocks only for the copy into shared memory (and, with a binder, its ``prepare_cut``).
-        ``cursor`` is the data cursor of this state; with a binder and no cursor, the cut's is used.
+        Blocks for the copy into shared memory (and, with a binder, its ``prepare_cut``): by default
+        the snapshot is complete and visible when this returns.
+
+        Overlapped saves (``defer``): the torch tensors for which ``defer(tensor)`` is true are copied
+        by a background thread after this returns, while training goes on; everything else is copied
+        before it returns. The caller promises not to mutate a deferred tensor until
+        :meth:`wait_snapshot` has returned, which the next :meth:`save`, :meth:`load`, :meth:`wait` and
+        :meth:`close` call first. The header that makes the snapshot visible (to a restarted trainer
+        and to the saver) is written only once the whole copy is done, so a crash during the
+        background copy leaves the previous snapshot the newest. :class:`TorchCheckpoint` with
+        ``overlap=True`` uses this safely: it defers only the optimizer's parameters and state, and an
+        optimizer step pre-hook calls :meth:`wait_snapshot` before they are mutated.
         """
+        self.wait_snapshot()
         cut_id: int | None = None
         if cursor is None and self.binder is not None:
             cut_id, cursor = self.binder.prepare_cut(step)
         with self._cond:
+            if persist:
+                self._ensure_link()  # in this thread: a saver it starts must not be a child of a copy thread
             index = self.engine.choose(self._busy)
-            snap = self.engine.write(
+            self._pending = self.engine.write(
                 index,
                 step,
                 state,
@@ -131,12 +148,34 @@ class Checkpointer:
                     "cut_id": cut_id,
                     "meta": meta or {},
                 },
+                defer=defer,
+                on_published=lambda snap: self._published(snap, persist),
             )
+        if self._pending.done():  # nothing deferred: already published (or failed: raise now)
+            self.wait_snapshot()
+
+    def _published(self, snap: Snapshot, persist: bool) -> None:
+        with self._cond:
             self._newest = snap
             if persist:
                 self._want_persist = True
-                self._ensure_link()
                 self._dispatch_locked()
+
+    def wait_snapshot(self) -> None:
+        """Return once the last save's snapshot is complete and visible; the copy's remaining chunks are
+        done by this thread too. Raises :class:`SnapshotCopyError` (once) if that copy failed."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        finally:
+            self._pending = None
+
+    @property
+    def snapshot_pending(self) -> bool:
+        """True while an overlapped save's background copy has not been waited for."""
+        return self._pending is not None
 
     def _ensure_link(self) -> None:
         if self._link is not None and self._lost is not None:
@@ -209,8 +248,9 @@ class Checkpointer:
         """Wait until every requested persist is done; return the reports since the last wait.
 
         Raises :class:`SaverError` if a persist failed or the saver is gone, and
-        ``TimeoutError`` if ``timeout`` passes first.
+        ``TimeoutError`` if ``timeout`` passes first. An overlapped save's copy is completed first.
         """
+        self.wait_snapshot()
         with self._cond:
             done = self._cond.wait_for(
                 lambda: self._lost is not None or (not self._busy and not self._want_persist), timeout
@@ -238,6 +278,7 @@ class Checkpointer:
         rank's memory snapshots of later steps are invalidated: training resumes from the loaded
         step, and a snapshot of the abandoned run must not be persisted or loaded later.
         """
+        self.wait_snapshot()  # the caller will mutate what an overlapped save may still be copying
         loaded = self._load(self.rank if part is None else part, zero_copy, memory)
         if loaded.source == Source.STORAGE:
             self._drop_newer_snapshots(loaded.step)
@@ -322,8 +363,11 @@ class Checkpointer:
         Without ``unlink`` the snapshots stay in shared memory for a restarted trainer;
         an auto-started saver removes them when it exits after ``linger`` idle seconds.
         """
-        self.engine._join_prefault()  # a buffer still being allocated in the background is finished first
         try:
+            try:
+                self.wait_snapshot()  # an overlapped save's copy failure is raised, after the disconnect below
+            finally:
+                self.engine._join_prefault()  # a buffer still being allocated in the background is finished first
             if self._link is not None and self._lost is None:
                 self.wait()
         finally:

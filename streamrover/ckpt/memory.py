@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from streamrover.ckpt.api import FORMAT_VERSION
+import numpy as np
+
+from streamrover.ckpt.api import FORMAT_VERSION, SnapshotCopyError
+from streamrover.ckpt.copier import CopyError, CopyJob
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
 from streamrover.ckpt.shm import ALIGN, DATA_START, SHM_DIR, SharedBuffer, align, check_shm_space
 
@@ -178,8 +181,24 @@ class MemoryEngine:
         seqs = {s.index: s.seq for s in self.snapshots()}
         return min(free, key=lambda i: (seqs.get(i, -1), i))
 
-    def write(self, index: int, step: int, state: Any, meta: dict[str, Any]) -> Snapshot:
-        """Copy ``state`` into buffer ``index`` and publish it; return the new snapshot."""
+    def write(
+        self,
+        index: int,
+        step: int,
+        state: Any,
+        meta: dict[str, Any],
+        *,
+        defer: Callable[[Any], bool] | None = None,
+        on_published: Callable[[Snapshot], None] | None = None,
+    ) -> SnapshotWrite:
+        """Copy ``state`` into buffer ``index``; the snapshot is published (header written) once the copy is done.
+
+        Without ``defer`` (or when it defers nothing) the whole copy is done when this returns, and
+        so is the publication. Torch tensors for which ``defer(tensor)`` is true are copied by a
+        background thread after this returns: the caller must not mutate them until
+        :meth:`SnapshotWrite.wait` has returned. Everything else is copied before this returns.
+        ``on_published`` runs in whichever thread completes the copy, right after the header is written.
+        """
         skeleton, entries = flatten(state)
         offsets, data_end = plan_layout(entries)
         header: dict[str, Any] = {
@@ -205,16 +224,39 @@ class MemoryEngine:
             others = [i for i in range(self.num_buffers) if i != index]
         buf = self._ensure(index, size_needed, populate=not others)  # written now: the copy faults pages in
         odd = buf.begin_write()
-        for entry, offset in zip(entries, offsets):
-            copy_into(entry, buf.mm, offset)
-        gen = buf.end_write(odd, header)
         self._seq += 1
-        if others:
-            self._prefault = threading.Thread(
-                target=lambda: [self._ensure(i, size_needed) for i in others], name="ckpt-prefault", daemon=True
-            )
-            self._prefault.start()
-        return Snapshot(index, buf.name, gen, header)
+        dst = np.frombuffer(buf.mm, dtype=np.uint8)  # released (with the sources) when the copy is done
+        base = int(dst.ctypes.data)
+        now: list[tuple[int, int, int]] = []
+        later: list[tuple[int, int, int]] = []
+        keep: list[Any] = [dst]
+        for entry, offset in zip(entries, offsets):
+            if entry.nbytes == 0:
+                continue
+            src = _raw_source(entry)
+            if src is None:  # not plain contiguous host memory: torch copies it, now
+                copy_into(entry, buf.mm, offset)
+                continue
+            keep.append(src[1])
+            deferred = defer is not None and entry.kind == "torch" and defer(entry.value)
+            (later if deferred else now).append((base + offset, src[0], entry.nbytes))
+        pending = SnapshotWrite(self, index, buf, odd, header, size_needed, others, on_published)
+        sync = CopyJob(now, keep)
+        sync.start(1 if sync.chunks > 1 else 0, name="ckpt-copy-now")
+        try:
+            sync.wait()
+        except CopyError as exc:  # the generation stays odd: the buffer holds no snapshot
+            raise SnapshotCopyError(f"the snapshot of step {step} was not taken: its copy failed ({exc})") from exc
+        pending.job = CopyJob(later, keep, on_complete=pending._publish)
+        del keep, dst
+        pending.job.start(1, name="ckpt-copy-bg")
+        return pending
+
+    def _start_prefault(self, others: list[int], size: int) -> None:
+        self._prefault = threading.Thread(
+            target=lambda: [self._ensure(i, size) for i in others], name="ckpt-prefault", daemon=True
+        )
+        self._prefault.start()
 
     def _join_prefault(self) -> None:
         if self._prefault is not None:
@@ -232,6 +274,68 @@ class MemoryEngine:
             except FileNotFoundError:
                 pass
         self.buffers = [None] * self.num_buffers
+
+
+def _raw_source(entry: TensorEntry) -> tuple[int, Any] | None:
+    """(address, owner) of ``entry``'s bytes when they can be copied raw: contiguous host memory, no lazy bits."""
+    value = entry.value
+    if entry.kind == "numpy":
+        arr = np.ascontiguousarray(value)  # a strided array is copied here: the copy is then the snapshot
+        return int(arr.ctypes.data), arr
+    if value.device.type != "cpu" or not value.is_contiguous() or value.is_conj() or value.is_neg():
+        return None
+    return int(value.data_ptr()), value
+
+
+class SnapshotWrite:
+    """A snapshot whose copy may still be running; :meth:`wait` returns it once published."""
+
+    def __init__(
+        self,
+        engine: MemoryEngine,
+        index: int,
+        buf: SharedBuffer,
+        odd: int,
+        header: dict[str, Any],
+        size_needed: int,
+        others: list[int],
+        on_published: Callable[[Snapshot], None] | None,
+    ) -> None:
+        self.engine = engine
+        self.index = index
+        self.step = int(header["step"])
+        self._buf = buf
+        self._odd = odd
+        self._header = header
+        self._size_needed = size_needed
+        self._others = others
+        self._on_published = on_published
+        self.job: CopyJob | None = None
+        self.snapshot: Snapshot | None = None
+
+    def _publish(self) -> None:
+        gen = self._buf.end_write(self._odd, self._header)
+        self.snapshot = Snapshot(self.index, self._buf.name, gen, self._header)
+        if self._others:
+            self.engine._start_prefault(self._others, self._size_needed)
+        if self._on_published is not None:
+            self._on_published(self.snapshot)
+
+    def done(self) -> bool:
+        return self.job is not None and self.job.done()
+
+    def wait(self) -> Snapshot:
+        """Help finish the copy, wait for the publication; raise :class:`SnapshotCopyError` if the copy failed."""
+        assert self.job is not None
+        try:
+            self.job.wait()
+        except CopyError as exc:
+            raise SnapshotCopyError(
+                f"the snapshot of step {self.step} was not taken: its background copy failed ({exc}); "
+                "the previous snapshot is still the newest"
+            ) from exc
+        assert self.snapshot is not None
+        return self.snapshot
 
 
 def read_state(buffer: Any, header: dict[str, Any], zero_copy: bool) -> Any:

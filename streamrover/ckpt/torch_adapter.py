@@ -7,6 +7,7 @@ safe: nothing keeps a view of the snapshot buffer afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from streamrover.ckpt.api import LoadedCheckpoint
@@ -54,6 +55,27 @@ def load_torch_state(state: dict[str, Any], model: Any, optimizer: Any | None = 
     return extra
 
 
+def _storage_ptr(t: Any) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def optimizer_owned(optimizer: Any) -> Callable[[Any], bool]:
+    """A predicate: does a tensor share memory with a parameter of ``optimizer`` or with its state?
+
+    Those tensors are changed only by ``optimizer.step()`` in an ordinary training loop, so an overlapped
+    save may copy them in the background until the next step (see :class:`TorchCheckpoint`).
+    """
+    import torch
+
+    ptrs = {_storage_ptr(p) for group in optimizer.param_groups for p in group["params"]}
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                ptrs.add(_storage_ptr(value))
+    ptrs.discard(0)  # empty storages all have address 0
+    return lambda t: _storage_ptr(t) in ptrs
+
+
 class TorchCheckpoint:
     """Data-parallel model + optimizer checkpoints over a :class:`Checkpointer`.
 
@@ -61,15 +83,57 @@ class TorchCheckpoint:
     (their cursor still joins the manifest), and every rank loads rank 0's part.
     ``replicate=True`` (every rank): each rank saves and loads its own full copy, so a rank
     restarting on its node reloads from its own shared memory.
+
+    ``overlap=True`` (pipelined snapshots, as CheckFreq does): :meth:`save` copies the optimizer's
+    parameters and state into shared memory on a background thread and returns; the next
+    forward and backward passes run during that copy. An optimizer step pre-hook
+    (``Optimizer.register_step_pre_hook``) makes ``optimizer.step()`` wait for the copy first, so
+    the snapshot holds exactly the state at the time of the save. The snapshot becomes visible
+    (to a restarted trainer and to the saver) only once its copy is complete.
+
+    What is copied before :meth:`save` returns: everything that is not a parameter of the
+    optimizer or a tensor of its state: module buffers (BatchNorm running statistics, which
+    forward passes update), parameters the optimizer does not own, ``extra``, and tensors that
+    are not contiguous host memory (GPU tensors). The caller may do anything with those.
+
+    Until the next ``optimizer.step()`` (or :meth:`wait`, or the next save/load), the caller must
+    not change the optimizer's parameters or state other than through ``optimizer.step()``: no
+    in-place writes to ``param.data``, no ``load_state_dict`` into the model or the optimizer
+    from outside this class, no ``model.to(...)``, no second optimizer stepping the same
+    parameters. Forward, backward, ``zero_grad``, gradient clipping and unscaling (they write
+    gradients, not parameters) and LR scheduler steps (they write ``param_groups`` numbers, which
+    are copied before return) are fine. Call :meth:`close` (or :meth:`wait`) when training stops
+    without another step.
+
+    A failure of the background copy is raised (as :class:`SnapshotCopyError`) by the next
+    ``optimizer.step()``, save, load or :meth:`wait`; that snapshot is then never published.
     """
 
     def __init__(
-        self, checkpointer: Checkpointer, model: Any, optimizer: Any | None = None, replicate: bool = False
+        self,
+        checkpointer: Checkpointer,
+        model: Any,
+        optimizer: Any | None = None,
+        replicate: bool = False,
+        *,
+        overlap: bool = False,
     ) -> None:
+        if overlap and optimizer is None:
+            raise ValueError(
+                "overlap=True needs the optimizer: its step pre-hook is what keeps the parameters unchanged "
+                "until their background copy is done"
+            )
         self.checkpointer = checkpointer
         self.model = model
         self.optimizer = optimizer
         self.replicate = replicate
+        self.overlap = overlap
+        self._hook: Any = None
+        if optimizer is not None and overlap:
+            self._hook = optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.checkpointer.wait_snapshot()
 
     def _saves_state(self) -> bool:
         return self.replicate or self.checkpointer.rank == 0
@@ -77,8 +141,17 @@ class TorchCheckpoint:
     def save(
         self, step: int, *, extra: dict[str, Any] | None = None, persist: bool = True, cursor: DataCursor | None = None
     ) -> None:
-        state = torch_state(self.model, self.optimizer, extra) if self._saves_state() else {}
-        self.checkpointer.save(step, state, cursor=cursor, persist=persist)
+        """Snapshot the model and optimizer at ``step`` (see the class docstring for ``overlap``)."""
+        if not self._saves_state():
+            self.checkpointer.save(step, {}, cursor=cursor, persist=persist)
+            return
+        state = torch_state(self.model, self.optimizer, extra)
+        defer = optimizer_owned(self.optimizer) if self.overlap else None
+        self.checkpointer.save(step, state, cursor=cursor, persist=persist, defer=defer)
+
+    def wait(self) -> None:
+        """Wait until the last save's snapshot is complete (a no-op without ``overlap``)."""
+        self.checkpointer.wait_snapshot()
 
     def load(self, *, restore: bool = True) -> tuple[LoadedCheckpoint, dict[str, Any]]:
         """Load the newest checkpoint into the model and optimizer; return it and its ``extra``."""
@@ -87,6 +160,15 @@ class TorchCheckpoint:
         extra = load_torch_state(loaded.state, self.model, self.optimizer)
         loaded.state = {}  # drop the views of shared memory
         return loaded, extra
+
+    def close(self) -> None:
+        """Finish the last snapshot's copy and remove the step hook (the checkpointer stays open)."""
+        try:
+            self.checkpointer.wait_snapshot()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
 
 
 # -- FSDP / DTensor sharded state -------------------------------------------------------------

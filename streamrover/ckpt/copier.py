@@ -1,0 +1,115 @@
+"""Chunked copies into a snapshot buffer, shared out dynamically between the calling thread and a helper.
+
+A copy of tensors into shared memory is cut into chunks of :data:`CHUNK` bytes. Any thread that
+calls :meth:`CopyJob.work` takes the next chunk not yet taken until none is left, so the work
+is balanced at run time: a helper thread descheduled by other load on a busy 2-core machine
+delays the copy by at most the one chunk it holds, where a statically split parallel copy
+(``Tensor.copy_`` with 2 intra-op threads) waits for the whole half of the descheduled thread.
+The copies are ``ctypes.memmove`` calls, which release the GIL, so the chunks really run in
+parallel with each other and with the trainer's Python code.
+
+A job is started with a helper thread and then either finished at once by the caller
+(:meth:`CopyJob.wait`, which helps with the chunks left: blocking saves) or left to the helper
+while training goes on (overlapped saves); whoever waits later helps with what is left too.
+The thread that completes the last chunk runs ``on_complete`` (publishing the snapshot header)
+before the job counts as done, so a waiter returns only once the snapshot is visible.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+CHUNK = 4 << 20
+
+# The raw copy, a module attribute so that a test can inject a failure into it.
+_memmove: Callable[[int, int, int], Any] = ctypes.memmove
+
+
+class CopyError(RuntimeError):
+    """A chunk copy or the completion step of a :class:`CopyJob` failed."""
+
+
+class CopyJob:
+    """Copy ``(dst_address, src_address, nbytes)`` ranges; ``keep`` holds the objects that own those addresses.
+
+    ``keep`` is dropped once the job is done, so the buffers it exported can be unmapped.
+    """
+
+    def __init__(
+        self,
+        ranges: list[tuple[int, int, int]],
+        keep: list[Any],
+        on_complete: Callable[[], None] | None = None,
+        chunk: int = CHUNK,
+    ) -> None:
+        self._chunks: list[tuple[int, int, int]] = []
+        for dst, src, n in ranges:
+            for off in range(0, n, chunk):
+                self._chunks.append((dst + off, src + off, min(chunk, n - off)))
+        self._keep: list[Any] | None = keep
+        self._on_complete = on_complete
+        self._lock = threading.Lock()
+        self._next = 0
+        self._running = 0
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.nbytes = sum(n for _, _, n in ranges)
+        if not self._chunks:
+            self._finish()
+
+    @property
+    def chunks(self) -> int:
+        return len(self._chunks)
+
+    def start(self, helpers: int = 1, name: str = "ckpt-copy") -> None:
+        """Start ``helpers`` threads working on the chunks (daemons: a dying process never waits for them)."""
+        for i in range(helpers if not self._done.is_set() else 0):
+            threading.Thread(target=self.work, name=f"{name}-{i}", daemon=True).start()
+
+    def work(self) -> None:
+        """Copy chunks until none is left to take (or one failed); the last one out completes the job."""
+        while True:
+            with self._lock:
+                if self.error is not None or self._next >= len(self._chunks):
+                    return
+                dst, src, n = self._chunks[self._next]
+                self._next += 1
+                self._running += 1
+            failed: BaseException | None = None
+            try:
+                _memmove(dst, src, n)
+            except BaseException as exc:  # surfaced to whoever waits; the snapshot is never published
+                failed = exc
+            with self._lock:
+                self._running -= 1
+                if failed is not None and self.error is None:
+                    self.error = failed
+                last = self._running == 0 and (self.error is not None or self._next >= len(self._chunks))
+                if last and self._done.is_set():
+                    last = False
+            if last:
+                self._finish()
+
+    def _finish(self) -> None:
+        try:
+            if self.error is None and self._on_complete is not None:
+                self._on_complete()
+        except BaseException as exc:  # publishing failed: the waiter reports it
+            self.error = exc
+        finally:
+            self._keep = None
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, help: bool = True) -> None:
+        """Help with the chunks left (if ``help``), wait until the job is done; raise :class:`CopyError` on failure."""
+        if help:
+            self.work()
+        self._done.wait()
+        if self.error is not None:
+            raise CopyError(f"{type(self.error).__name__}: {self.error}") from self.error
