@@ -18,9 +18,12 @@ from streamrover.shard_service.api import (
     UnavailableError,
 )
 from streamrover.shard_service.client import LeasedShard, LeaseLostError, ShardClient
+from streamrover.shard_service.client_acks import AckFailedError, AckFailure
 from streamrover.shard_service.server import MasterServer, load_or_create_token
 
 __all__ = [
+    "AckFailedError",
+    "AckFailure",
     "AckResult",
     "AlreadyExistsError",
     "DatasetSpec",

@@ -2,11 +2,24 @@
 
 ``ShardClient`` is framework-neutral; trainers wrap it. A typical worker::
 
-    with ShardClient("127.0.0.1:7070", token=token) as client:
+    with ShardClient("127.0.0.1:7070", token=token, async_acks=True) as client:
         for shard in client.shards("clicks"):
             for batch in shard.batches():
                 apply(batch.records)
-                shard.ack(batch.end)
+                shard.ack(batch.end)      # queued: returns at once
+        client.flush()                    # every ack recorded; raises AckFailedError if any was refused
+
+By default ``ack()`` waits for the master's answer. With ``async_acks=True`` (or
+``ack(..., wait=False)``) acks leave the read path: ``ack()`` queues the ack and returns;
+a sender thread sends the queued acks in order (a finished shard's ack brings the next
+lease back with it). Everything that depends on acks being recorded waits for them
+first: ``flush()``, ``prepare_cut()``, ``get_cursor()``, ``leave()`` and
+``ack(..., wait=True)``. A refused ack is never dropped: it is raised by the next of
+those (as :class:`AckFailedError`), by the next ack of the same lease (as
+:class:`LeaseLostError`), or returned by ``take_ack_failures()``. Only this client's
+acks are flushed: when another process takes the cut (rank 0 for every rank), each
+acking process must ``flush()`` before it tells that process to go on (the barrier).
+The full semantics are in :mod:`streamrover.shard_service.client_acks`.
 
 Calls survive a master restart: they wait for the channel to be ready and retry
 ``UNAVAILABLE`` with backoff for up to ``timeout`` seconds. Retried calls are
@@ -22,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import grpc
 import pyarrow as pa
@@ -42,6 +55,7 @@ from streamrover.shard_service.api import (
     UnauthenticatedError,
     UnavailableError,
 )
+from streamrover.shard_service.client_acks import AckFailure, AckQueue
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import Partition, ReadBatch, Source, open_source
@@ -57,6 +71,7 @@ _ERRORS: dict[grpc.StatusCode, type[ShardServiceError]] = {
 }
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 DEFAULT_BATCH_SIZE = 4096
+CLOSE_ACK_WAIT = 10.0  # seconds close() waits for queued acks (a master restarting comes back within this)
 
 
 class LeaseLostError(StaleLeaseError):
@@ -71,7 +86,7 @@ class LeasedShard:
         self.lease = lease
         self.source = source
         self.position = lease.resume  # next position to read
-        self.acked = lease.resume
+        self.acked = lease.resume  # recorded by the master (queued acks count once they are answered)
         self.done = False
         self._dead_letters = 0  # read but not yet acked
 
@@ -97,20 +112,48 @@ class LeasedShard:
             start, self.position = self.position, self.lease.end
             yield ReadBatch(empty, start, self.lease.end)
 
-    def ack(self, position: int | None = None, step: int | None = None) -> AckResult:
-        """Say the records before ``position`` (default: everything read so far) are applied."""
+    @overload
+    def ack(self, position: int | None = None, step: int | None = None, *, wait: Literal[True]) -> AckResult: ...
+
+    @overload
+    def ack(
+        self, position: int | None = None, step: int | None = None, *, wait: bool | None = None
+    ) -> AckResult | None: ...
+
+    def ack(
+        self, position: int | None = None, step: int | None = None, *, wait: bool | None = None
+    ) -> AckResult | None:
+        """Say the records before ``position`` (default: everything read so far) are applied (after ``step``).
+
+        Queued when ``wait`` is False (the default of a client made with ``async_acks=True``):
+        returns None at once and the client's sender thread sends it, in order; :attr:`acked`
+        and :attr:`done` follow when the master answers. With ``wait=True`` (the default
+        otherwise) it waits for every ack queued before it, then for its own answer, and
+        returns it.
+
+        Raises :class:`LeaseLostError` when the lease is gone: an earlier queued ack of it
+        was refused (FAILED_PRECONDITION), or, waiting, this one is. Stop applying the
+        shard's records then; the ones applied but not acked will be handed out again.
+        """
         pos = self.position if position is None else position
-        more = self.client._lease_more.get(self.lease.dataset, 0) if pos == self.lease.end else 0
+        more = self.client._leases_wanted(self.lease.dataset) if pos == self.lease.end else 0
         try:
-            result = self.client.ack(self.lease, pos, step, self._dead_letters, lease_more=more)
+            result = self.client._ack(self.lease, self, pos, step, self._dead_letters, more, wait)
+        except LeaseLostError:
+            raise
         except FailedPreconditionError as exc:
             raise LeaseLostError(str(exc)) from exc
         self._dead_letters = 0
-        self.acked = max(self.acked, pos)
-        self.done = result.shard_done
-        if self.done:
-            self.client._held.pop(self.shard_id, None)
         return result
+
+    def _answered(self, position: int, done: bool) -> None:
+        """The master recorded an ack of this lease (called by whichever thread got the answer)."""
+        self.acked = max(self.acked, position)
+        if done:
+            self.done = True
+            with self.client._lock:
+                if self.client._held.get(self.shard_id) is self:
+                    del self.client._held[self.shard_id]
 
 
 class ShardClient:
@@ -124,7 +167,14 @@ class ShardClient:
         *,
         timeout: float = 120.0,
         heartbeat: bool = True,
+        async_acks: bool = False,
     ) -> None:
+        """Connect to the master at ``address`` (default ``$STREAMROVER_MASTER``) with ``token``.
+
+        ``async_acks``: when True, acks are queued and sent by a background thread in order
+        (see the module docstring: who flushes them before a cut); when False (the default)
+        every ack waits for the master's answer. ``ack(..., wait=...)`` overrides it per call.
+        """
         self.address = address or os.environ.get("STREAMROVER_MASTER", "127.0.0.1:7070")
         self.token = token if token is not None else os.environ.get("STREAMROVER_TOKEN", "")
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -141,12 +191,16 @@ class ShardClient:
         self._hb_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._source_lock = threading.Lock()
         self._request_id = 0
         self._sources: dict[str, Source] = {}
         self._held: dict[str, LeasedShard] = {}
         self._prefetched: dict[str, deque[LeasedShard]] = {}  # leases that came with acks, not yet yielded
         self._lease_more: dict[str, int] = {}
         self._revoked: set[tuple[str, int]] = set()  # (shard id, attempt): a shard id may be leased again
+        self.async_acks = async_acks
+        self._acks = AckQueue(lambda request: self._call(self._stub.Ack, request))
+        self._last_ack_answer = 0.0
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
@@ -172,9 +226,15 @@ class ShardClient:
                 raise error(f"{exc.details()} [{code.name} from {self.address}]") from None
 
     def close(self) -> None:
+        """Send the acks still queued (for up to 10 s), stop the threads, close the channel.
+
+        Does not raise ack failures (it runs on error paths too): unreported ones are logged;
+        call :meth:`flush` or :meth:`leave` first to get them raised.
+        """
         self._stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
+        self._acks.close(min(self.timeout, CLOSE_ACK_WAIT))
         for source in self._sources.values():
             source.close()
         self._channel.close()
@@ -183,9 +243,11 @@ class ShardClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.worker_id and exc[0] is None:
-            self.leave()
-        self.close()
+        try:
+            if self.worker_id and exc[0] is None:
+                self.leave()
+        finally:
+            self.close()
 
     # ------------------------------------------------------------------ datasets
     def register_dataset(self, spec: DatasetSpec) -> pb.RegisterDatasetResponse:
@@ -201,12 +263,13 @@ class ShardClient:
         return self._call(self._stub.Status, pb.StatusRequest())
 
     def _source(self, dataset: str) -> Source:
-        source = self._sources.get(dataset)
-        if source is None:
-            spec = self.describe_dataset(dataset).spec
-            source = open_source(spec.uri, spec.format, dict(spec.options))
-            self._sources[dataset] = source
-        return source
+        with self._source_lock:  # the ack sender adopts leases too
+            source = self._sources.get(dataset)
+            if source is None:
+                spec = self.describe_dataset(dataset).spec
+                source = open_source(spec.uri, spec.format, dict(spec.options))
+                self._sources[dataset] = source
+            return source
 
     # ------------------------------------------------------------------- worker
     def join(self) -> str:
@@ -219,9 +282,16 @@ class ShardClient:
         return self.worker_id
 
     def leave(self) -> int:
+        """Leave the job: queued acks are sent first, then every lease still held goes back.
+
+        Returns how many leases went back. Raises :class:`AckFailedError` afterwards (the
+        worker has left) if acks sent in the background were refused and not yet reported.
+        """
         self._stop.set()
+        self._acks.wait()
         returned = self._call(self._stub.Leave, pb.LeaveRequest(worker_id=self.worker_id)).leases_returned
         self.worker_id = ""
+        self._acks.raise_failures()
         return returned
 
     def _heartbeats(self) -> None:
@@ -274,12 +344,17 @@ class ShardClient:
         """Yield leased shards until the dataset ends (batch) or forever (stream).
 
         Shards are leased ``prefetch`` at a time, so one lease round trip serves several
-        shards; the ones waiting their turn are kept alive by heartbeats like the rest.
+        shards; the ones waiting their turn are kept alive by heartbeats like the rest. Then
+        each finished shard's ack brings the next lease back with it (no extra round trip);
+        if the reader found no shard waiting (acks answered slower than shards are read), that
+        ack asks for enough to have ``prefetch`` waiting again.
         """
         queue = self._prefetched.setdefault(dataset, deque())
-        self._lease_more[dataset] = 1  # each finished shard's ack brings the next lease back with it
+        self._lease_more[dataset] = max(prefetch, 1)
         try:
             while True:
+                if not queue:  # a queued ack that finishes a shard brings the next lease: wait for it first
+                    self._acks.wait()
                 if not queue:
                     status, leased = self.lease(dataset, max(prefetch, 1), wait)
                     if status == pb.LEASE_STATUS_END:
@@ -290,10 +365,57 @@ class ShardClient:
         finally:
             self._lease_more.pop(dataset, None)
 
+    @overload
     def ack(
-        self, lease: LeaseGrant, position: int, step: int | None = None, dead_letters: int = 0, lease_more: int = 0
-    ) -> AckResult:
-        """Ack ``position`` of ``lease``; with ``lease_more``, a finished shard brings up to that many new leases."""
+        self,
+        lease: LeaseGrant,
+        position: int,
+        step: int | None = None,
+        dead_letters: int = 0,
+        lease_more: int = 0,
+        *,
+        wait: Literal[True],
+    ) -> AckResult: ...
+
+    @overload
+    def ack(
+        self,
+        lease: LeaseGrant,
+        position: int,
+        step: int | None = None,
+        dead_letters: int = 0,
+        lease_more: int = 0,
+        *,
+        wait: bool | None = None,
+    ) -> AckResult | None: ...
+
+    def ack(
+        self,
+        lease: LeaseGrant,
+        position: int,
+        step: int | None = None,
+        dead_letters: int = 0,
+        lease_more: int = 0,
+        *,
+        wait: bool | None = None,
+    ) -> AckResult | None:
+        """Ack ``position`` of ``lease``; with ``lease_more``, a finished shard brings up to that many new leases.
+
+        Queued (returns None) or synchronous (returns the answer) as :meth:`LeasedShard.ack`
+        describes; a lease lost to an earlier queued ack raises that ack's error again.
+        """
+        return self._ack(lease, None, position, step, dead_letters, lease_more, wait)
+
+    def _ack(
+        self,
+        lease: LeaseGrant,
+        shard: LeasedShard | None,
+        position: int,
+        step: int | None,
+        dead_letters: int,
+        lease_more: int,
+        wait: bool | None,
+    ) -> AckResult | None:
         request = pb.AckRequest(
             lease_more=lease_more,
             dead_letters=dead_letters,
@@ -304,10 +426,69 @@ class ShardClient:
             has_step=step is not None,
             step=step or 0,
         )
-        resp = self._call(self._stub.Ack, request)
-        if resp.leases:
-            self._adopt(lease.dataset, resp.leases, self._prefetched.setdefault(lease.dataset, deque()))
-        return AckResult(shard_done=resp.shard_done, duplicate=resp.duplicate)
+
+        def on_answer(resp: pb.AckResponse) -> None:
+            self._last_ack_answer = time.monotonic()
+            if shard is not None:
+                shard._answered(position, resp.shard_done)
+            if resp.leases:
+                self._adopt(lease.dataset, resp.leases, self._prefetched.setdefault(lease.dataset, deque()))
+
+        if not (self.async_acks if wait is None else not wait):
+            self._acks.wait()  # acks queued earlier go first
+            self._raise_if_lost(lease)
+            try:
+                resp = self._call(self._stub.Ack, request)
+            except ShardServiceError as exc:
+                self._acks.note_lost(AckFailure(lease.shard_id, lease.attempt, position, step, exc))
+                raise
+            on_answer(resp)
+            return AckResult(shard_done=resp.shard_done, duplicate=resp.duplicate)
+        self._raise_if_lost(lease)
+        if not lease.start <= position <= lease.end:  # the master's check, made now: its answer would come late
+            raise InvalidArgumentError(
+                f"ack of shard {lease.shard_id!r} at position {position} is outside the shard's range "
+                f"[{lease.start}, {lease.end})"
+            )
+        self._acks.submit(request, on_answer)
+        return None
+
+    def _raise_if_lost(self, lease: LeaseGrant) -> None:
+        failure = self._acks.lost(lease.shard_id, lease.attempt)
+        if failure is not None:
+            error = failure.error
+            raise type(error)(f"{error} (refused when sent from the ack queue)")
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every ack queued so far is answered; raise :class:`AckFailedError` for refused ones.
+
+        Each refused ack is reported once: by this, by the next ack of its lease, or by
+        :meth:`take_ack_failures`. Raises TimeoutError if acks are still unanswered after
+        ``timeout`` seconds (each ack's RPC is retried for up to the client's ``timeout``).
+        """
+        self._acks.wait(timeout)
+        self._acks.raise_failures()
+
+    def take_ack_failures(self) -> list[AckFailure]:
+        """Refused acks not yet reported, oldest first, without waiting or raising; they count as reported."""
+        return self._acks.take_failures()
+
+    @property
+    def acks_pending(self) -> int:
+        """Acks queued or in flight, not yet answered by the master."""
+        return self._acks.pending
+
+    @property
+    def last_ack_answered(self) -> float:
+        """``time.monotonic()`` when the master last recorded an ack of this client (0.0 before the first)."""
+        return self._last_ack_answer
+
+    def _leases_wanted(self, dataset: str) -> int:
+        """How many leases a finishing ack of ``dataset`` asks for: one, or a refill of a queue that ran dry."""
+        target = self._lease_more.get(dataset, 0)
+        if target == 0:
+            return 0
+        return max(1, target - len(self._prefetched.get(dataset, ())))
 
     def _adopt(self, dataset: str, leases: Any, into: deque[LeasedShard] | list[LeasedShard]) -> None:
         source = self._source(dataset)
@@ -319,26 +500,42 @@ class ShardClient:
 
     # ------------------------------------------------------------------- cursor
     def prepare_cut(self, step: int | None = None) -> tuple[int, DataCursor]:
+        """Take a cut of everything acked (with step <= ``step`` when given); returns (cut id, its cursor).
+
+        This client's queued acks are flushed first (:meth:`flush`), so the cut holds every ack
+        this client made before the call; a refused one raises :class:`AckFailedError` and no
+        cut is taken. Acks queued in *other* clients (other ranks) are theirs to flush first.
+        """
+        self.flush()
         request = pb.CutPrepareRequest(has_step=step is not None, step=step or 0)
         resp = self._call(self._stub.CutPrepare, request)
         return resp.cut_id, convert.cursor_from_pb(resp.cursor)
 
     def commit_cut(self, cut_id: int) -> DataCursor:
+        """Commit a prepared cut (its manifest is durable). Does not wait for queued acks: the cut is fixed."""
         resp = self._call(self._stub.CutCommit, pb.CutCommitRequest(cut_id=cut_id))
         return convert.cursor_from_pb(resp.committed)
 
     def get_cursor(self) -> tuple[DataCursor, DataCursor]:
-        """(committed cursor, committed plus acked cursor)."""
+        """(committed cursor, committed plus acked cursor), after this client's queued acks (see :meth:`flush`)."""
+        self.flush()
         resp = self._call(self._stub.GetCursor, pb.GetCursorRequest())
         return convert.cursor_from_pb(resp.committed), convert.cursor_from_pb(resp.acked)
 
     def restore_cursor(self, cursor: DataCursor) -> pb.RestoreResponse:
-        """Reset the service to ``cursor``; every lease (this client's too) is revoked."""
+        """Reset the service to ``cursor``; every lease (this client's too) is revoked.
+
+        Acks still queued in this client are dropped, and unreported ack failures forgotten:
+        they concern leases the restore revokes (an ack already in flight is answered first).
+        """
+        self._acks.discard()
         resp = self._call(self._stub.Restore, pb.RestoreRequest(cursor=convert.cursor_to_pb(cursor)))
         self._forget_leases()
         return resp
 
     def restore_cut(self, cut_id: int) -> pb.RestoreResponse:
+        """Reset the service to a cut it remembers; queued acks are dropped as in :meth:`restore_cursor`."""
+        self._acks.discard()
         resp = self._call(self._stub.Restore, pb.RestoreRequest(cut_id=cut_id))
         self._forget_leases()
         return resp

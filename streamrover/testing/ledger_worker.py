@@ -4,6 +4,12 @@
 
 Used by the ledger tests and the demo; it is also the smallest complete example
 of a ShardClient worker that is exactly-once against a transactional sink.
+
+Acks are queued (``async_acks=True``): a worker killed with acks still queued leaves
+the ledger ahead of the master, and whoever leases the shard next catches up from the
+ledger. A queued ack the master refused (a stale lease) is reported at the next ack of
+its shard or at the final flush; harmless here, as the ledger's compare-and-set fences the
+stale worker's writes.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import os
 import signal
 import sys
 
-from streamrover.shard_service import LeasedShard, LeaseLostError, ShardClient
+from streamrover.shard_service import AckFailedError, LeasedShard, LeaseLostError, ShardClient
 from streamrover.testing.ledger import Ledger, LedgerConflict
 
 
@@ -59,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ledger = Ledger(args.ledger)
     counter = [0]
     refused = 0
-    with ShardClient(args.master, token=args.token, name=args.name) as client:
+    with ShardClient(args.master, token=args.token, name=args.name, async_acks=True) as client:
         worker = client.join()
         for shard in client.shards(args.dataset):
             try:
@@ -70,11 +76,17 @@ def main(argv: list[str] | None = None) -> int:
             except LedgerConflict as exc:
                 refused += 1
                 print(f"LEDGER REFUSED: {exc}", flush=True)
-                try:  # the master must refuse this worker's ack too: its lease is stale
-                    shard.ack(shard.position)
+                try:  # the master must refuse this worker's ack too: its lease is stale (wait for its answer)
+                    shard.ack(shard.position, wait=True)
                     print("ACK ACCEPTED AFTER LEDGER CONFLICT", flush=True)
                 except LeaseLostError as ack_exc:
                     print(f"ACK REFUSED: {ack_exc}", flush=True)
+        try:
+            client.flush()  # every queued ack answered before leaving
+        except AckFailedError as exc:
+            for failure in exc.failures:
+                refused += 1
+                print(f"ACK REFUSED: {failure.error}", flush=True)
     ledger.close()
     print(f"worker {worker} done: {counter[0]} batches written, {refused} stale leases", flush=True)
     return 0

@@ -121,7 +121,9 @@ def test_ack_fencing_statuses(client: ShardClient, dataset: str) -> None:
             client._stub.Ack, pb.AckRequest(worker_id=client.worker_id, shard_id="rows/0/0/1-2", attempt=1, position=2)
         )
     with pytest.raises(InvalidArgumentError, match="outside the shard's range"):
-        client.ack(lease, lease.end + 1)
+        client.ack(lease, lease.end + 1, wait=True)  # the master's answer
+    with pytest.raises(InvalidArgumentError, match="outside the shard's range"):
+        client.ack(lease, lease.end + 1, wait=False)  # a queued ack is checked before queueing: its answer comes late
     with pytest.raises(FailedPreconditionError, match="never issued"):
         client._call(
             client._stub.Ack,
@@ -139,9 +141,9 @@ def test_ack_fencing_statuses(client: ShardClient, dataset: str) -> None:
                 worker_id="someone-else", shard_id=lease.shard_id, attempt=lease.attempt, position=lease.start + 1
             ),
         )
-    first = client.ack(lease, lease.start + 10)
+    first = client.ack(lease, lease.start + 10, wait=True)  # these check the master's answers: synchronous
     assert not first.duplicate
-    again = client.ack(lease, lease.start + 10)  # the same ack again: OK, no effect
+    again = client.ack(lease, lease.start + 10, wait=True)  # the same ack again: OK, no effect
     assert again.duplicate
     # The worker leaves; another takes the shard: the first lease's new acks are refused, naming both attempts.
     client.leave()

@@ -1,0 +1,245 @@
+"""The worker client's ack queue: acks leave the read path, a background thread sends them in order.
+
+With ``async_acks=True`` (or ``ack(..., wait=False)``),
+:class:`~streamrover.shard_service.client.ShardClient` queues an ack and returns at
+once; one sender thread sends the queued acks to the master one after another, in
+the order they were queued, and hands each answer back (a finished shard's answer
+may carry the next leases). The semantics, which the client's docstrings repeat:
+
+* **Order.** Acks are sent in the order they were queued (one sender, FIFO). An ack
+  queued right behind another ack of the same lease and the same step replaces it
+  (the later position covers the earlier one; their dead-letter counts add up);
+  acks with different steps are never merged, so a cut at step S still sees exactly
+  the records acked with steps <= S.
+* **What waits for them.** Whatever depends on acks being recorded first waits until
+  every ack queued before it is answered: ``flush()``, ``prepare_cut()``,
+  ``get_cursor()``, ``leave()``, and a synchronous ``ack(..., wait=True)``. Only this
+  client's queue: when another process takes the cut (rank 0 for all ranks, a PS
+  coordinator), every acking process must ``flush()`` before the barrier that lets it.
+* **Failures never vanish.** A refused ack (a stale attempt or revoked lease:
+  FAILED_PRECONDITION; an unknown shard or worker: NOT_FOUND; anything else) is kept
+  as an :class:`AckFailure` until it is reported, once, by the next of: ``flush()``
+  and the calls that flush (they raise :class:`AckFailedError`), the next ``ack`` of
+  the same lease (it raises the lease's own error, as a synchronous ack would have),
+  or :meth:`AckQueue.take_failures` (returns them without raising). A lease refused
+  with FAILED_PRECONDITION or NOT_FOUND is lost for good: every later ack of it raises.
+* **A worker killed with acks queued** loses them. The master re-leases those shards
+  from the last *recorded* ack, so their records are read again: a model restarts from
+  its last checkpoint, whose cut holds only recorded acks (``prepare_cut`` flushes);
+  a sink that fences its writes by position (the ledger) finds itself ahead of the
+  lease and acks its own position instead of writing again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from streamrover.shard_service.api import FailedPreconditionError, NotFoundError, ShardServiceError
+from streamrover.shard_service.v1 import shard_service_pb2 as pb
+
+log = logging.getLogger(__name__)
+MAX_QUEUED_ACKS = 256  # ack() blocks beyond this many unsent acks (a sender far behind is back-pressure, not memory)
+LeaseKey = tuple[str, int]  # (shard id, attempt)
+
+
+@dataclass(frozen=True)
+class AckFailure:
+    """An ack the master refused after ``ack()`` had returned."""
+
+    shard_id: str
+    attempt: int
+    position: int
+    step: int | None
+    error: ShardServiceError
+
+    @property
+    def lease_lost(self) -> bool:
+        """The lease is gone (stale attempt, revoked, unknown shard or worker): its records are not acked."""
+        return isinstance(self.error, (FailedPreconditionError, NotFoundError))
+
+    def __str__(self) -> str:
+        step = "" if self.step is None else f" (step {self.step})"
+        return f"ack of shard {self.shard_id!r} attempt {self.attempt} at {self.position}{step}: {self.error}"
+
+
+class AckFailedError(ShardServiceError):
+    """Acks sent in the background were refused; :attr:`failures` says which and why.
+
+    The records of a lost lease were applied by this worker but are not acked: the
+    shard service will hand them out again. State bound to checkpoints must restart
+    from the last checkpoint; a sink that fences writes by position can note it and go on.
+    """
+
+    def __init__(self, failures: list[AckFailure]) -> None:
+        self.failures = failures
+        self.code = failures[0].error.code if failures else "INTERNAL"
+        shown = "; ".join(str(f) for f in failures[:3])
+        more = f"; and {len(failures) - 3} more" if len(failures) > 3 else ""
+        super().__init__(f"{len(failures)} ack(s) sent in the background were refused: {shown}{more}")
+
+
+@dataclass
+class _Pending:
+    request: pb.AckRequest
+    seq: int
+    on_answer: Callable[[pb.AckResponse], None]
+
+    @property
+    def key(self) -> tuple[str, str, int, bool, int]:
+        r = self.request
+        return r.worker_id, r.shard_id, r.attempt, r.has_step, r.step
+
+
+class AckQueue:
+    """Queued acks and the thread that sends them; see the module docstring for the semantics."""
+
+    def __init__(self, send: Callable[[pb.AckRequest], pb.AckResponse], max_queued: int = MAX_QUEUED_ACKS) -> None:
+        self._send = send
+        self._max = max_queued
+        self._cond = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._queued_seq = 0  # the last sequence number handed out
+        self._answered_seq = 0  # every ack up to this one is answered (or failed, or discarded)
+        self._in_flight: _Pending | None = None
+        self._unreported: dict[LeaseKey, AckFailure] = {}
+        self._lost: dict[LeaseKey, AckFailure] = {}
+        self._thread: threading.Thread | None = None
+        self._closing = False
+
+    @property
+    def pending(self) -> int:
+        """Acks queued or in flight, not yet answered."""
+        with self._cond:
+            return len(self._queue) + (self._in_flight is not None)
+
+    # ----------------------------------------------------------------- producers
+    def submit(self, request: pb.AckRequest, on_answer: Callable[[pb.AckResponse], None]) -> None:
+        """Queue ``request``; ``on_answer`` runs in the sender thread with the master's answer."""
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the client is closed: no more acks")
+            self._queued_seq += 1
+            item = _Pending(request, self._queued_seq, on_answer)
+            tail = self._queue[-1] if self._queue else None
+            if tail is not None and tail.key == item.key and request.position >= tail.request.position:
+                tail.request.position = request.position  # same lease, same step: the later position covers it
+                tail.request.dead_letters += request.dead_letters
+                tail.request.lease_more = max(tail.request.lease_more, request.lease_more)
+                tail.seq = item.seq
+                tail.on_answer = on_answer
+                return
+            while len(self._queue) >= self._max and not self._closing:
+                self._cond.wait()
+            self._queue.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shard-acks", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every ack queued so far is answered. Raises TimeoutError after ``timeout`` seconds."""
+        give_up = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            target = self._queued_seq
+            while self._answered_seq < target:
+                remaining = None if give_up is None else give_up - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{target - self._answered_seq} ack(s) still unanswered after {timeout}s")
+                self._cond.wait(remaining)
+
+    # ------------------------------------------------------------------ failures
+    def lost(self, shard_id: str, attempt: int) -> AckFailure | None:
+        """The failure that lost this lease, if any; it counts as reported from now on."""
+        with self._cond:
+            failure = self._lost.get((shard_id, attempt))
+            if failure is not None:
+                self._unreported.pop((shard_id, attempt), None)
+            return failure
+
+    def note_lost(self, failure: AckFailure) -> None:
+        """A synchronous ack was refused (the caller got the error): later acks of the lease raise it too."""
+        if failure.lease_lost:
+            with self._cond:
+                self._lost.setdefault((failure.shard_id, failure.attempt), failure)
+
+    def take_failures(self) -> list[AckFailure]:
+        """Failures not yet reported, oldest first; they count as reported."""
+        with self._cond:
+            failures = list(self._unreported.values())
+            self._unreported.clear()
+            return failures
+
+    def raise_failures(self) -> None:
+        failures = self.take_failures()
+        if failures:
+            raise AckFailedError(failures)
+
+    # ------------------------------------------------------------------ lifecycle
+    def discard(self) -> int:
+        """Drop the queued acks and every failure, after the ack in flight is answered; returns how many dropped.
+
+        For a restore: it revokes every lease, so these acks would be refused and their failures are moot.
+        """
+        with self._cond:
+            dropped = len(self._queue)
+            self._queue.clear()
+            while self._in_flight is not None:
+                self._cond.wait()
+            self._answered_seq = self._queued_seq
+            self._unreported.clear()
+            self._lost.clear()
+            self._cond.notify_all()
+            return dropped
+
+    def close(self, timeout: float) -> None:
+        """Send what is queued (up to ``timeout`` seconds), then stop the sender. Unreported failures are logged."""
+        try:
+            self.wait(timeout)
+        except TimeoutError as exc:
+            log.warning("closing with acks unsent (%s): their shards will be read again", exc)
+        with self._cond:
+            self._closing = True
+            self._queue.clear()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=1)  # an ack stuck in flight ends when the client closes its channel
+        for failure in self.take_failures():
+            log.warning("closing with an unreported ack failure: %s", failure)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                item = self._in_flight = self._queue.popleft()
+                self._cond.notify_all()  # a producer blocked on a full queue may go on
+            error: ShardServiceError | None = None
+            try:
+                answer = self._send(item.request)
+            except Exception as exc:  # _call maps RPC errors to ShardServiceError; anything else is kept too
+                error = exc if isinstance(exc, ShardServiceError) else ShardServiceError(repr(exc))
+            else:
+                try:
+                    item.on_answer(answer)
+                except Exception as exc:  # e.g. opening the source of piggybacked leases; none may vanish
+                    error = ShardServiceError(f"the ack was recorded but handling its answer failed: {exc!r}")
+            if error is not None:
+                r = item.request
+                failure = AckFailure(r.shard_id, r.attempt, r.position, r.step if r.has_step else None, error)
+                with self._cond:
+                    key = (r.shard_id, r.attempt)
+                    if key not in self._lost:  # the first failure of a lost lease says it all
+                        self._unreported.setdefault(key, failure)
+                    if failure.lease_lost:
+                        self._lost.setdefault(key, failure)
+            with self._cond:
+                self._in_flight = None
+                self._answered_seq = max(self._answered_seq, item.seq)
+                self._cond.notify_all()
