@@ -17,6 +17,8 @@ import pytest
 
 from streamrover.ckpt import Checkpointer, SaverError, Source, namespace_for, saver_address
 from streamrover.ckpt.layout import MANIFEST, step_dir
+from streamrover.ckpt.memory import MemoryEngine
+from streamrover.ckpt.shm import SharedBuffer
 
 from .trainer_proc import cursor_at, state_at
 
@@ -56,6 +58,17 @@ class Trainer:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def buffer_states(root: str) -> list[str]:
+    """What each of this root's snapshot buffers holds (for failure messages)."""
+    states = []
+    for name in MemoryEngine(namespace_for(root), 0).names():
+        buf = SharedBuffer.open(name)
+        found = buf.read_header() if buf is not None else None
+        gen = buf.generation() if buf is not None else None
+        states.append(f"{name[-2:]}: " + ("missing" if buf is None else f"gen {gen} step {found and found[1]['step']}"))
+    return states
 
 
 def load_in_new_process(root: str) -> dict[str, object]:
@@ -131,7 +144,7 @@ def test_trainer_killed_mid_save_never_exposes_a_torn_snapshot(root: str, pids: 
     result = load_in_new_process(root)
     assert result["source"] == "memory"
     step = result["step"]
-    assert isinstance(step, int) and step >= 2
+    assert isinstance(step, int) and step >= 2, f"loaded step {step}; buffers now: {buffer_states(root)}"
     assert result["values"] == [float(step)] and result["state_step"] == step  # every tensor from the same save
 
 
