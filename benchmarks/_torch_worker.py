@@ -4,7 +4,7 @@
 ``--ckpt-every`` steps (memory snapshot; the agent's saver persists). ``--mode torchrun``:
 synthetic batches of the same shape, ``torch.save`` from rank 0 every ``--ckpt-every``
 steps and ``torch.load`` on restart (what a torchrun ``--max-restarts`` job does).
-Rank 0 appends ``<unix time> <step>`` to ``--step-log`` after every optimizer step.
+Rank 0 appends ``<unix time> <step> <pid>`` to ``--step-log`` after every optimizer step.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     phases.append(("init_process_group", time.time()))
     rank = dist.get_rank()
+    with open(f"{args.step_log}.pid{rank}", "w") as f:  # the benchmark finds the workers to kill by these
+        f.write(str(os.getpid()))
     torch.manual_seed(0)
     net = build(args.hidden, args.layers)
     model = DDP(net)
@@ -55,10 +57,13 @@ def main() -> None:
     if args.mode == "streamrover":
         import streamrover.trainers.torch as srt
 
+        phases.append(("import streamrover", time.time()))
         session = srt.attach(net, opt, ckpt_every=args.ckpt_every)
         step = session.step
         phases.append(("attach (restore + cursor reset)", time.time()))
-        print(f"rank {rank} restore: load %.2f s, broadcast %.2f s" % session.restore_seconds, file=sys.stderr)
+        print(
+            f"rank {rank} attach: " + ", ".join(f"{k} {v:.2f} s" for k, v in session.timings.items()), file=sys.stderr
+        )
         batches = DataLoader(session.dataset("bench", args.batch_size, columns=["x", "y"]), batch_size=None)
         source = ((b["x"].float().unsqueeze(1), b["y"].float().unsqueeze(1)) for b in batches)
     else:
@@ -98,7 +103,7 @@ def main() -> None:
             print(f"rank {rank} start-up phases: " + ", ".join(parts), file=sys.stderr, flush=True)
             phases = []
         if log is not None:
-            log.write(f"{time.time():.4f} {step}\n")
+            log.write(f"{time.time():.4f} {step} {os.getpid()}\n")
             log.flush()
 
 

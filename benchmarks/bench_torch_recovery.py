@@ -17,6 +17,7 @@ Ratios are dlrover-run over torchrun, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import signal
@@ -78,26 +79,28 @@ class Job:
             )
 
     def steps(self) -> list[tuple[float, int]]:
+        return [(t, step) for t, step, _ in self.step_rows()]
+
+    def step_rows(self) -> list[tuple[float, int, int]]:
+        """``(time, step, pid of rank 0)`` per optimizer step, in log order."""
         if not self.log.exists():
             return []
         rows = []
         for line in self.log.read_text().splitlines():
             parts = line.split()
-            if len(parts) == 2:
-                rows.append((float(parts[0]), int(parts[1])))
+            if len(parts) == 3:
+                rows.append((float(parts[0]), int(parts[1]), int(parts[2])))
         return rows
 
     def workers(self) -> list[psutil.Process]:
-        try:
-            children = psutil.Process(self.proc.pid).children()
-        except psutil.NoSuchProcess:
-            return []
+        """The live worker processes (each rank writes its pid next to the step log)."""
         found = []
-        for child in children:
+        for rank in (0, 1):
             try:
-                if child.status() != psutil.STATUS_ZOMBIE and any(WORKER.name in p for p in child.cmdline()):
-                    found.append(child)
-            except psutil.Error:  # exited while we looked
+                proc = psutil.Process(int(Path(f"{self.log}.pid{rank}").read_text()))
+                if proc.status() != psutil.STATUS_ZOMBIE and proc.ppid() == self.proc.pid:
+                    found.append(proc)
+            except (OSError, ValueError, psutil.Error):  # not written yet, or exited while we looked
                 continue
         return found
 
@@ -108,18 +111,32 @@ class Job:
                 raise RuntimeError(f"{self.mode}: no {what} within {timeout} s; see {self.root / 'launcher.log'}")
             time.sleep(0.02)  # polling a log file written by another process
 
-    def kill_worker(self) -> float:
-        workers = sorted(self.workers(), key=lambda p: p.pid)
-        victim = workers[-1]
+    def standbys_warm(self) -> bool:
+        """dlrover-run: its agent's last health line says both standby interpreters are warm (steady state)."""
+        if self.mode != "streamrover":
+            return True
+        lines = [ln for ln in (self.root / "launcher.log").read_text(errors="replace").splitlines()
+                 if "standbys warm" in ln]  # fmt: skip
+        return bool(lines) and lines[-1].rstrip().endswith(" 2 standbys warm")
+
+    def kill_worker(self) -> tuple[float, set[int]]:
+        """SIGKILL local rank 1; returns the time of the kill and the pids of the group it killed."""
+        workers = self.workers()
+        victim = workers[-1]  # local rank 1
         old = {p.pid for p in workers}
         t0 = time.time()
         victim.send_signal(signal.SIGKILL)
         self.wait(lambda: len(self.workers()) == 2 and not old & {p.pid for p in self.workers()}, 120, "restart")
-        return t0
+        return t0, old
 
-    def recovery(self, t0: float) -> float:
-        self.wait(lambda: any(t > t0 for t, _ in self.steps()[-5:]), 180, "step after the kill")
-        return min(t for t, _ in self.steps() if t > t0) - t0
+    def recovery(self, t0: float, old: set[int]) -> float:
+        """Kill to the first optimizer step of the new group (a step of the old one may land just after the kill)."""
+
+        def new_steps() -> list[float]:
+            return [t for t, _, pid in self.step_rows()[-50:] if t > t0 and pid not in old]
+
+        self.wait(lambda: bool(new_steps()), 180, "step after the kill")
+        return min(new_steps()) - t0
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -142,8 +159,9 @@ def measure_recovery(mode: str, root: Path, args: argparse.Namespace) -> tuple[l
         job.wait(lambda: len(job.steps()) >= 2 * args.ckpt_every + 5, 300, "warm-up steps")
         times = []
         for _ in range(args.kills):
-            t0 = job.kill_worker()
-            times.append(job.recovery(t0))
+            job.wait(job.standbys_warm, 120, "warm standbys")
+            t0, old = job.kill_worker()
+            times.append(job.recovery(t0, old))
             done = len(job.steps())
             job.wait(lambda d=done: len(job.steps()) >= d + args.ckpt_every + 5, 300, "steps after recovery")
         return times, step_time(job.steps())
@@ -183,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-every", type=float, default=60.0)
     parser.add_argument("--skip-goodput", action="store_true")
     parser.add_argument("--quick", action="store_true", help="1 kill each; goodput over 120 s, a fault every 40 s")
+    parser.add_argument("--keep", default="", help="run in this directory and keep its logs (default: a temp dir)")
     args, _ = parser.parse_known_args(argv)
     if args.quick:
         args.kills, args.duration, args.fault_every = 1, 120.0, 40.0
@@ -191,8 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         f"torch recovery benchmark: 2 gloo workers, MLP {args.layers}x{args.hidden} (~{state_mb:.0f} MB with Adam "
         f"state), checkpoint every {args.ckpt_every} steps, {os.cpu_count()} cores"
     )
-    with tempfile.TemporaryDirectory(prefix="bench-torch-") as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            root = Path(args.keep)
+            root.mkdir(parents=True, exist_ok=False)
+        else:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-torch-")))
         rec: dict[str, tuple[list[float], float]] = {}
         for mode in ("torchrun", "streamrover"):
             rec[mode] = measure_recovery(mode, root, args)

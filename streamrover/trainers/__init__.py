@@ -1,1 +1,1 @@
-"""Placeholder; see ARCHITECTURE.md."""
+"""Trainers: elastic PyTorch (``streamrover.trainers.torch``) and their framework-neutral parts (standby workers)."""

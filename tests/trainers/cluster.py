@@ -14,6 +14,7 @@ import psutil
 
 from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.testing.procs import MasterProcess, python_env
+from streamrover.trainers.torch.agent import read_health
 
 HERE = Path(__file__).resolve().parent
 LEDGER_SCRIPT = HERE / "ledger_train.py"
@@ -72,20 +73,23 @@ class TorchJob:
         log.close()
 
     def workers(self, name: str | None = None) -> list[psutil.Process]:
-        """Worker processes (the training script) of one agent, or of all running agents."""
+        """Worker processes (the training script) of one agent, or of all running agents.
+
+        The agent's health report names its workers' pids (a worker started in a warm standby
+        has the standby's command line, so the command line cannot tell them apart).
+        """
         names = [name] if name else [n for n, p in self.agents.items() if p.poll() is None]
         found = []
-        for n in names:
-            try:
-                children = psutil.Process(self.agents[n].pid).children()
-            except psutil.NoSuchProcess:
-                continue
-            for child in children:
-                try:
-                    if child.status() != psutil.STATUS_ZOMBIE and any(p.endswith(".py") for p in child.cmdline()):
-                        found.append(child)
-                except psutil.Error:  # exited while we looked
-                    continue
+        with self.admin() as admin:
+            for n in names:
+                health = read_health(admin, self.run_id, n) or {}
+                for pid in health.get("workers", {}).values():
+                    try:
+                        proc = psutil.Process(pid)
+                        if proc.status() != psutil.STATUS_ZOMBIE and proc.ppid() == self.agents[n].pid:
+                            found.append(proc)
+                    except psutil.Error:  # exited while we looked
+                        continue
         return found
 
     def kill_agent(self, name: str) -> None:

@@ -73,6 +73,7 @@ def test_elastic_ddp_on_kafka_is_exact_under_chaos(tmp_path: Path, kafka_broker:
         later.start()
 
         def kill_worker() -> None:
+            wait_until(lambda: bool(job.workers()), 120, f"a running worker to kill after {events}")
             victim = rng.choice(job.workers())
             victim.kill()
             events.append(f"SIGKILL worker {victim.pid}")

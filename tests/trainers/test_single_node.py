@@ -38,6 +38,7 @@ def test_worker_sigkill_restarts_the_group_and_the_ledger_is_exact(tmp_path: Pat
     try:
         job.start_agent("n0", "1", 2, ["--records", str(RECORDS), "--batch-size", "64", "--out", str(job.out)])
         wait_until(lambda: job.acked() >= RECORDS * 0.3, 180, "30% of the records acked")
+        wait_until(lambda: len(job.workers("n0")) == 2, 120, "the agent to report its two workers")
         victim = random.choice(job.workers("n0"))
         victim.kill()
         wait_until(lambda: job.agents["n0"].poll() is not None, 240, "the agent to finish")

@@ -11,6 +11,8 @@ without restarting the node, and re-rendezvous when nodes join or leave within
 * before new workers start (after a failure or a membership change) it waits until
   that persist is finished, so no rank of the next round loads a checkpoint while an
   older timeline is still being written;
+* it keeps warm standby interpreters (:mod:`~streamrover.trainers.standby`) and
+  starts restarted workers in them, so a restart does not pay ``import torch`` again;
 * it reports the node's health (worker state, exits, restarts left) to the job master
   under the key ``nodes/<run id>/<node id>`` (JSON), and logs it.
 """
@@ -28,8 +30,9 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from streamrover.ckpt import CheckpointSaver
+from streamrover.ckpt import CheckpointSaver, purge_shared_memory
 from streamrover.shard_service import ShardClient, ShardServiceError
+from streamrover.trainers.standby import StandbyPool
 
 log = logging.getLogger(__name__)
 SAVER_DRAIN_TIMEOUT = 300.0
@@ -43,13 +46,23 @@ class HealthReporter:
         self.key = f"nodes/{run_id}/{node_id}"
         self.node_id = node_id
         self.exits: list[dict[str, Any]] = []
-        self._last: tuple[str, int, int] | None = None
+        self._last: tuple[str, int, int, int, tuple[int, ...]] | None = None
 
-    def report(self, state: str, restarts_left: int, round_: int, failures: dict[int, Any] | None = None) -> None:
+    def report(
+        self,
+        state: str,
+        restarts_left: int,
+        round_: int,
+        failures: dict[int, Any] | None = None,
+        standby_ready: int = 0,
+        pids: dict[int, int] | None = None,
+    ) -> None:
+        """Write the node's health if it changed: worker state, restarts left, exits, warm standbys, worker pids."""
         for rank, failure in sorted((failures or {}).items()):
             self.exits.append({"rank": rank, "pid": failure.pid, "exitcode": failure.exitcode, "at": time.time()})
         self.exits = self.exits[-50:]
-        current = (state, restarts_left, len(self.exits))
+        workers = {str(rank): pid for rank, pid in sorted((pids or {}).items())}
+        current = (state, restarts_left, len(self.exits), standby_ready, tuple(workers.values()))
         if current == self._last:
             return
         self._last = current
@@ -61,10 +74,12 @@ class HealthReporter:
             "restarts_left": restarts_left,
             "round": round_,
             "exits": self.exits,
+            "standby_ready": standby_ready,
+            "workers": workers,  # local rank -> pid
             "at": time.time(),
         }
-        log.info("node %s: workers %s, %d restarts left, %d exits so far", self.node_id, state, restarts_left,
-                 len(self.exits))  # fmt: skip
+        log.info("node %s: workers %s, %d restarts left, %d exits so far, %d standbys warm", self.node_id, state,
+                 restarts_left, len(self.exits), standby_ready)  # fmt: skip
         if self.client is None:
             return
         data = json.dumps(doc).encode()
@@ -88,9 +103,20 @@ def read_health(client: ShardClient, run_id: str, node_id: str) -> dict[str, Any
 class StreamroverAgent(LocalElasticAgent):
     """LocalElasticAgent that hosts the checkpoint saver and reports node health."""
 
-    def __init__(self, *args: Any, saver_address: str | None, health: HealthReporter, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        saver_address: str | None,
+        health: HealthReporter,
+        ckpt_namespace: str | None = None,
+        standby: StandbyPool | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self._standby = standby
         self._saver = CheckpointSaver(saver_address, linger=None) if saver_address else None
+        self._namespace = ckpt_namespace
+        self._succeeded = False
         self._saver_thread: threading.Thread | None = None
         self._health = health
 
@@ -102,31 +128,29 @@ class StreamroverAgent(LocalElasticAgent):
         self._saver_thread = threading.Thread(target=self._saver.serve_forever, name="ckpt-saver", daemon=True)
         self._saver_thread.start()
 
-    def _saver_sessions(self) -> int:
-        # TODO(ckpt): use a public CheckpointSaver.wait_idle() once streamrover.ckpt offers one (see the report).
-        saver = self._saver
-        if saver is None:
-            return 0
-        with saver._lock:
-            return len(saver._threads)
-
     def _drain_saver(self) -> None:
         """Wait until every session of the stopped workers has ended (persist-on-death included)."""
-        give_up = time.monotonic() + SAVER_DRAIN_TIMEOUT
-        idle = threading.Event()
-        delay = 0.005
-        while self._saver_sessions() > 0:
-            if time.monotonic() > give_up:
-                log.warning("checkpoint saver still persisting after %.0f s; starting workers anyway",
-                            SAVER_DRAIN_TIMEOUT)  # fmt: skip
-                return
-            idle.wait(delay)  # bounded wait for the session threads to finish
-            delay = min(delay * 2, 0.1)
+        if self._saver is not None and not self._saver.wait_idle(SAVER_DRAIN_TIMEOUT):
+            log.warning("checkpoint saver still persisting after %.0f s; starting workers anyway", SAVER_DRAIN_TIMEOUT)
 
     # -- torchelastic hooks --------------------------------------------------------------
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._standby is None:
+            return super()._start_workers(worker_group)
+        served = self._standby.served
+        with self._standby.serving():
+            pids = super()._start_workers(worker_group)
+        log.info("started %d workers, %d in warm standbys", len(pids), self._standby.served - served)
+        self._standby.schedule_fill()  # later: the standbys' imports would slow these workers' start-up
+        return pids
+
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        started = time.monotonic()
         super()._stop_workers(worker_group)
+        stopped = time.monotonic()
         self._drain_saver()
+        log.info("workers stopped in %.3f s, checkpoint saver drained in %.3f s", stopped - started,
+                 time.monotonic() - stopped)  # fmt: skip
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -135,6 +159,8 @@ class StreamroverAgent(LocalElasticAgent):
             self._remaining_restarts,
             self._rdzv_handler_round(),
             result.failures if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) else None,
+            self._standby.ready() if self._standby is not None else 0,
+            {w.local_rank: w.id for w in worker_group.workers if w.id is not None},
         )
         return result
 
@@ -146,10 +172,17 @@ class StreamroverAgent(LocalElasticAgent):
         self._start_saver()
         try:
             result = super().run(role)
+            self._succeeded = not result.is_failed()
             self._health.report("SUCCEEDED" if not result.is_failed() else "FAILED", self._remaining_restarts,
                                 self._rdzv_handler_round(), result.failures)  # fmt: skip
             return result
         finally:
+            if self._standby is not None:
+                self._standby.close()
             if self._saver is not None and self._saver_thread is not None:
                 self._saver.stop()
                 self._saver_thread.join(timeout=SAVER_DRAIN_TIMEOUT)
+            if self._succeeded and self._namespace is not None:
+                # the job ended well: its last checkpoint is durable, nobody restarts here from memory
+                removed = purge_shared_memory(self._namespace)
+                log.info("freed %d checkpoint buffers from shared memory", len(removed))

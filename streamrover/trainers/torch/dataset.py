@@ -7,9 +7,11 @@ Use it with ``DataLoader(dataset, batch_size=None)``.
 
 Positions are tracked per yielded batch. :meth:`StreamDataset.step_done` (called after
 ``optimizer.step()``; :class:`~streamrover.trainers.torch.session.StreamSession` does it)
-acks, synchronously and with that step number, everything yielded since the previous
-call. So a checkpoint cut at step S (all acks with step <= S) holds exactly the records
-whose gradients are in the model at step S.
+acks, with that step number, everything yielded since the previous call. The acks are
+queued (sent by the client's background sender, off the training step); the session
+flushes them on every rank before the barrier of a checkpoint cut. So a checkpoint cut at
+step S (all acks with step <= S) holds exactly the records whose gradients are in the model
+at step S.
 
 Leases revoked under a batch (a restore, or this worker declared dead) stop its shard:
 :class:`~streamrover.shard_service.LeaseLostError` on read drops the shard and leases
@@ -203,7 +205,7 @@ class StreamDataset(IterableDataset):
             pending, self._pending = self._pending, {}
         for shard, end in pending.values():
             try:
-                shard.ack(end, step=step)
+                shard.ack(end, step=step, wait=False)  # queued: the session flushes before its checkpoint barrier
             except LeaseLostError as exc:
                 raise StreamStateLostError(
                     f"shard {shard.shard_id}: records up to {end} were applied at step {step} but the lease is gone "

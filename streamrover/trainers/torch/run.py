@@ -35,6 +35,7 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser
 
 from streamrover.ckpt import namespace_for, saver_address
+from streamrover.trainers.standby import StandbyPool
 from streamrover.trainers.torch import env
 from streamrover.trainers.torch.agent import HealthReporter, StreamroverAgent
 from streamrover.trainers.torch.rendezvous import BACKEND_NAME, master_client, register
@@ -54,6 +55,9 @@ def build_parser() -> ArgumentParser:
                        help="flash-checkpoint root (a directory or fsspec URL); the agent hosts its saver")  # fmt: skip
     group.add_argument("--node-id", "--node_id", default=None,
                        help="this node's name (default: HOST-PID-RANDOM, unique per agent)")  # fmt: skip
+    group.add_argument("--standby-workers", "--standby_workers", type=int, default=None,
+                       help="warm interpreters kept to restart workers in (torch already imported); "
+                            "default --nproc-per-node, 0 disables")  # fmt: skip
     return parser
 
 
@@ -128,7 +132,13 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
     )
     client = master_client(args.shard_service, args.token, f"agent:{args.node_id}") if args.shard_service else None
     health = HealthReporter(client, run_id, args.node_id)
-    address = saver_address(namespace_for(args.ckpt_dir, os.environ[env.CKPT_JOB])) if args.ckpt_dir else None
+    namespace = namespace_for(args.ckpt_dir, os.environ[env.CKPT_JOB]) if args.ckpt_dir else None
+    address = saver_address(namespace) if namespace else None
+    size = config.nproc_per_node if args.standby_workers is None else args.standby_workers
+    standby = None
+    if size > 0 and isinstance(entrypoint, str) and not args.no_python and not args.run_path:
+        # torchrun's command: PYTHON_EXEC or this interpreter, "-u", then the script or "-m" module
+        standby = StandbyPool(size, interpreter=entrypoint, flags=("-u",))
     agent = StreamroverAgent(
         spec=spec,
         logs_specs=config.logs_specs,
@@ -137,6 +147,8 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
         shutdown_timeout=int(config.shutdown_timeout or 30),
         saver_address=address,
         health=health,
+        ckpt_namespace=namespace,
+        standby=standby,
     )
     shutdown_rdzv = True
     try:
