@@ -138,6 +138,10 @@ class Checkpointer:
             if persist:
                 self._ensure_link()  # in this thread: a saver it starts must not be a child of a copy thread
             index = self.engine.choose(self._busy)
+            if self._newest is not None and self._newest.index == index:
+                # Overwritten from now on (in the background with defer): never dispatch it. A persist still
+                # wanted goes to the snapshot that replaces it, once published.
+                self._newest = None
             self._pending = self.engine.write(
                 index,
                 step,
@@ -151,7 +155,7 @@ class Checkpointer:
                 defer=defer,
                 on_published=lambda snap: self._published(snap, persist),
             )
-        if self._pending.done():  # nothing deferred: already published (or failed: raise now)
+        if not self._pending.deferred:  # nothing left to the background: published already
             self.wait_snapshot()
 
     def _published(self, snap: Snapshot, persist: bool) -> None:

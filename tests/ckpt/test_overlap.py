@@ -256,3 +256,23 @@ def test_sigkill_during_the_background_copy_leaves_the_previous_snapshot(root: s
         assert len(ckpt.engine.snapshots()) == 1  # the torn buffer of step 2 is not a snapshot
         TorchCheckpoint(ckpt, model, torch.optim.Adam(model.parameters())).load(restore=False)
     assert all(bool((p == 1.0).all()) for p in model.parameters() if p.dim() == 2)
+
+
+def test_persisting_every_overlapped_save_never_sends_a_buffer_being_rewritten(root: str) -> None:
+    # A persist finishing while an overlapped copy rewrites the buffer of the newest snapshot must not dispatch
+    # that (superseded) snapshot: the saver would report it as failed.
+    model = make_model()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    with Checkpointer(root, saver="thread") as ckpt:
+        adapter = TorchCheckpoint(ckpt, model, optim, overlap=True)
+        for step in range(1, 13):
+            forward_backward(model, optim, step)
+            optim.step()
+            expected = clone_state(model, optim)
+            adapter.save(step, persist=True)
+        optim.step()
+        results = ckpt.wait(timeout=120)
+        assert results and all(r.ok for r in results)
+        loaded = ckpt.load(memory=False, restore=False)
+    assert loaded.step == 12
+    assert_same(loaded.state, expected)
