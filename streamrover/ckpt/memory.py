@@ -25,6 +25,7 @@ from streamrover.ckpt.shm import ALIGN, DATA_START, SHM_DIR, SharedBuffer, align
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 HEADER_RESERVE = 1 << 20  # room for the header JSON (tensor table, cursor) beyond the tensor bytes
+HELPER_FROM_CHUNKS = 4  # a blocking copy of more chunks than this gets a helper thread
 
 
 def buffer_name(namespace: str, rank: int, index: int) -> str:
@@ -242,7 +243,8 @@ class MemoryEngine:
             (later if deferred else now).append((base + offset, src[0], entry.nbytes))
         pending = SnapshotWrite(self, index, buf, odd, header, size_needed, others, on_published)
         sync = CopyJob(now, keep)
-        sync.start(1 if sync.chunks > 1 else 0, name="ckpt-copy-now")
+        # A helper pays for its start (~1 ms on a loaded box) only from a few chunks on; below, one thread copies.
+        sync.start(1 if sync.chunks > HELPER_FROM_CHUNKS else 0, name="ckpt-copy-now")
         try:
             sync.wait()
         except CopyError as exc:  # the generation stays odd: the buffer holds no snapshot
@@ -321,8 +323,10 @@ class SnapshotWrite:
         if self._on_published is not None:
             self._on_published(self.snapshot)
 
-    def done(self) -> bool:
-        return self.job is not None and self.job.done()
+    @property
+    def deferred(self) -> bool:
+        """True if part of the copy was left to the background thread."""
+        return self.job is not None and self.job.chunks > 0
 
     def wait(self) -> Snapshot:
         """Help finish the copy, wait for the publication; raise :class:`SnapshotCopyError` if the copy failed."""
