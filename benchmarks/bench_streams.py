@@ -49,6 +49,7 @@ TOKEN = "bench-token"
 KAFKA_IMPORTS = ("confluent_kafka", "numpy")
 SHARD_IMPORTS = ("numpy", "pyarrow.compute", "streamrover.shard_service", "streamrover.sources.kafka")
 PASS_DEADLINE = 240.0  # a pass that has not seen every record by then fails (a broker or master problem)
+MAX_PENDING_SHARDS = 64  # the master's default sr.max_pending_shards (shard_service/streams.py)
 WARM_UP_KEY = b"warm-up"  # freshness: the key of records produced before the measured ones (those have none)
 
 
@@ -171,6 +172,15 @@ def kafka_raw_pass(job: tuple[Any, ...], shared: Any) -> Result:
 
 
 # --------------------------------------------------------------------------- shard path
+def _ack_mode() -> dict[str, Any]:
+    """``async_acks=True`` where ShardClient has it (acks queued, sent by a thread), else nothing (synchronous)."""
+    import inspect
+
+    from streamrover.shard_service import ShardClient
+
+    return {"async_acks": True} if "async_acks" in inspect.signature(ShardClient).parameters else {}
+
+
 def shard_pass(job: tuple[Any, ...], counter: Any) -> Result:
     """Lease shards of ``dataset`` and ack every batch until ``counter`` (all workers) reaches ``expected``.
 
@@ -193,7 +203,7 @@ def shard_pass(job: tuple[Any, ...], counter: Any) -> Result:
     records = nbytes = 0
     last = t0
     lat: list[Any] = []
-    with _profiled(profile), ShardClient(address, token=TOKEN, name=f"bench-worker-{index}") as client:
+    with _profiled(profile), ShardClient(address, token=TOKEN, name=f"bench-worker-{index}", **_ack_mode()) as client:
         flush = getattr(client, "flush", None)  # acks are queued: wait until the master has them
         while counter.value < expected:
             if time.monotonic() > deadline:
@@ -297,8 +307,8 @@ def _register(address: str, name: str, uri: str, options: dict[str, str], record
         give_up = time.monotonic() + timeout
         while True:
             info = admin.describe_dataset(name)
-            if info.total_records >= expected or not expected:
-                return
+            if info.total_records >= expected or not expected or info.shards.todo >= MAX_PENDING_SHARDS:
+                return  # (or as much as the master plans ahead: the rest is planned as shards are leased)
             if info.error or time.monotonic() > give_up:
                 raise RuntimeError(
                     f"dataset {name}: {info.total_records} of {expected} records planned; error: {info.error!r}"
@@ -442,6 +452,7 @@ def bench_kafka_throughput(
         "shard": "shard path: master + 2 workers",
     })
     print(f"raw consumers use the shard path's consumer settings {tuning} except the 'librdkafka defaults' row")
+    print(f"shard-path workers' ShardClient: {_ack_mode() or 'synchronous acks'}")
 
 
 def _shard_round(tmp: Path, ours: Pool, counter: Any, meter: CpuMeter, uri: str, r: int, sizes: Sizes,
@@ -576,12 +587,17 @@ def main(argv: list[str]) -> int:
                         help="add a dataset option for the shard path (sr.* or librdkafka), e.g. sr.max_delay_ms=100")
     parser.add_argument("--rounds", type=int, default=0,
                         help="rounds of the throughput benches (default 3, --quick 1): more rounds, steadier medians")
+    parser.add_argument("--records-per-shard", type=int, default=-1, metavar="N",
+                        help="shard size of the Kafka throughput passes (default 50,000, --quick 15,000; "
+                             "0: the service's default for streams)")
     parser.add_argument("--profile", metavar="DIR", default="",
                         help="cProfile the shard-path workers into DIR/*.prof and print the merged top functions")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     if args.rounds > 0:
         sizes = dataclasses.replace(sizes, rounds=args.rounds)
+    if args.records_per_shard >= 0:
+        sizes = dataclasses.replace(sizes, records_per_shard=args.records_per_shard)
     extra = dict(o.split("=", 1) for o in args.option)
     status = 0
     print(environment())
