@@ -154,7 +154,7 @@ class StandbyPool:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = subprocess.Popen(
-                # -c, not -m: the package (which imports this module) must not be half-run as __main__
+                # -c, not -m: a package that imports this module must not be half-run as __main__
                 [
                     self.interpreter,
                     *self.flags,
@@ -162,6 +162,7 @@ class StandbyPool:
                     f"import {__name__} as s; s.main()",
                     str(child.fileno()),
                     ",".join(self.warm),
+                    str(os.getpid()),  # the standby exits if its agent died before it armed its death signal
                 ],
                 pass_fds=(child.fileno(),),
                 start_new_session=True,  # as torchelastic's SubprocessHandler: the agent kills the group
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     sock = socket.socket(fileno=int(argv[0]))
     _set_parent_death_signal(signal.SIGKILL)  # an unused standby never outlives its agent
-    if os.getppid() == 1:
+    if len(argv) > 2 and os.getppid() != int(argv[2]):  # the agent died before the signal was armed
         sys.exit(0)
     _warm_up([m for m in (argv[1] if len(argv) > 1 else ",".join(WARM_MODULES)).split(",") if m])
     with contextlib.suppress(OSError):  # the agent may have sent the work (and closed its end) already

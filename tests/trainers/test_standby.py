@@ -144,6 +144,9 @@ def test_an_unused_standby_dies_with_its_agent(tmp_path: Path) -> None:
         from streamrover.trainers.standby import StandbyPool
         pool = StandbyPool(1, interpreter=sys.executable, warm=("json",))
         pool.fill()
+        import time
+        while not pool.ready():  # armed its parent-death signal and imported: then the agent dies
+            time.sleep(0.01)
         print(pool._standbys[0].proc.pid, flush=True)
         import threading
         threading.Event().wait()
