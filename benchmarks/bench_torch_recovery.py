@@ -47,6 +47,7 @@ class Job:
         self.root.mkdir(parents=True)
         self.log = self.root / "steps.txt"
         self.master: MasterProcess | None = None
+        self.node_id = f"bench{os.getpid()}-{root.name}-{mode}"  # names this job's shared-memory snapshots
         common = ["--standalone", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "100",
                   "--monitor-interval", "0.1"]  # fmt: skip
         script = [str(WORKER), "--mode", mode, "--hidden", str(args.hidden), "--layers", str(args.layers),
@@ -55,7 +56,8 @@ class Job:
             self._dataset()
             assert self.master is not None
             launcher = [str(BIN / "dlrover-run"), *common, "--shard-service", self.master.address,
-                        "--token", self.master.token, "--ckpt-dir", str(self.root / "ckpt")]  # fmt: skip
+                        "--token", self.master.token, "--ckpt-dir", str(self.root / "ckpt"),
+                        "--node-id", self.node_id]  # fmt: skip
         else:
             launcher = [sys.executable, "-m", "torch.distributed.run", *common]
             script += ["--ckpt-file", str(self.root / "ckpt.pt")]
@@ -146,6 +148,9 @@ class Job:
             self.proc.wait()
         if self.master is not None:
             self.master.stop()
+        # The agent was SIGKILLed (it frees its snapshot buffers only after a successful run): free them here.
+        for leftover in Path("/dev/shm").glob(f"srckpt-*.{self.node_id}-*"):
+            leftover.unlink(missing_ok=True)
 
 
 def step_time(rows: list[tuple[float, int]]) -> float:

@@ -26,9 +26,19 @@ def namespace_for(url: str, job: str | None = None) -> str:
     return f"{job}-{digest}" if job else digest
 
 
+_MAX_ADDRESS = 107  # sun_path is 108 bytes on Linux; an abstract address uses them all but none for a terminator
+
+
 def saver_address(namespace: str) -> str:
-    """The abstract socket address of the saver serving ``namespace`` on this node."""
-    return f"\0streamrover-ckpt-{namespace}"
+    """The abstract socket address of the saver serving ``namespace`` on this node.
+
+    Namespaces hold the job name (run id and node id: a Kubernetes pod name alone can be 63
+    characters), so a long one is replaced by its digest to fit a Unix socket address.
+    """
+    address = f"\0streamrover-ckpt-{namespace}"
+    if len(address.encode()) > _MAX_ADDRESS:
+        address = f"\0streamrover-ckpt-{hashlib.sha256(namespace.encode()).hexdigest()[:40]}"
+    return address
 
 
 def send(sock: socket.socket, kind: str, **fields: Any) -> None:

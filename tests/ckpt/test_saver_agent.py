@@ -123,3 +123,14 @@ def test_purge_can_be_limited_to_ranks_and_rejects_a_blank_namespace(root: str) 
         with pytest.raises(ValueError, match="namespace must be"):
             purge_shared_memory(blank)
     assert len(purge_shared_memory(ns)) == 4
+
+
+def test_a_long_job_name_still_gives_a_saver_address_that_binds() -> None:
+    """Run id (a UUID) + node id (a 63-character pod name) overflowed the 108-byte Unix socket address."""
+    import socket
+
+    job = "19f957f1-5885-4b6a-a7a1-dad098840b26." + "train-job-worker-" + "x" * 46
+    address = saver_address(namespace_for("/tmp/ckpt", job))
+    assert address != saver_address(namespace_for("/tmp/ckpt", job + "y")), "distinct jobs, distinct savers"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.bind(address)
