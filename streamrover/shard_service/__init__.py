@@ -17,8 +17,9 @@ from streamrover.shard_service.api import (
     UnauthenticatedError,
     UnavailableError,
 )
-from streamrover.shard_service.client import LeasedShard, LeaseLostError, ShardClient
+from streamrover.shard_service.client import ShardClient
 from streamrover.shard_service.client_acks import AckFailedError, AckFailure
+from streamrover.shard_service.leased import LeasedShard, LeaseLostError
 from streamrover.shard_service.server import MasterServer, load_or_create_token
 
 __all__ = [

@@ -1,0 +1,103 @@
+"""A leased shard on the worker side: read its records from the source, ack positions.
+
+:class:`LeasedShard` objects come from :meth:`ShardClient.lease` / :meth:`ShardClient.shards`;
+acks go through the client that leased them (queued or synchronous, see
+:mod:`streamrover.shard_service.client`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Literal, overload
+
+import pyarrow as pa
+
+from streamrover.shard_service.api import AckResult, FailedPreconditionError, LeaseGrant, StaleLeaseError
+from streamrover.sources.api import Partition, ReadBatch, Source
+
+if TYPE_CHECKING:
+    from streamrover.shard_service.client import ShardClient
+
+DEFAULT_BATCH_SIZE = 4096
+
+
+class LeaseLostError(StaleLeaseError):
+    """This worker no longer holds the shard: stop applying its records."""
+
+
+class LeasedShard:
+    """A shard this worker holds: read its records from the source and ack positions."""
+
+    def __init__(self, client: ShardClient, lease: LeaseGrant, source: Source) -> None:
+        self.client = client
+        self.lease = lease
+        self.source = source
+        self.position = lease.resume  # next position to read
+        self.acked = lease.resume  # recorded by the master (queued acks count once they are answered)
+        self.done = False
+        self._dead_letters = 0  # read but not yet acked
+
+    @property
+    def shard_id(self) -> str:
+        return self.lease.shard_id
+
+    @property
+    def revoked(self) -> bool:
+        return (self.shard_id, self.lease.attempt) in self.client._revoked
+
+    def batches(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[ReadBatch]:
+        """The shard's records from its resume position to its end. Stops early if the lease is revoked."""
+        part = Partition(self.lease.partition.id, self.lease.partition.start, self.lease.partition.end)
+        for batch in self.source.read(part, self.position, self.lease.end, batch_size):
+            if self.revoked:
+                raise LeaseLostError(f"the lease on shard {self.shard_id!r} was revoked")
+            self.position = batch.end
+            self._dead_letters += batch.dead_letters
+            yield batch
+        if self.position < self.lease.end:  # no records in the tail (gaps): one empty batch so acking its end completes
+            empty = pa.RecordBatch.from_pylist([], schema=self.source.schema())
+            start, self.position = self.position, self.lease.end
+            yield ReadBatch(empty, start, self.lease.end)
+
+    @overload
+    def ack(self, position: int | None = None, step: int | None = None, *, wait: Literal[True]) -> AckResult: ...
+
+    @overload
+    def ack(
+        self, position: int | None = None, step: int | None = None, *, wait: bool | None = None
+    ) -> AckResult | None: ...
+
+    def ack(
+        self, position: int | None = None, step: int | None = None, *, wait: bool | None = None
+    ) -> AckResult | None:
+        """Say the records before ``position`` (default: everything read so far) are applied (after ``step``).
+
+        Queued when ``wait`` is False (the default of a client made with ``async_acks=True``):
+        returns None at once and the client's sender thread sends it, in order; :attr:`acked`
+        and :attr:`done` follow when the master answers. With ``wait=True`` (the default
+        otherwise) it waits for every ack queued before it, then for its own answer, and
+        returns it.
+
+        Raises :class:`LeaseLostError` when the lease is gone: an earlier queued ack of it
+        was refused (FAILED_PRECONDITION), or, waiting, this one is. Stop applying the
+        shard's records then; the ones applied but not acked will be handed out again.
+        """
+        pos = self.position if position is None else position
+        more = self.client._leases_wanted(self.lease.dataset) if pos == self.lease.end else 0
+        try:
+            result = self.client._ack(self.lease, self, pos, step, self._dead_letters, more, wait)
+        except LeaseLostError:
+            raise
+        except FailedPreconditionError as exc:
+            raise LeaseLostError(str(exc)) from exc
+        self._dead_letters = 0
+        return result
+
+    def _answered(self, position: int, done: bool) -> None:
+        """The master recorded an ack of this lease (called by whichever thread got the answer)."""
+        self.acked = max(self.acked, position)
+        if done:
+            self.done = True
+            with self.client._lock:
+                if self.client._held.get(self.shard_id) is self:
+                    del self.client._held[self.shard_id]
