@@ -220,4 +220,9 @@ class KafkaBroker:
             return self._proc.log_contains("Kafka Server started")
         admin = AdminClient({"bootstrap.servers": self.bootstrap, "socket.timeout.ms": 2000})
         md = admin.list_topics(timeout=2)
-        return 1 in md.brokers and self._proc.log_contains("Kafka Server started")
+        if 1 not in md.brokers or not self._proc.log_contains("Kafka Server started"):
+            return False
+        # After a restart the node serves metadata before it leads its partitions again: ready means every
+        # partition of every topic has its leader back (a read before that gets NOT_LEADER_FOR_PARTITION).
+        return all(t.error is None and all(p.error is None and p.leader == 1 for p in t.partitions.values())
+                   for t in md.topics.values())

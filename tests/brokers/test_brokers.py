@@ -66,6 +66,24 @@ def _kafka_produce(config: dict[str, object], topic: str, n: int) -> None:
     assert not errors, errors[:5]
 
 
+def _watermarks(consumer: object, tp: object, timeout: float = 30.0) -> tuple[int, int]:
+    """The partition's watermarks, retrying what the client calls retriable (a leader still loading after a restart)."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    transient = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError._TRANSPORT,
+                 KafkaError._TIMED_OUT, KafkaError.UNKNOWN_TOPIC_OR_PART}
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=10)  # type: ignore[attr-defined]
+            return int(low), int(high)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if not (err.retriable() or err.code() in transient) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)  # backoff between retries, not synchronisation
+
+
 def _kafka_read_all(bootstrap: str, topic: str, partitions: int) -> dict[int, list[bytes]]:
     """Read every partition from its low to its high watermark, assigned at explicit offsets (no consumer group).
 
@@ -77,7 +95,7 @@ def _kafka_read_all(bootstrap: str, topic: str, partitions: int) -> dict[int, li
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "smoke-unused", "enable.auto.commit": False,
                          "fetch.wait.max.ms": 100})
     try:
-        bounds = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in range(partitions)}
+        bounds = {p: _watermarks(consumer, TopicPartition(topic, p)) for p in range(partitions)}
         consumer.assign([TopicPartition(topic, p, low) for p, (low, _) in bounds.items()])
         position = {p: low for p, (low, _) in bounds.items()}
         by_partition: dict[int, list[bytes]] = {p: [] for p in range(partitions)}
