@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,9 +45,15 @@ def _free_leaked_shared_memory() -> Iterator[None]:
     before = set(shm.glob("srckpt-*")) if shm.is_dir() else set()
     yield
     in_use = _mapped_checkpoint_buffers()  # a live process's buffers (another run's trainer, saver or bench)
+    # A buffer written in the last seconds may belong to a concurrent run that has created it and not yet
+    # mapped it (or whose trainer restarts to map it again): spare it, at the cost of rarely leaving one.
+    recent = time.time() - 10.0
     for leftover in set(shm.glob("srckpt-*")) - before if shm.is_dir() else ():
-        if str(leftover) not in in_use:
-            leftover.unlink(missing_ok=True)
+        try:
+            if str(leftover) not in in_use and leftover.stat().st_mtime < recent:
+                leftover.unlink(missing_ok=True)
+        except FileNotFoundError:
+            continue
 
 
 def _mapped_checkpoint_buffers() -> set[str]:
