@@ -34,7 +34,7 @@ the previous shard's end included.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -83,9 +83,37 @@ SHARD_READ_DEFAULTS: dict[str, Any] = {
     "max.partition.fetch.bytes": 4 << 20,
     "fetch.wait.max.ms": 50,
 }
+# Records asked of the consumer per call. confluent-kafka's Message objects are tracked by Python's
+# garbage collector; kept until a whole batch (4096) is there, they outlived the collections their
+# own allocation triggers (one per 700 by default), were promoted to the oldest generation and made
+# it collect often: about 20% of a reading worker's main-thread CPU went to full collections of its
+# heap (bench_streams, 1 KB records), more the bigger the process's heap (a trainer's). Taken in
+# calls of at most this many, the records' columns are copied out (bytes and ints are not tracked)
+# and the Message objects freed before the next call: they are gone before a collection sees them.
+CHUNK = 512
 # per-record accessors for map(): reading a shard costs no Python bytecode per record
 _error, _offset, _partition = KafkaMessage.error, KafkaMessage.offset, KafkaMessage.partition
 _key, _value, _timestamp, _second = KafkaMessage.key, KafkaMessage.value, KafkaMessage.timestamp, itemgetter(1)
+
+
+class _Columns:
+    """The records of the batch being read, as columns: taken out of confluent-kafka's Message objects
+    as they arrive, so those are freed right away (see CHUNK)."""
+
+    __slots__ = ("keys", "offsets", "timestamps", "values")
+
+    def __init__(self) -> None:
+        self.keys: list[bytes | None] = []
+        self.values: list[bytes | None] = []
+        self.timestamps: list[int] = []
+        self.offsets: list[int] = []
+
+    def add(self, msgs: Sequence[Any]) -> None:
+        """Records (no error events) of the shard's partition, in offset order."""
+        self.keys += map(_key, msgs)
+        self.values += map(_value, msgs)
+        self.timestamps += map(_second, map(_timestamp, msgs))
+        self.offsets += map(_offset, msgs)  # type: ignore[arg-type]  # a record always has one
 
 
 class _Resume(NamedTuple):
@@ -240,15 +268,17 @@ class KafkaSource(Source):
         # ``eof``: the highest end of partition the consumer reported since it was assigned; every
         # record before it has been delivered (and, once ``fetched`` is empty, handled)
         batch_start = start
-        pending: list[Any] = []
+        cols = _Columns()  # the records of the batch being read
         done = start >= end
         idle_since = time.monotonic()
         while not done:
-            expected = pending[-1].offset() + 1 if pending else batch_start  # next offset if no gaps
+            expected = cols.offsets[-1] + 1 if cols.offsets else batch_start  # next offset if no gaps
             if not fetched:
                 if eof >= end:
                     break  # the rest of the shard holds no record (gaps: markers, aborted records)
-                want = max(1, min(batch_size - len(pending), end - expected))
+                # at most CHUNK records a call: their columns are taken out and the Message objects
+                # freed before the next call (see CHUNK)
+                want = max(1, min(CHUNK, batch_size - len(cols.offsets), end - expected))
                 got: list[Any] = consumer.consume(num_messages=want, timeout=0.2)
                 fetched = got
                 if not fetched:
@@ -267,15 +297,19 @@ class KafkaSource(Source):
             ):
                 # the common case, without a Python step per record: records only, all of this
                 # shard, in offset order, at most what completes the batch
-                room = batch_size - len(pending)
-                pending += fetched[:room]
-                fetched = fetched[room:]
-                if len(pending) >= batch_size:
-                    batch = self._batch(partition.id, pending, batch_start, pending[-1].offset() + 1)
+                room = batch_size - len(cols.offsets)
+                if len(fetched) <= room:
+                    cols.add(fetched)
+                    fetched = []
+                else:
+                    cols.add(fetched[:room])
+                    fetched = fetched[room:]
+                if len(cols.offsets) >= batch_size:
+                    batch = self._batch(partition.id, cols, batch_start, cols.offsets[-1] + 1)
                     batch_start = batch.end
-                    pending = []
+                    cols = _Columns()
                     yield batch
-                done = (pending[-1].offset() + 1 if pending else batch_start) >= end
+                done = (cols.offsets[-1] + 1 if cols.offsets else batch_start) >= end
                 continue
             todo, fetched = fetched, []
             for i, msg in enumerate(todo):
@@ -298,39 +332,40 @@ class KafkaSource(Source):
                     done = True
                     fetched = todo[i:]  # the start of the next shard
                     break
-                pending.append(msg)
-                if len(pending) >= batch_size:
-                    batch = self._batch(partition.id, pending, batch_start, pending[-1].offset() + 1)
+                cols.add((msg,))
+                if len(cols.offsets) >= batch_size:
+                    batch = self._batch(partition.id, cols, batch_start, cols.offsets[-1] + 1)
                     batch_start = batch.end
-                    pending = []
+                    cols = _Columns()
                     fetched = todo[i + 1 :]  # the rest of this fetch goes on in the next round
                     yield batch
                     break
-            if pending and pending[-1].offset() + 1 >= end:
+            if cols.offsets and cols.offsets[-1] + 1 >= end:
                 done = True
         # Every record before ``end`` was delivered, and what was delivered past it is in
         # ``fetched``: a next shard of this partition that starts at ``end`` goes on from here
         # without a new assignment.
         delivered = [m for m in fetched if m.partition() == pnum and (m.error() is None or _is_eof(m))]
         self._resume = _Resume(pnum, end, delivered, eof)
-        if pending or batch_start < end:
-            yield self._batch(partition.id, pending, batch_start, end)
+        if cols.offsets or batch_start < end:
+            yield self._batch(partition.id, cols, batch_start, end)
 
-    def _batch(self, partition_id: str, msgs: list[Any], start: int, end: int) -> ReadBatch:
-        n = len(msgs)
-        offsets = pa.array(np.fromiter(map(_offset, msgs), np.int64, n))
-        if self.format == "raw":  # map() over the C accessors: no Python step per record
+    def _batch(self, partition_id: str, cols: _Columns, start: int, end: int) -> ReadBatch:
+        n = len(cols.offsets)
+        offsets = pa.array(np.fromiter(cols.offsets, np.int64, n))
+        if self.format == "raw":
+            keys = cols.keys
             records = pa.RecordBatch.from_arrays(
                 [
-                    pa.array(list(map(_key, msgs)), pa.binary()),
-                    _binary(list(map(_value, msgs))),
-                    pa.array(np.fromiter(map(_second, map(_timestamp, msgs)), np.int64, n)),
+                    pa.nulls(n, pa.binary()) if keys.count(None) == n else pa.array(keys, pa.binary()),
+                    _binary(cols.values),
+                    pa.array(np.fromiter(cols.timestamps, np.int64, n)),
                     offsets,
                 ],
                 schema=RAW_SCHEMA,
             )
             return ReadBatch(records, start, end, offsets)
-        decoded = [Message(m.offset(), m.value() or b"", m.key()) for m in msgs]
+        decoded = [Message(o, v or b"", k) for o, v, k in zip(cols.offsets, cols.values, cols.keys)]
         records, positions, dead = decode_json(decoded, self._schema, partition_id, self._dead)
         if dead:
             self._dead.flush()
