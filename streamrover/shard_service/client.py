@@ -28,6 +28,7 @@ safe: acks are idempotent per attempt and lease requests carry a request id.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import socket
@@ -53,7 +54,7 @@ from streamrover.shard_service.api import (
     UnauthenticatedError,
     UnavailableError,
 )
-from streamrover.shard_service.client_acks import AckFailure, AckQueue
+from streamrover.shard_service.client_acks import AckFailure, AckQueue, QueuedAck
 from streamrover.shard_service.leased import LeasedShard
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
@@ -68,8 +69,11 @@ _ERRORS: dict[grpc.StatusCode, type[ShardServiceError]] = {
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
 }
+_ERRORS_BY_NAME: dict[str, type[ShardServiceError]] = {code.name: error for code, error in _ERRORS.items()}
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 CLOSE_ACK_WAIT = 10.0  # seconds close() waits for queued acks (a master restarting comes back within this)
+PREFETCH_SECONDS = 0.01  # shards() keeps about this much reading leased ahead when shards are small...
+MAX_PREFETCH = 64  # ...but no more than this many shards
 
 
 class ShardClient:
@@ -112,10 +116,11 @@ class ShardClient:
         self._sources: dict[str, Source] = {}
         self._held: dict[str, LeasedShard] = {}
         self._prefetched: dict[str, deque[LeasedShard]] = {}  # leases that came with acks, not yet yielded
-        self._lease_more: dict[str, int] = {}
+        self._lease_more: dict[str, int] = {}  # per dataset read by shards(): leases to keep waiting
+        self._prefetch_base: dict[str, int] = {}  # per dataset read by shards(): the prefetch it was asked for
         self._revoked: set[tuple[str, int]] = set()  # (shard id, attempt): a shard id may be leased again
         self.async_acks = async_acks
-        self._acks = AckQueue(lambda request: self._call(self._stub.Ack, request))
+        self._acks = AckQueue(self._send_acks, may_hold=self._readers_supplied)
         self._last_ack_answer = 0.0
 
     # ------------------------------------------------------------------ plumbing
@@ -259,27 +264,52 @@ class ShardClient:
     def shards(self, dataset: str, wait: float = 5.0, prefetch: int = 2) -> Iterator[LeasedShard]:
         """Yield leased shards until the dataset ends (batch) or forever (stream).
 
-        Shards are leased ``prefetch`` at a time, so one lease round trip serves several
-        shards; the ones waiting their turn are kept alive by heartbeats like the rest. Then
-        each finished shard's ack brings the next lease back with it (no extra round trip);
-        if the reader found no shard waiting (acks answered slower than shards are read), that
-        ack asks for enough to have ``prefetch`` waiting again.
+        Shards are leased ahead, so one round trip serves several shards; the ones waiting
+        their turn are kept alive by heartbeats like the rest. The first lease asks for
+        ``prefetch``; from then on the acks that finish shards bring the next leases back
+        with them (no extra round trip), enough to keep ``prefetch`` shards waiting, or more
+        when the caller gets through a shard quickly: about :data:`PREFETCH_SECONDS` of its
+        work (measured per shard), at most :data:`MAX_PREFETCH` shards. Then queued acks
+        (``async_acks``) gather into fewer batches while at least half of that is waiting.
         """
         queue = self._prefetched.setdefault(dataset, deque())
-        self._lease_more[dataset] = max(prefetch, 1)
+        base = max(prefetch, 1)
+        self._lease_more[dataset] = self._prefetch_base[dataset] = base
+        per_shard = 0.0  # seconds the caller spends on a shard (moving average)
         try:
             while True:
                 if not queue:  # a queued ack that finishes a shard brings the next lease: wait for it first
                     self._acks.wait()
                 if not queue:
-                    status, leased = self.lease(dataset, max(prefetch, 1), wait)
+                    status, leased = self.lease(dataset, self._lease_more.get(dataset, base), wait)
                     if status == pb.LEASE_STATUS_END:
                         return
                     queue.extend(leased)
                 while queue:
-                    yield queue.popleft()
+                    shard = queue.popleft()
+                    t0 = time.monotonic()
+                    yield shard
+                    spent = time.monotonic() - t0
+                    per_shard = spent if per_shard == 0.0 else 0.8 * per_shard + 0.2 * spent
+                    depth = math.ceil(PREFETCH_SECONDS / per_shard) if per_shard > 0 else base
+                    self._lease_more[dataset] = max(base, min(MAX_PREFETCH, depth))
         finally:
             self._lease_more.pop(dataset, None)
+            self._prefetch_base.pop(dataset, None)
+
+    def _readers_supplied(self) -> bool:
+        """Whether every :meth:`shards` reader prefetching deeper than asked has half its depth waiting.
+
+        The ack sender may then let acks gather (it is called with the ack queue's lock held).
+        """
+        deep = False
+        for dataset, target in list(self._lease_more.items()):
+            if target <= self._prefetch_base.get(dataset, target):
+                continue
+            if len(self._prefetched.get(dataset, ())) * 2 < target:
+                return False
+            deep = True
+        return deep
 
     @overload
     def ack(
@@ -343,10 +373,13 @@ class ShardClient:
             step=step or 0,
         )
 
-        def on_answer(resp: pb.AckResponse) -> None:
+        def answered(shard_done: bool) -> None:
             self._last_ack_answer = time.monotonic()
             if shard is not None:
-                shard._answered(position, resp.shard_done)
+                shard._answered(position, shard_done)
+
+        def on_answer(resp: pb.AckResponse) -> None:
+            answered(resp.shard_done)
             if resp.leases:
                 self._adopt(lease.dataset, resp.leases, self._prefetched.setdefault(lease.dataset, deque()))
 
@@ -366,8 +399,55 @@ class ShardClient:
                 f"ack of shard {lease.shard_id!r} at position {position} is outside the shard's range "
                 f"[{lease.start}, {lease.end})"
             )
-        self._acks.submit(request, on_answer)
+        self._acks.submit(request, lease.dataset, answered)
         return None
+
+    def _send_acks(self, batch: list[QueuedAck]) -> list[bool | ShardServiceError]:
+        """Send queued acks in one AckBatch (the ack sender thread); per ack, shard_done or its refusal.
+
+        The batch asks for leases when one of its acks finishes a shard and asked for more
+        (``lease_more``): for a dataset :meth:`shards` reads, enough to refill its prefetch
+        queue as it is now; otherwise the ack's own ``lease_more``.
+        """
+        dataset, more, asker = "", 0, -1
+        for i, item in enumerate(batch):
+            if item.request.lease_more > 0:
+                dataset, asker = item.dataset, i
+                break
+        if asker >= 0:
+            target = self._lease_more.get(dataset, 0)
+            if target:
+                more = max(0, target - len(self._prefetched.get(dataset, ())))
+            else:
+                more = max(b.request.lease_more for b in batch if b.dataset == dataset)
+        with self._lock:
+            self._request_id += 1
+            request_id = self._request_id
+        request = pb.AckBatchRequest(
+            worker_id=self.worker_id,
+            acks=[item.request for item in batch],
+            lease_dataset=dataset if more else "",
+            lease_more=more,
+            request_id=request_id,
+        )
+        resp = self._call(self._stub.AckBatch, request)
+        outcomes: list[bool | ShardServiceError] = []
+        for r in resp.results:
+            if r.error_code:
+                error = _ERRORS_BY_NAME.get(r.error_code, ShardServiceError)
+                outcomes.append(error(f"{r.error} [{r.error_code} from {self.address}]"))
+            else:
+                outcomes.append(r.shard_done)
+        if resp.leases:
+            try:
+                self._adopt(dataset, resp.leases, self._prefetched.setdefault(dataset, deque()))
+            except Exception as exc:  # e.g. opening the source: the asking ack's failure, as a lone Ack's was
+                if asker < len(outcomes) and not isinstance(outcomes[asker], ShardServiceError):
+                    batch[asker].on_answer(bool(outcomes[asker]))
+                    outcomes[asker] = ShardServiceError(
+                        f"the ack was recorded but handling its answer failed: {exc!r}"
+                    )
+        return outcomes
 
     def _raise_if_lost(self, lease: LeaseGrant) -> None:
         failure = self._acks.lost(lease.shard_id, lease.attempt)

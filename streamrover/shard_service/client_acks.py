@@ -6,6 +6,16 @@ once; one sender thread sends the queued acks to the master one after another, i
 the order they were queued, and hands each answer back (a finished shard's answer
 may carry the next leases). The semantics, which the client's docstrings repeat:
 
+* **Batches.** The sender sends every ack queued while the previous batch was in
+  flight (up to :data:`MAX_BATCH`) in one ``AckBatch`` round trip. The master applies
+  them in queue order, each exactly as a lone ``Ack`` (fenced by its own attempt; a
+  refused ack does not stop the acks after it), commits them to its journal in one
+  transaction before answering, and answers per ack; each refusal becomes that ack's
+  :class:`AckFailure` below. The batch also asks for the leases the reader wants next.
+  While the client says holding is harmless (``may_hold``: its :meth:`shards` readers
+  have enough leases waiting), the sender lets acks gather for up to :data:`ACK_LINGER`
+  seconds, so that small shards cost one round trip per batch, not per shard; anything
+  that waits for acks (``flush`` and the rest below) sends at once.
 * **Order.** Acks are sent in the order they were queued (one sender, FIFO). An ack
   queued right behind another ack of the same lease and the same step replaces it
   (the later position covers the earlier one; their dead-letter counts add up);
@@ -44,6 +54,8 @@ from streamrover.shard_service.v1 import shard_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 MAX_QUEUED_ACKS = 256  # ack() blocks beyond this many unsent acks (a sender far behind is back-pressure, not memory)
+MAX_BATCH = 256  # acks per AckBatch round trip
+ACK_LINGER = 0.005  # seconds the sender may let acks gather while may_hold() says the readers have work
 LeaseKey = tuple[str, int]  # (shard id, attempt)
 
 
@@ -84,10 +96,14 @@ class AckFailedError(ShardServiceError):
 
 
 @dataclass
-class _Pending:
+class QueuedAck:
+    """An ack waiting in the queue (or in flight); ``on_answer(shard_done)`` runs when the master recorded it."""
+
     request: pb.AckRequest
+    dataset: str
     seq: int
-    on_answer: Callable[[pb.AckResponse], None]
+    on_answer: Callable[[bool], None]
+    queued_at: float = 0.0
 
     @property
     def key(self) -> tuple[str, str, int, bool, int]:
@@ -95,17 +111,32 @@ class _Pending:
         return r.worker_id, r.shard_id, r.attempt, r.has_step, r.step
 
 
+# Sends a batch of queued acks; returns, per ack and in order, shard_done or the error that refused it.
+SendBatch = Callable[[list[QueuedAck]], list["bool | ShardServiceError"]]
+
+
 class AckQueue:
     """Queued acks and the thread that sends them; see the module docstring for the semantics."""
 
-    def __init__(self, send: Callable[[pb.AckRequest], pb.AckResponse], max_queued: int = MAX_QUEUED_ACKS) -> None:
+    def __init__(
+        self,
+        send: SendBatch,
+        max_queued: int = MAX_QUEUED_ACKS,
+        max_batch: int = MAX_BATCH,
+        may_hold: Callable[[], bool] | None = None,
+        linger: float = ACK_LINGER,
+    ) -> None:
         self._send = send
         self._max = max_queued
+        self._max_batch = max(max_batch, 1)
+        self._may_hold = may_hold
+        self._linger = linger
+        self._waiters = 0  # threads in wait(): acks are sent at once while any waits
         self._cond = threading.Condition()
-        self._queue: deque[_Pending] = deque()
+        self._queue: deque[QueuedAck] = deque()
         self._queued_seq = 0  # the last sequence number handed out
         self._answered_seq = 0  # every ack up to this one is answered (or failed, or discarded)
-        self._in_flight: _Pending | None = None
+        self._in_flight: list[QueuedAck] = []
         self._unreported: dict[LeaseKey, AckFailure] = {}
         self._lost: dict[LeaseKey, AckFailure] = {}
         self._thread: threading.Thread | None = None
@@ -115,16 +146,16 @@ class AckQueue:
     def pending(self) -> int:
         """Acks queued or in flight, not yet answered."""
         with self._cond:
-            return len(self._queue) + (self._in_flight is not None)
+            return len(self._queue) + len(self._in_flight)
 
     # ----------------------------------------------------------------- producers
-    def submit(self, request: pb.AckRequest, on_answer: Callable[[pb.AckResponse], None]) -> None:
-        """Queue ``request``; ``on_answer`` runs in the sender thread with the master's answer."""
+    def submit(self, request: pb.AckRequest, dataset: str, on_answer: Callable[[bool], None]) -> None:
+        """Queue ``request`` (an ack of a lease of ``dataset``); ``on_answer(shard_done)`` runs in the sender thread."""
         with self._cond:
             if self._closing:
                 raise RuntimeError("the client is closed: no more acks")
             self._queued_seq += 1
-            item = _Pending(request, self._queued_seq, on_answer)
+            item = QueuedAck(request, dataset, self._queued_seq, on_answer, time.monotonic())
             tail = self._queue[-1] if self._queue else None
             if tail is not None and tail.key == item.key and request.position >= tail.request.position:
                 tail.request.position = request.position  # same lease, same step: the later position covers it
@@ -139,18 +170,35 @@ class AckQueue:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="shard-acks", daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            if len(self._queue) == 1 or not self._holding():  # the sender starts its linger or sends now
+                self._cond.notify_all()
+
+    def _holding(self) -> bool:
+        """Whether the sender may let the queued acks gather (called with the lock held)."""
+        return (
+            self._may_hold is not None
+            and self._waiters == 0
+            and len(self._queue) < self._max_batch
+            and self._may_hold()
+        )
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every ack queued so far is answered. Raises TimeoutError after ``timeout`` seconds."""
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             target = self._queued_seq
-            while self._answered_seq < target:
-                remaining = None if give_up is None else give_up - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"{target - self._answered_seq} ack(s) still unanswered after {timeout}s")
-                self._cond.wait(remaining)
+            if self._answered_seq >= target:
+                return
+            self._waiters += 1
+            self._cond.notify_all()  # a lingering sender sends now
+            try:
+                while self._answered_seq < target:
+                    remaining = None if give_up is None else give_up - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"{target - self._answered_seq} ack(s) still unanswered after {timeout}s")
+                    self._cond.wait(remaining)
+            finally:
+                self._waiters -= 1
 
     # ------------------------------------------------------------------ failures
     def lost(self, shard_id: str, attempt: int) -> AckFailure | None:
@@ -188,7 +236,7 @@ class AckQueue:
         with self._cond:
             dropped = len(self._queue)
             self._queue.clear()
-            while self._in_flight is not None:
+            while self._in_flight:
                 self._cond.wait()
             self._answered_seq = self._queued_seq
             self._unreported.clear()
@@ -214,32 +262,43 @@ class AckQueue:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
+                while not self._closing:
+                    if not self._queue:
+                        self._cond.wait()
+                        continue
+                    linger = self._queue[0].queued_at + self._linger - time.monotonic()
+                    if linger <= 0 or not self._holding():
+                        break
+                    self._cond.wait(linger)
                 if self._closing:
                     return
-                item = self._in_flight = self._queue.popleft()
+                n = min(len(self._queue), self._max_batch)
+                batch = self._in_flight = [self._queue.popleft() for _ in range(n)]
                 self._cond.notify_all()  # a producer blocked on a full queue may go on
-            error: ShardServiceError | None = None
             try:
-                answer = self._send(item.request)
+                outcomes = self._send(batch)
+                if len(outcomes) != len(batch):
+                    raise ShardServiceError(f"the master answered {len(outcomes)} of {len(batch)} acks")
             except Exception as exc:  # _call maps RPC errors to ShardServiceError; anything else is kept too
                 error = exc if isinstance(exc, ShardServiceError) else ShardServiceError(repr(exc))
-            else:
-                try:
-                    item.on_answer(answer)
-                except Exception as exc:  # e.g. opening the source of piggybacked leases; none may vanish
-                    error = ShardServiceError(f"the ack was recorded but handling its answer failed: {exc!r}")
-            if error is not None:
+                outcomes = [error] * len(batch)
+            failures: list[AckFailure] = []
+            for item, outcome in zip(batch, outcomes):
+                if not isinstance(outcome, ShardServiceError):
+                    try:
+                        item.on_answer(outcome)
+                        continue
+                    except Exception as exc:  # none may vanish
+                        outcome = ShardServiceError(f"the ack was recorded but handling its answer failed: {exc!r}")
                 r = item.request
-                failure = AckFailure(r.shard_id, r.attempt, r.position, r.step if r.has_step else None, error)
-                with self._cond:
-                    key = (r.shard_id, r.attempt)
+                failures.append(AckFailure(r.shard_id, r.attempt, r.position, r.step if r.has_step else None, outcome))
+            with self._cond:
+                for failure in failures:  # in queue order: a lease's first failure is the one reported
+                    key = (failure.shard_id, failure.attempt)
                     if key not in self._lost:  # the first failure of a lost lease says it all
                         self._unreported.setdefault(key, failure)
                     if failure.lease_lost:
                         self._lost.setdefault(key, failure)
-            with self._cond:
-                self._in_flight = None
-                self._answered_seq = max(self._answered_seq, item.seq)
+                self._in_flight = []
+                self._answered_seq = max(self._answered_seq, batch[-1].seq)
                 self._cond.notify_all()

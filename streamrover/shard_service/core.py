@@ -27,6 +27,7 @@ from streamrover.shard_service.api import (
     LeaseStatus,
     NotFoundError,
     PartitionPlan,
+    ShardServiceError,
     ShardState,
 )
 from streamrover.shard_service.cuts import CutOps
@@ -44,6 +45,18 @@ class LeaseOutcome:
     status: LeaseStatus
     leases: list[LeaseGrant]
     retry_after: float = 0.0
+
+
+@dataclass(frozen=True)
+class AckItem:
+    """One ack of a batch (:meth:`ShardCore.ack_batch`): the arguments of :meth:`ShardCore.ack`."""
+
+    worker_id: str
+    shard_id: str
+    attempt: int
+    position: int
+    step: int | None = None
+    dead_letters: int = 0
 
 
 @dataclass(frozen=True)
@@ -318,6 +331,38 @@ class ShardCore(CutOps, StreamOps):
                 ds.dead_letters += dead_letters
                 self.journal.put_dataset(ds)
         return AckResult(shard_done=done, duplicate=False)
+
+    def ack_batch(
+        self,
+        acks: list[AckItem],
+        worker_id: str = "",
+        lease_dataset: str = "",
+        lease_more: int = 0,
+        request_id: int = 0,
+    ) -> tuple[list[AckResult | ShardServiceError], LeaseOutcome | None]:
+        """Several acks in order, each judged exactly as :meth:`ack` judges it, in one journal transaction.
+
+        A refused ack does not stop the ones after it: its error is returned in its place
+        (refusals are raised before anything changes). Every accepted ack is committed to
+        the journal before this returns, all in one transaction. Then, when ``lease_more``
+        > 0, up to that many shards of ``lease_dataset`` are leased to ``worker_id`` (no
+        wait; ``request_id`` as in :meth:`lease`: a retried batch gets the same leases); a
+        lease that cannot be granted (unknown worker or dataset, a failed dataset) yields None.
+        """
+        results: list[AckResult | ShardServiceError] = []
+        outcome: LeaseOutcome | None = None
+        with self.journal.transaction():
+            for a in acks:
+                try:
+                    results.append(self.ack(a.worker_id, a.shard_id, a.attempt, a.position, a.step, a.dead_letters))
+                except ShardServiceError as exc:
+                    results.append(exc)
+            if lease_more > 0 and lease_dataset:
+                try:
+                    outcome = self.lease(worker_id, lease_dataset, lease_more, request_id)
+                except ShardServiceError:
+                    outcome = None
+        return results, outcome
 
     def shards_dataset(self, shard_id: str) -> str | None:
         """The dataset a shard id belongs to (None if it names no registered dataset)."""

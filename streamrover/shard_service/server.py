@@ -22,7 +22,7 @@ from streamrover.shard_service.api import (
     LeaseStatus,
     ShardServiceError,
 )
-from streamrover.shard_service.core import ShardCore
+from streamrover.shard_service.core import AckItem, ShardCore
 from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.records import DatasetRecord
@@ -89,6 +89,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     def __init__(self, core: ShardCore) -> None:
         self.core = core
         self.cond = threading.Condition()
+        self._lease_waiters = 0  # LeaseShards calls waiting on cond for a shard (or END)
         self._closed = False
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
         self._reaper.start()
@@ -216,7 +217,11 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 remaining = give_up - self.core.clock()
                 if outcome.status is not LeaseStatus.WAIT or remaining <= 0 or not context.is_active():
                     break
-                self.cond.wait(min(remaining, max(outcome.retry_after, 0.01)))
+                self._lease_waiters += 1
+                try:
+                    self.cond.wait(min(remaining, max(outcome.retry_after, 0.01)))
+                finally:
+                    self._lease_waiters -= 1
             status = {
                 LeaseStatus.OK: pb.LEASE_STATUS_OK,
                 LeaseStatus.WAIT: pb.LEASE_STATUS_WAIT,
@@ -245,8 +250,8 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             result = self.core.ack(
                 request.worker_id, request.shard_id, request.attempt, request.position, step, request.dead_letters
             )
-            if result.shard_done:  # a lease call waiting for the last shards may now be answered END
-                self.cond.notify_all()
+            if result.shard_done:
+                self._wake_lease_waiters()
             more: list[pb.Lease] = []
             if result.shard_done and request.lease_more > 0:
                 dataset = self.core.shards_dataset(request.shard_id)
@@ -256,6 +261,37 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                     outcome = self.core.lease(request.worker_id, dataset, request.lease_more, -request.attempt)
                     more = [convert.lease_to_pb(g) for g in outcome.leases]
             return pb.AckResponse(shard_done=result.shard_done, duplicate=result.duplicate, leases=more)
+
+    @_rpc
+    def AckBatch(self, request: pb.AckBatchRequest, context: Any) -> pb.AckBatchResponse:
+        """A worker's queued acks in one round trip: each as a lone Ack, one journal commit, answered per ack."""
+        acks = [
+            AckItem(a.worker_id, a.shard_id, a.attempt, a.position, a.step if a.has_step else None, a.dead_letters)
+            for a in request.acks
+        ]
+        with self.cond:
+            results, outcome = self.core.ack_batch(
+                acks, request.worker_id, request.lease_dataset, request.lease_more, request.request_id
+            )
+            answers: list[pb.AckOutcome] = []
+            for r in results:
+                if isinstance(r, ShardServiceError):
+                    answers.append(pb.AckOutcome(error_code=r.code, error=str(r)))
+                else:
+                    answers.append(pb.AckOutcome(shard_done=r.shard_done, duplicate=r.duplicate))
+            if any(a.shard_done for a in answers):
+                self._wake_lease_waiters()
+            leases = [] if outcome is None else [convert.lease_to_pb(g) for g in outcome.leases]
+            return pb.AckBatchResponse(results=answers, leases=leases)
+
+    def _wake_lease_waiters(self) -> None:
+        """A shard was finished: a lease call waiting for the last shards may now be answered END.
+
+        Only lease calls need it (called with the lock held): an ack moves no deadline earlier,
+        so the reaper sleeps on; waking it on every ack cost CPU for nothing.
+        """
+        if self._lease_waiters:
+            self.cond.notify_all()
 
     # ------------------------------------------------------------------- cursor
     @_rpc

@@ -90,6 +90,7 @@ class FileSource(Source):
         self._cache: OrderedDict[tuple[str, int | None], pa.Table] = OrderedDict()
         self._cache_size = int(self.options.get("cache_partitions", "2"))
         self._files: dict[str, pq.ParquetFile] = {}
+        self._metadata: dict[str, pq.FileMetaData] = {}  # footers parsed at open
         protocol = self._fs.protocol if isinstance(self._fs.protocol, str) else self._fs.protocol[0]
         self._local = protocol in ("file", "local")
         self._scan()
@@ -145,9 +146,13 @@ class FileSource(Source):
     def _scan_file(self, path: str) -> tuple[pa.Schema, list[_FilePart]]:
         if self.format == "parquet":
             try:
-                with self._open(path) as fh:
-                    meta = pq.ParquetFile(fh).metadata
-                    schema = meta.schema.to_arrow_schema()
+                if self._local:
+                    meta = pq.read_metadata(path)
+                else:
+                    with self._open(path) as fh:
+                        meta = pq.ParquetFile(fh).metadata
+                self._metadata[path] = meta  # reused when the file is opened to read: one footer parse per file
+                schema = meta.schema.to_arrow_schema()
             except (pa.ArrowInvalid, OSError) as exc:
                 raise SourceUnreadableError(f"cannot read parquet file {path!r}: {exc}") from exc
             parts = [_FilePart(path, i, meta.row_group(i).num_rows) for i in range(meta.num_row_groups)]
@@ -208,13 +213,13 @@ class FileSource(Source):
         return table
 
     def _parquet(self, path: str) -> pq.ParquetFile:
-        """An open parquet file (metadata parsed once); local files are memory-mapped."""
+        """An open parquet file (its footer parsed once, when the source was opened); local files are memory-mapped."""
         pf = self._files.get(path)
         if pf is None:
             if self._local:
-                pf = pq.ParquetFile(path, memory_map=True)
+                pf = pq.ParquetFile(path, memory_map=True, metadata=self._metadata.get(path))
             else:
-                pf = pq.ParquetFile(self._open(path))
+                pf = pq.ParquetFile(self._open(path), metadata=self._metadata.get(path))
             self._files[path] = pf
         return pf
 
@@ -228,6 +233,7 @@ class FileSource(Source):
         for pf in self._files.values():
             pf.close()
         self._files.clear()
+        self._metadata.clear()
 
 
 def _schema_str(schema: pa.Schema) -> str:

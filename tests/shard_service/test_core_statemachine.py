@@ -29,9 +29,10 @@ from streamrover.shard_service.api import (
     LeaseGrant,
     LeaseStatus,
     NotFoundError,
+    ShardServiceError,
     StaleLeaseError,
 )
-from streamrover.shard_service.core import ShardCore
+from streamrover.shard_service.core import AckItem, ShardCore
 from streamrover.shard_service.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
 
@@ -119,6 +120,68 @@ class ShardServiceMachine(RuleBasedStateMachine):
         if result.shard_done:
             self.held.remove(h)
             self.old.append(h)
+
+    @precondition(lambda self: self.held or self.old)
+    @rule(
+        picks=st.lists(st.tuples(st.integers(0, 100), st.floats(0.0, 1.0)), min_size=1, max_size=6),
+        step=st.none() | st.integers(0, 5),
+        w=st.integers(0, 2),
+        more=st.integers(0, 2),
+    )
+    def ack_batch(self, picks: list[tuple[int, float]], step: int | None, w: int, more: int) -> None:
+        """Acks of live and stale leases mixed in one batch: each judged as a lone ack, in order; then leases."""
+        pool = self.held + [h for h in self.old if h.acked < h.grant.end]
+        if not pool:
+            return
+        items: list[AckItem] = []
+        plan: list[tuple[Held, int]] = []
+        planned: dict[int, int] = {}
+        for i, frac in picks:
+            h = pool[i % len(pool)]
+            cur = planned.get(id(h), h.acked)
+            if cur >= h.grant.end:
+                continue
+            pos = min(cur + max(1, round(frac * (h.grant.end - cur))), h.grant.end)
+            planned[id(h)] = pos
+            items.append(AckItem(h.worker, h.grant.shard_id, h.grant.attempt, pos, step))
+            plan.append((h, pos))
+        worker = self.workers[w]
+        if worker not in self.core.workers:
+            worker = self.workers[w] = self.core.join(f"w{w}").id
+        results, outcome = self.core.ack_batch(items, worker, "d", more)
+        assert len(results) == len(items)
+        for (h, pos), result in zip(plan, results):
+            stale = any(x is h for x in self.old)
+            if isinstance(result, ShardServiceError):
+                assert isinstance(result, (StaleLeaseError, FailedPreconditionError, NotFoundError)), result
+                if not stale:
+                    self.held.remove(h)
+                    self.old.append(h)
+                continue
+            if result.duplicate:  # a shard compacted after a commit answers every ack as a harmless repeat
+                assert self.core.shards.get(h.grant.shard_id) is None, f"a new position answered {result}"
+                continue
+            assert not stale, f"a stale lease's new ack was accepted in a batch: {result}"
+            part = PARTITIONS[h.grant.partition.index].id
+            for p in range(h.acked, pos):
+                key = (h.grant.epoch, part, p)
+                self.applied[key] = self.applied.get(key, 0) + 1
+            h.acked = pos
+            h.acks.append(pos)
+            if result.shard_done:
+                self.held.remove(h)
+                self.old.append(h)
+        if outcome is not None:
+            assert more > 0 and (outcome.status is LeaseStatus.OK) == bool(outcome.leases)
+            for g in outcome.leases:
+                assert all(x.grant.shard_id != g.shard_id for x in self.held if self._alive(x)), "leased twice"
+                self.held.append(Held(worker, g, g.resume))
+        else:
+            assert more == 0
+
+    def _alive(self, h: Held) -> bool:
+        s = self.core.shards.get(h.grant.shard_id)
+        return s is not None and s.state.value == "leased" and s.attempt == h.grant.attempt
 
     @precondition(lambda self: any(h.acks for h in self.held + self.old))
     @rule(i=st.integers(0, 100))

@@ -657,6 +657,96 @@ class AckResponse(google.protobuf.message.Message):
 global___AckResponse = AckResponse
 
 @typing.final
+class AckBatchRequest(google.protobuf.message.Message):
+    """Several acks in one round trip (a worker's queued acks). The master applies them in
+    order, each exactly as a lone Ack would be (fenced by its attempt; a refused ack
+    does not stop the ones after it), records them all in one journal transaction and
+    answers only once that is committed, then leases up to lease_more shards.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: builtins.int
+    ACKS_FIELD_NUMBER: builtins.int
+    LEASE_DATASET_FIELD_NUMBER: builtins.int
+    LEASE_MORE_FIELD_NUMBER: builtins.int
+    REQUEST_ID_FIELD_NUMBER: builtins.int
+    worker_id: builtins.str
+    """leases are granted to this worker (each ack is judged by its own worker_id)"""
+    lease_dataset: builtins.str
+    lease_more: builtins.int
+    """after the acks: lease up to this many shards of lease_dataset (no wait)"""
+    request_id: builtins.int
+    """as LeaseRequest.request_id: a retried batch gets the same leases back"""
+    @property
+    def acks(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___AckRequest]:
+        """applied in this order; their own lease_more is ignored"""
+
+    def __init__(
+        self,
+        *,
+        worker_id: builtins.str = ...,
+        acks: collections.abc.Iterable[global___AckRequest] | None = ...,
+        lease_dataset: builtins.str = ...,
+        lease_more: builtins.int = ...,
+        request_id: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["acks", b"acks", "lease_dataset", b"lease_dataset", "lease_more", b"lease_more", "request_id", b"request_id", "worker_id", b"worker_id"]) -> None: ...
+
+global___AckBatchRequest = AckBatchRequest
+
+@typing.final
+class AckOutcome(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    SHARD_DONE_FIELD_NUMBER: builtins.int
+    DUPLICATE_FIELD_NUMBER: builtins.int
+    ERROR_CODE_FIELD_NUMBER: builtins.int
+    ERROR_FIELD_NUMBER: builtins.int
+    shard_done: builtins.bool
+    """as AckResponse"""
+    duplicate: builtins.bool
+    error_code: builtins.str
+    """"" = recorded; else the gRPC status name a lone Ack would have failed with"""
+    error: builtins.str
+    """why it was refused"""
+    def __init__(
+        self,
+        *,
+        shard_done: builtins.bool = ...,
+        duplicate: builtins.bool = ...,
+        error_code: builtins.str = ...,
+        error: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["duplicate", b"duplicate", "error", b"error", "error_code", b"error_code", "shard_done", b"shard_done"]) -> None: ...
+
+global___AckOutcome = AckOutcome
+
+@typing.final
+class AckBatchResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: builtins.int
+    LEASES_FIELD_NUMBER: builtins.int
+    @property
+    def results(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___AckOutcome]:
+        """one per ack, in the request's order"""
+
+    @property
+    def leases(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___Lease]:
+        """leased because of lease_more"""
+
+    def __init__(
+        self,
+        *,
+        results: collections.abc.Iterable[global___AckOutcome] | None = ...,
+        leases: collections.abc.Iterable[global___Lease] | None = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["leases", b"leases", "results", b"results"]) -> None: ...
+
+global___AckBatchResponse = AckBatchResponse
+
+@typing.final
 class Interval(google.protobuf.message.Message):
     """-------------------------------------------------------------------- cursor"""
 

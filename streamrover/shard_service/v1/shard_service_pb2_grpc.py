@@ -74,6 +74,11 @@ class ShardServiceStub(object):
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckRequest.SerializeToString,
                 response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckResponse.FromString,
                 _registered_method=True)
+        self.AckBatch = channel.unary_unary(
+                '/streamrover.v1.ShardService/AckBatch',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckBatchRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckBatchResponse.FromString,
+                _registered_method=True)
         self.CutPrepare = channel.unary_unary(
                 '/streamrover.v1.ShardService/CutPrepare',
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CutPrepareRequest.SerializeToString,
@@ -157,6 +162,12 @@ class ShardServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Ack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -246,6 +257,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.Ack,
                     request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckRequest.FromString,
                     response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckResponse.SerializeToString,
+            ),
+            'AckBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckBatch,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckBatchRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckBatchResponse.SerializeToString,
             ),
             'CutPrepare': grpc.unary_unary_rpc_method_handler(
                     servicer.CutPrepare,
@@ -499,6 +515,33 @@ class ShardService(object):
             '/streamrover.v1.ShardService/Ack',
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckRequest.SerializeToString,
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrover.v1.ShardService/AckBatch',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckBatchRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.AckBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

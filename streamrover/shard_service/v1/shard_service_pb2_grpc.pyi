@@ -70,6 +70,11 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.AckResponse,
     ]
 
+    AckBatch: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.AckBatchRequest,
+        streamrover.shard_service.v1.shard_service_pb2.AckBatchResponse,
+    ]
+
     CutPrepare: grpc.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.CutPrepareRequest,
         streamrover.shard_service.v1.shard_service_pb2.CutPrepareResponse,
@@ -144,6 +149,11 @@ class ShardServiceAsyncStub:
     Ack: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.AckRequest,
         streamrover.shard_service.v1.shard_service_pb2.AckResponse,
+    ]
+
+    AckBatch: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.AckBatchRequest,
+        streamrover.shard_service.v1.shard_service_pb2.AckBatchResponse,
     ]
 
     CutPrepare: grpc.aio.UnaryUnaryMultiCallable[
@@ -237,6 +247,13 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.AckRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.AckResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.AckResponse]]: ...
+
+    @abc.abstractmethod
+    def AckBatch(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.AckBatchRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.AckBatchResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.AckBatchResponse]]: ...
 
     @abc.abstractmethod
     def CutPrepare(

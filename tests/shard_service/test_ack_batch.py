@@ -1,0 +1,229 @@
+"""Batched acks (``AckBatch``): each ack judged as a lone Ack, in order; refusals answered per ack; one commit.
+
+The RPC is driven directly (exact batches), then through the client's ack queue, whose
+sender batches whatever was queued while the master was stopped (SIGSTOP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from streamrover.cursor import IntervalSet, PartitionKey
+from streamrover.shard_service import (
+    AckFailedError,
+    DatasetSpec,
+    FailedPreconditionError,
+    LeasedShard,
+    ShardClient,
+)
+from streamrover.shard_service.client_acks import QueuedAck
+from streamrover.shard_service.v1 import shard_service_pb2 as pb
+from streamrover.testing.procs import MasterProcess
+from tests.helpers import write_parquet_dataset
+
+
+@pytest.fixture
+def client(master: MasterProcess) -> Iterator[ShardClient]:
+    c = ShardClient(master.address, token=master.token, heartbeat=False, timeout=30, async_acks=True)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def dataset(tmp_path: Path, client: ShardClient) -> str:
+    write_parquet_dataset(tmp_path / "data", 1000, files=1, row_group_size=1000)
+    client.register_dataset(DatasetSpec("rows", str(tmp_path / "data"), records_per_shard=100))
+    return "rows"
+
+
+@contextmanager
+def stopped(master: MasterProcess) -> Iterator[None]:
+    """The master frozen: it answers nothing until the block ends."""
+    assert master.proc is not None
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+
+
+def _key(shard: LeasedShard) -> PartitionKey:
+    return PartitionKey(shard.lease.dataset, shard.lease.epoch, shard.lease.partition.id)
+
+
+def _ack(
+    client: ShardClient, shard: LeasedShard, position: int, step: int | None = None, attempt: int = 0
+) -> pb.AckRequest:
+    return pb.AckRequest(
+        worker_id=client.worker_id,
+        shard_id=shard.shard_id,
+        attempt=attempt or shard.lease.attempt,
+        position=position,
+        has_step=step is not None,
+        step=step or 0,
+    )
+
+
+def _batch(client: ShardClient, *acks: pb.AckRequest, **kw: object) -> pb.AckBatchResponse:
+    return client._call(client._stub.AckBatch, pb.AckBatchRequest(worker_id=client.worker_id, acks=acks, **kw))
+
+
+def test_a_refused_ack_in_the_middle_of_a_batch_stops_nothing_after_it(client: ShardClient, dataset: str) -> None:
+    client.join()
+    _, (a, b, c) = client.lease(dataset, 3)
+    resp = _batch(
+        client,
+        _ack(client, a, a.lease.start + 40),
+        _ack(client, b, b.lease.start + 10, attempt=b.lease.attempt + 1000),  # never issued: stale
+        _ack(client, c, c.lease.end + 1),  # outside the shard
+        _ack(client, a, a.lease.end),
+        _ack(client, c, c.lease.end),
+    )
+    codes = [r.error_code for r in resp.results]
+    assert codes == ["", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "", ""]
+    assert "was never issued" in resp.results[1].error and "outside the shard's range" in resp.results[2].error
+    assert [r.shard_done for r in resp.results] == [False, False, False, True, True]
+    acked = client.get_cursor()[1]
+    # one partition, shards a, b, c in a row: a and c recorded, b (between them) not
+    assert (a.lease.end, c.lease.start) == (b.lease.start, b.lease.end)
+    assert acked.get(_key(a)) == IntervalSet([(a.lease.start, a.lease.end), (c.lease.start, c.lease.end)])
+    # b's lease is untouched by the refusal: its real attempt still acks
+    (again,) = _batch(client, _ack(client, b, b.lease.end)).results
+    assert again.shard_done and not again.error_code
+
+
+def test_acks_of_a_lease_apply_in_batch_order_with_their_steps(client: ShardClient, dataset: str) -> None:
+    client.join()
+    _, (a,) = client.lease(dataset)
+    s = a.lease.start
+    resp = _batch(
+        client,
+        _ack(client, a, s + 10, step=1),
+        _ack(client, a, s + 30, step=2),
+        _ack(client, a, s + 20, step=3),  # behind what this attempt acked: a harmless repeat, as a lone Ack
+        _ack(client, a, s + 30, step=3),  # a repeat
+        _ack(client, a, s + 50, step=4),
+    )
+    assert [(r.duplicate, r.error_code) for r in resp.results] == [
+        (False, ""), (False, ""), (True, ""), (True, ""), (False, "")
+    ]  # fmt: skip
+    _, cut1 = client.prepare_cut(step=1)
+    _, cut3 = client.prepare_cut(step=3)
+    assert cut1.get(_key(a)) == IntervalSet([(s, s + 10)])
+    assert cut3.get(_key(a)) == IntervalSet([(s, s + 30)])
+
+
+def test_a_stale_ack_in_a_batch_is_refused_and_the_new_holders_are_recorded(
+    client: ShardClient, dataset: str, master: MasterProcess
+) -> None:
+    client.join()
+    _, (old,) = client.lease(dataset)
+    client.leave()  # the lease goes back: the same shard is leased again as a new attempt
+    other = ShardClient(master.address, token=master.token, heartbeat=False, timeout=30)
+    try:
+        other.join()
+        _, (new,) = other.lease(dataset)
+        assert new.shard_id == old.shard_id and new.lease.attempt > old.lease.attempt
+        client.join()
+        _, (mine,) = client.lease(dataset)
+        resp = _batch(client, _ack(client, old, old.lease.end), _ack(client, mine, mine.lease.end))
+        assert resp.results[0].error_code == "FAILED_PRECONDITION"
+        assert f"leased again as attempt {new.lease.attempt}" in resp.results[0].error
+        assert resp.results[1].shard_done and not resp.results[1].error_code
+        (held,) = _batch(other, _ack(other, new, new.lease.end)).results
+        assert held.shard_done and not held.duplicate
+    finally:
+        other.close()
+
+
+def test_a_retried_batch_is_recorded_once_and_gets_the_same_leases(client: ShardClient, dataset: str) -> None:
+    client.join()
+    _, (a, b) = client.lease(dataset, 2)
+    request = pb.AckBatchRequest(
+        worker_id=client.worker_id,
+        acks=[_ack(client, a, a.lease.end), _ack(client, b, b.lease.start + 5)],
+        lease_dataset=dataset,
+        lease_more=3,
+        request_id=77,
+    )
+    first = client._call(client._stub.AckBatch, request)
+    again = client._call(client._stub.AckBatch, request)  # the answer was lost: the client sends it again
+    assert [(r.shard_done, r.duplicate) for r in first.results] == [(True, False), (False, False)]
+    assert [(r.shard_done, r.duplicate) for r in again.results] == [(True, True), (False, True)]
+    assert len(first.leases) == 3
+    assert [(x.shard_id, x.attempt) for x in again.leases] == [(x.shard_id, x.attempt) for x in first.leases]
+    assert client.status().records_per_second >= 0  # the master is fine
+    info = client.describe_dataset(dataset)
+    assert info.shards.leased == 4 and info.shards.acked == 1  # b and the three leased, none twice
+
+
+def test_a_batch_is_durable_when_answered(client: ShardClient, dataset: str, master: MasterProcess) -> None:
+    client.join()
+    _, (a, b) = client.lease(dataset, 2)
+    _batch(client, _ack(client, a, a.lease.end), _ack(client, b, b.lease.start + 60))
+    master.restart()  # SIGKILL, then a new master from the journal
+    acked = client.get_cursor()[1]
+    assert acked.get(_key(a)) == IntervalSet([(a.lease.start, a.lease.end), (b.lease.start, b.lease.start + 60)])
+
+
+def test_queued_acks_of_several_leases_go_in_one_batch_and_a_refusal_is_reported_once(
+    client: ShardClient, dataset: str, master: MasterProcess
+) -> None:
+    client.join()
+    _, (a, b, c) = client.lease(dataset, 3)
+    batches: list[int] = []
+    send = client._acks._send
+
+    def counting(batch: list[QueuedAck]) -> list[bool | Exception]:
+        batches.append(len(batch))
+        return send(batch)  # type: ignore[return-value]
+
+    client._acks._send = counting  # type: ignore[assignment]
+    ghost = dataclasses.replace(b.lease, attempt=b.lease.attempt + 1000)
+    with stopped(master):
+        a.ack(a.lease.start + 30, step=1)
+        client.ack(ghost, b.lease.start + 10, step=1)  # refused: that attempt was never issued
+        c.ack(c.lease.end, step=1)
+        a.ack(a.lease.start + 60, step=2)
+        a.ack(a.lease.end, step=3)
+        b.ack(b.lease.end, step=3)
+    with pytest.raises(AckFailedError) as err:
+        client.flush()
+    (failure,) = err.value.failures
+    assert failure.shard_id == b.shard_id and failure.attempt == ghost.attempt and failure.lease_lost
+    assert isinstance(failure.error, FailedPreconditionError) and "never issued" in str(failure.error)
+    client.flush()  # reported once
+    assert sum(batches) == 6 and len(batches) <= 2, batches  # at most one in flight when the master stopped
+    assert a.done and b.done and c.done
+    _, cut = client.prepare_cut(step=2)
+    assert cut.get(_key(a)) == IntervalSet([(a.lease.start, a.lease.start + 60), (c.lease.start, c.lease.end)])
+    with pytest.raises(FailedPreconditionError, match="never issued"):
+        client.ack(ghost, b.lease.start + 20)  # that lease is lost for good: raised before sending
+    assert client.acks_pending == 0
+
+
+def test_small_shards_are_read_through_few_batches(client: ShardClient, dataset: str) -> None:
+    """shards() leases deeper when the caller gets through shards quickly, and queued acks gather into batches."""
+    batches: list[int] = []
+    send = client._acks._send
+
+    def counting(batch: list[QueuedAck]) -> list[bool | Exception]:
+        batches.append(len(batch))
+        return send(batch)  # type: ignore[return-value]
+
+    client._acks._send = counting  # type: ignore[assignment]
+    rows = 0
+    for shard in client.shards(dataset):
+        for batch in shard.batches():
+            rows += batch.records.num_rows
+        shard.ack()
+    client.flush()
+    assert rows == 1000 and sum(batches) == 10
+    assert client.describe_dataset(dataset).finished
