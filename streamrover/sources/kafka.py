@@ -11,8 +11,8 @@ passed through untouched (``security.protocol``, ``sasl.*``, ``ssl.*``, ...).
   ``json`` (each value a JSON object; ``sr.schema`` such as ``id:int64,x:float64``
   fixes the columns).
 - librdkafka settings the workers' consumer uses unless the options say otherwise:
-  ``fetch.queue.backoff.ms=20``, ``max.partition.fetch.bytes=4194304`` and
-  ``fetch.wait.max.ms=50`` (see ``SHARD_READ_DEFAULTS``).
+  ``fetch.queue.backoff.ms=20``, ``max.partition.fetch.bytes=16777216``,
+  ``fetch.max.bytes=16777216`` and ``fetch.wait.max.ms=50`` (see ``SHARD_READ_DEFAULTS``).
 - ``sr.dead_letter_dir``: where records that fail to decode go, raw, one file per
   record named by partition and offset (idempotent on replay); or
   ``sr.dead_letter_topic``: a topic of the same cluster they are produced to. Counts go to status.
@@ -65,22 +65,28 @@ CONTINUE_IDLE = 0.5
 # librdkafka defaults for shard reads (the dataset's options override them). A worker reads
 # one partition at a time and, when its next shard continues that partition (the master
 # leases it so), goes on without a new assignment, so what its consumer prefetched is used:
-# librdkafka's prefetch queue keeps its default size (64 MB), and a fetch may bring 4 MB of
-# the one partition (default 1 MB per partition: a reader of one partition would make four
-# times the fetch requests of one reading four). A full queue stops fetching for
-# fetch.queue.backoff.ms (default 1000 ms), which stalls a reader that drains the queue in a
-# fraction of that: 20 ms. (benchmarks/bench_streams.py, 1 KB records: broker CPU per record
-# through the shard path 1.04 us -> 0.57 us, the raw consumer's 0.42-0.54 us.)
-# A consumer has one fetch request in flight per broker; once it has read its partition to the
-# end, that request waits at the broker for new records up to fetch.wait.max.ms (default 500 ms),
-# and a read of another partition (a new assignment) cannot fetch before it returns: a worker that
-# moved on to another partition sat idle for up to half a second (measured: 480 ms per switch; two
-# processes reading 2 partitions each in 50,000-record shards, 663k records/s -> 1.11M with 50 ms,
-# raw consumers of the same partitions 0.99M). A waiting request still returns as soon as records
-# arrive, so this adds no latency; it costs an empty fetch every 50 ms while a worker waits at the end.
+# librdkafka's prefetch queue keeps its default size (64 MB). Figures: benchmarks/bench_streams.py
+# --only kafka (1 KB records, 4 partitions, 2 workers; raw consumers of 2-4 partitions alongside).
+# - max.partition.fetch.bytes 16 MB (default 1 MB): a reader of one partition makes as many fetch
+#   requests per byte as a consumer of several partitions would with the same total. Broker CPU
+#   per record through the shard path: 1.04 us (1 MB), 0.52 (4 MB), 0.37 (16 MB; raw 0.30-0.35).
+# - fetch.max.bytes 16 MB (default 50 MB): no response is bigger than that either (a consumer of
+#   several partitions given 16 MB per partition got 50 MB responses, which cost its own CPU more:
+#   reader CPU 1.3 -> 1.7 us per record).
+# - fetch.queue.backoff.ms 20 (default 1000): a full prefetch queue stops fetching for that long,
+#   which stalls a reader that drains the queue in a fraction of it.
+# - fetch.wait.max.ms 50 (default 500): a consumer has one fetch request in flight per broker;
+#   once it has read its partition to the end that request waits at the broker for new records up
+#   to this long, and a read of another partition (a new assignment) cannot fetch before it
+#   returns: a worker moving on to another partition sat idle up to half a second (measured 480 ms
+#   per switch; 2 processes reading 2 partitions each in 50,000-record shards: 663k records/s ->
+#   1.11M with 50 ms, raw consumers of the same partitions 0.99M). A waiting request still returns
+#   as soon as records arrive, so this adds no latency; it costs an empty fetch every 50 ms while
+#   a worker waits at the end of a partition.
 SHARD_READ_DEFAULTS: dict[str, Any] = {
     "fetch.queue.backoff.ms": 20,
-    "max.partition.fetch.bytes": 4 << 20,
+    "max.partition.fetch.bytes": 16 << 20,
+    "fetch.max.bytes": 16 << 20,
     "fetch.wait.max.ms": 50,
 }
 # Records asked of the consumer per call. confluent-kafka's Message objects are tracked by Python's
