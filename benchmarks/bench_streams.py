@@ -47,7 +47,10 @@ from benchmarks._streams_pool import Pass, Pool, Result
 TOKEN = "bench-token"
 # what the pool processes import before their first pass (the clock must not time module loading)
 KAFKA_IMPORTS = ("confluent_kafka", "numpy")
-SHARD_IMPORTS = ("numpy", "pyarrow.compute", "streamrover.shard_service", "streamrover.sources.kafka")
+# (streamrover.sources.files too: opening any source imports it, see sources/api.py _load_builtin_backends)
+SHARD_IMPORTS = (
+    "numpy", "pyarrow.compute", "streamrover.shard_service", "streamrover.sources.kafka", "streamrover.sources.files"
+)
 PASS_DEADLINE = 240.0  # a pass that has not seen every record by then fails (a broker or master problem)
 MAX_PENDING_SHARDS = 64  # the master's default sr.max_pending_shards (shard_service/streams.py)
 WARM_UP_KEY = b"warm-up"  # freshness: the key of records produced before the measured ones (those have none)
@@ -185,8 +188,9 @@ def shard_pass(job: tuple[Any, ...], counter: Any) -> Result:
     """Lease shards of ``dataset`` and ack every batch until ``counter`` (all workers) reaches ``expected``.
 
     Leases two shards per round trip, like ``ShardClient.shards`` (which cannot be left
-    while it waits for a stream's next shard). Where acks are queued (asynchronous acks)
-    the pass ends when the master has recorded the last ones: ``flush()`` then.
+    while it waits for a stream's next shard), one at a time in the last eighth of the
+    pass. Where acks are queued (asynchronous acks) the pass ends when the master has
+    recorded the last ones: ``flush()`` then.
     ``latency``: note, per record, the time its batch's ack was recorded (flushed after
     each batch) minus the record's produce time (the raw ``timestamp`` column), except for
     warm-up records (they have a key).
@@ -208,7 +212,9 @@ def shard_pass(job: tuple[Any, ...], counter: Any) -> Result:
         while counter.value < expected:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the workers acked {counter.value} of {expected} records in {PASS_DEADLINE:.0f}s")
-            _, leased = client.lease(dataset, 2, wait=0.25)
+            # two shards per round trip, one near the end of the pass: two shards held by one worker
+            # there would leave the other idle while it reads both (a finite pass's tail; a stream has none)
+            _, leased = client.lease(dataset, 2 if expected - counter.value > expected // 8 else 1, wait=0.25)
             for shard in leased:
                 for batch in shard.batches(batch_size):
                     n = batch.num_records
