@@ -72,8 +72,10 @@ _ERRORS: dict[grpc.StatusCode, type[ShardServiceError]] = {
 _ERRORS_BY_NAME: dict[str, type[ShardServiceError]] = {code.name: error for code, error in _ERRORS.items()}
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 CLOSE_ACK_WAIT = 10.0  # seconds close() waits for queued acks (a master restarting comes back within this)
-PREFETCH_SECONDS = 0.01  # shards() keeps about this much reading leased ahead when shards are small...
-MAX_PREFETCH = 64  # ...but no more than this many shards
+PREFETCH_SECONDS = 0.02  # shards() keeps about this much of its caller's work leased ahead when shards are small...
+MAX_PREFETCH = 128  # ...but no more than this many shards
+PREFETCH_RECORDS = 256 * 1024  # until the caller's pace is known (RAMP_SHARDS taken): about this many records
+RAMP_SHARDS = 16
 
 
 class ShardClient:
@@ -118,6 +120,7 @@ class ShardClient:
         self._prefetched: dict[str, deque[LeasedShard]] = {}  # leases that came with acks, not yet yielded
         self._lease_more: dict[str, int] = {}  # per dataset read by shards(): leases to keep waiting
         self._prefetch_base: dict[str, int] = {}  # per dataset read by shards(): the prefetch it was asked for
+        self._records_per_shard: dict[str, int] = {}  # per dataset whose source is open: as registered (0: default)
         self._revoked: set[tuple[str, int]] = set()  # (shard id, attempt): a shard id may be leased again
         self.async_acks = async_acks
         self._acks = AckQueue(self._send_acks, may_hold=self._readers_supplied)
@@ -174,8 +177,9 @@ class ShardClient:
     def register_dataset(self, spec: DatasetSpec) -> pb.RegisterDatasetResponse:
         return self._call(self._stub.RegisterDataset, pb.RegisterDatasetRequest(spec=convert.spec_to_pb(spec)))
 
-    def describe_dataset(self, name: str) -> pb.DatasetInfo:
-        return self._call(self._stub.DescribeDataset, pb.DescribeDatasetRequest(name=name))
+    def describe_dataset(self, name: str, spec_only: bool = False) -> pb.DatasetInfo:
+        """The dataset's spec, partitions and counts; ``spec_only``: its spec, kind and schema only (cheaper)."""
+        return self._call(self._stub.DescribeDataset, pb.DescribeDatasetRequest(name=name, spec_only=spec_only))
 
     def list_datasets(self) -> list[pb.DatasetInfo]:
         return list(self._call(self._stub.ListDatasets, pb.ListDatasetsRequest()).datasets)
@@ -187,7 +191,8 @@ class ShardClient:
         with self._source_lock:  # the ack sender adopts leases too
             source = self._sources.get(dataset)
             if source is None:
-                spec = self.describe_dataset(dataset).spec
+                spec = self.describe_dataset(dataset, spec_only=True).spec
+                self._records_per_shard[dataset] = spec.records_per_shard
                 source = open_source(spec.uri, spec.format, dict(spec.options))
                 self._sources[dataset] = source
             return source
@@ -266,16 +271,22 @@ class ShardClient:
 
         Shards are leased ahead, so one round trip serves several shards; the ones waiting
         their turn are kept alive by heartbeats like the rest. The first lease asks for
-        ``prefetch``; from then on the acks that finish shards bring the next leases back
-        with them (no extra round trip), enough to keep ``prefetch`` shards waiting, or more
-        when the caller gets through a shard quickly: about :data:`PREFETCH_SECONDS` of its
-        work (measured per shard), at most :data:`MAX_PREFETCH` shards. Then queued acks
-        (``async_acks``) gather into fewer batches while at least half of that is waiting.
+        ``prefetch`` (or, for small shards, about :data:`PREFETCH_RECORDS` records until
+        :data:`RAMP_SHARDS` shards have shown the caller's pace); from then on the acks that
+        finish shards bring the next leases back with them (no extra round trip), enough to
+        keep ``prefetch`` shards waiting, or more when the caller gets through a shard
+        quickly: about :data:`PREFETCH_SECONDS` of its work (the mean over the shards it
+        took), at most :data:`MAX_PREFETCH` shards. Then queued acks (``async_acks``) gather
+        into fewer batches while 2/3 of that is waiting.
         """
         queue = self._prefetched.setdefault(dataset, deque())
         base = max(prefetch, 1)
         self._lease_more[dataset] = self._prefetch_base[dataset] = base
-        per_shard = 0.0  # seconds the caller spends on a shard (moving average)
+        self._source(dataset)  # opened before the first lease: its spec says how big the shards are
+        records = self._records_per_shard.get(dataset, 0)
+        ramp = max(base, min(MAX_PREFETCH, math.ceil(PREFETCH_RECORDS / records))) if records else base
+        self._lease_more[dataset] = ramp
+        spent, taken = 0.0, 0  # seconds the caller spent on the shards it took (their mean sizes the prefetch)
         try:
             while True:
                 if not queue:  # a queued ack that finishes a shard brings the next lease: wait for it first
@@ -289,16 +300,17 @@ class ShardClient:
                     shard = queue.popleft()
                     t0 = time.monotonic()
                     yield shard
-                    spent = time.monotonic() - t0
-                    per_shard = spent if per_shard == 0.0 else 0.8 * per_shard + 0.2 * spent
-                    depth = math.ceil(PREFETCH_SECONDS / per_shard) if per_shard > 0 else base
+                    spent, taken = spent + time.monotonic() - t0, taken + 1
+                    depth = math.ceil(PREFETCH_SECONDS * taken / spent) if spent > 0 else base
+                    if taken < RAMP_SHARDS:  # the first shards pay the first reads: no pace yet to go by
+                        depth = max(depth, ramp)
                     self._lease_more[dataset] = max(base, min(MAX_PREFETCH, depth))
         finally:
             self._lease_more.pop(dataset, None)
             self._prefetch_base.pop(dataset, None)
 
     def _readers_supplied(self) -> bool:
-        """Whether every :meth:`shards` reader prefetching deeper than asked has half its depth waiting.
+        """Whether every :meth:`shards` reader prefetching deeper than asked has 2/3 of its depth waiting.
 
         The ack sender may then let acks gather (it is called with the ack queue's lock held).
         """
@@ -306,7 +318,7 @@ class ShardClient:
         for dataset, target in list(self._lease_more.items()):
             if target <= self._prefetch_base.get(dataset, target):
                 continue
-            if len(self._prefetched.get(dataset, ())) * 2 < target:
+            if len(self._prefetched.get(dataset, ())) * 3 < target * 2:
                 return False
             deep = True
         return deep

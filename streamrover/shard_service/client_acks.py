@@ -55,7 +55,7 @@ from streamrover.shard_service.v1 import shard_service_pb2 as pb
 log = logging.getLogger(__name__)
 MAX_QUEUED_ACKS = 256  # ack() blocks beyond this many unsent acks (a sender far behind is back-pressure, not memory)
 MAX_BATCH = 256  # acks per AckBatch round trip
-ACK_LINGER = 0.005  # seconds the sender may let acks gather while may_hold() says the readers have work
+ACK_LINGER = 0.01  # seconds the sender may let acks gather while may_hold() says the readers have work
 LeaseKey = tuple[str, int]  # (shard id, attempt)
 
 

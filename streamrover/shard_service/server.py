@@ -182,7 +182,11 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     @_rpc
     def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: Any) -> pb.DatasetInfo:
         with self.cond:
-            return self._info(self.core.dataset(request.name))
+            ds = self.core.dataset(request.name)
+            if request.spec_only:  # a worker opening the source: the counts walk every unfolded ack
+                kind = pb.DATASET_KIND_BATCH if ds.kind is SourceKind.BATCH else pb.DATASET_KIND_STREAM
+                return pb.DatasetInfo(spec=convert.spec_to_pb(ds.spec), kind=kind, schema_json=ds.schema_json)
+            return self._info(ds)
 
     @_rpc
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: Any) -> pb.ListDatasetsResponse:

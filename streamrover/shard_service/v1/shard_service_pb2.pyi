@@ -313,13 +313,17 @@ class DescribeDatasetRequest(google.protobuf.message.Message):
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
     NAME_FIELD_NUMBER: builtins.int
+    SPEC_ONLY_FIELD_NUMBER: builtins.int
     name: builtins.str
+    spec_only: builtins.bool
+    """only spec, kind and schema_json (what a worker needs to open the source; no counts)"""
     def __init__(
         self,
         *,
         name: builtins.str = ...,
+        spec_only: builtins.bool = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["name", b"name"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["name", b"name", "spec_only", b"spec_only"]) -> None: ...
 
 global___DescribeDatasetRequest = DescribeDatasetRequest
 
