@@ -130,3 +130,56 @@ def test_an_unfinished_read_does_not_continue(kafka_broker: Any) -> None:
         assert ids == list(range(100, 150)) and visible == [*range(50), *range(100, 150)]
     finally:
         source.close()
+
+
+def test_batches_span_consumer_calls_and_keep_every_column(kafka_broker: Any) -> None:
+    """Batches larger than what one consume() call takes (CHUNK) hold every record once, with its key,
+    value (null values included), timestamp and offset as a plain consumer sees them; Message objects
+    are freed call by call (at most one call's worth alive while a batch is handed out)."""
+    import gc
+
+    from confluent_kafka import Consumer, Message, Producer, TopicPartition
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from streamrover.sources.kafka import CHUNK
+
+    topic = f"chunks-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
+    for f in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+        f.result(30)
+    n = 3 * CHUNK + 301
+    producer = Producer(kafka_broker.client_config(acks="all"))
+    for i in range(n):
+        value = None if i % 97 == 5 else bytes([i % 251]) * (i % 1500)  # some null values (tombstones), some empty
+        key = f"k{i}".encode() if i % 3 == 0 else None
+        producer.produce(topic, value=value, key=key, partition=0, timestamp=1_700_000_000_000 + i)
+    assert producer.flush(30) == 0
+
+    plain = Consumer(kafka_broker.client_config(**{"group.id": f"plain-{topic}", "enable.partition.eof": True}))
+    plain.assign([TopicPartition(topic, 0, 0)])
+    expected: list[tuple[Any, ...]] = []
+    while len(expected) < n:
+        for m in plain.consume(1000, timeout=5):
+            if m.error() is None:
+                expected.append((m.key(), m.value(), m.timestamp()[1], m.offset()))
+    plain.close()
+
+    source = KafkaSource(f"kafka://{kafka_broker.bootstrap}/{topic}", options={"sr.format": "raw"})
+    try:
+        (part,) = source.partitions()
+        assert part.end == n
+        got: list[tuple[Any, ...]] = []
+        sizes: list[int] = []
+        cut = 1400  # two shards, the second going on from the first; the first holds a whole batch
+        for start, end in ((0, cut), (cut, n)):
+            for batch in source.read(part, start, end, batch_size=2 * CHUNK + 7):
+                alive = sum(isinstance(o, Message) for o in gc.get_objects())
+                assert alive <= CHUNK, f"{alive} Message objects alive while a batch is handed out"
+                cols = batch.records.to_pydict()
+                got += zip(cols["key"], cols["value"], cols["timestamp"], cols["offset"])
+                assert batch.positions is not None and batch.positions.to_pylist() == cols["offset"]
+                sizes.append(batch.num_records)
+        assert got == expected
+        assert max(sizes) == 2 * CHUNK + 7  # batches made of several consume() calls
+    finally:
+        source.close()
