@@ -201,6 +201,10 @@ class ShardCore(CutOps, StreamOps):
     # ------------------------------------------------------------------- leases
     def lease(self, worker_id: str, dataset: str, max_shards: int = 1, request_id: int = 0) -> LeaseOutcome:
         self.expire()
+        return self._lease(worker_id, dataset, max_shards, request_id)
+
+    def _lease(self, worker_id: str, dataset: str, max_shards: int, request_id: int) -> LeaseOutcome:
+        """:meth:`lease` once expired leases and workers are gone."""
         w = self.worker(worker_id)
         ds = self.dataset(dataset)
         self.check_usable(ds)
@@ -305,6 +309,12 @@ class ShardCore(CutOps, StreamOps):
         self, worker_id: str, shard_id: str, attempt: int, position: int, step: int | None = None, dead_letters: int = 0
     ) -> AckResult:
         self.expire()
+        return self._ack(worker_id, shard_id, attempt, position, step, dead_letters)
+
+    def _ack(
+        self, worker_id: str, shard_id: str, attempt: int, position: int, step: int | None, dead_letters: int
+    ) -> AckResult:
+        """:meth:`ack` once expired leases and workers are gone."""
         s = self.shards.get(shard_id)
         if s is None:
             return self._ack_unknown(shard_id, attempt)
@@ -340,7 +350,9 @@ class ShardCore(CutOps, StreamOps):
         lease_more: int = 0,
         request_id: int = 0,
     ) -> tuple[list[AckResult | ShardServiceError], LeaseOutcome | None]:
-        """Several acks in order, each judged exactly as :meth:`ack` judges it, in one journal transaction.
+        """Several acks in order, each judged as :meth:`ack` judges it, in one journal transaction.
+
+        Expired leases and workers are dropped once, at the start: the batch is judged at one moment.
 
         A refused ack does not stop the ones after it: its error is returned in its place
         (refusals are raised before anything changes). Every accepted ack is committed to
@@ -352,14 +364,15 @@ class ShardCore(CutOps, StreamOps):
         results: list[AckResult | ShardServiceError] = []
         outcome: LeaseOutcome | None = None
         with self.journal.transaction():
+            self.expire()  # once for the batch: its acks and leases are judged at one moment
             for a in acks:
                 try:
-                    results.append(self.ack(a.worker_id, a.shard_id, a.attempt, a.position, a.step, a.dead_letters))
+                    results.append(self._ack(a.worker_id, a.shard_id, a.attempt, a.position, a.step, a.dead_letters))
                 except ShardServiceError as exc:
                     results.append(exc)
             if lease_more > 0 and lease_dataset:
                 try:
-                    outcome = self.lease(worker_id, lease_dataset, lease_more, request_id)
+                    outcome = self._lease(worker_id, lease_dataset, lease_more, request_id)
                 except ShardServiceError:
                     outcome = None
         return results, outcome

@@ -46,6 +46,7 @@ FORMATS_BY_SUFFIX = {
     ".json": "jsonl",
 }
 _GLOB_CHARS = set("*?[")
+_KEEP_OPEN_AT_SCAN = 64  # local parquet files whose handle opening the source keeps for reading
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,12 @@ class FileSource(Source):
         if self.format == "parquet":
             try:
                 if self._local:
-                    meta = pq.read_metadata(path)
+                    pf = pq.ParquetFile(path, memory_map=True)
+                    meta = pf.metadata
+                    if len(self._files) < _KEEP_OPEN_AT_SCAN:  # read from it later: opening again costs
+                        self._files[path] = pf
+                    else:  # many files: no fd held per file until it is read
+                        pf.close()
                 else:
                     with self._open(path) as fh:
                         meta = pq.ParquetFile(fh).metadata
