@@ -11,10 +11,10 @@
 
 By default ``ack()`` waits for the master's answer. With ``async_acks=True`` (or
 ``ack(..., wait=False)``) acks leave the read path: ``ack()`` queues the ack and returns;
-a sender thread sends the queued acks in order, every ack queued so far in one ``AckBatch``
-round trip answered per ack (the batch brings the next leases back with it). Everything that depends on acks being recorded waits for them
-first: ``flush()``, ``prepare_cut()``, ``get_cursor()``, ``leave()`` and
-``ack(..., wait=True)``. A refused ack is never dropped: it is raised by the next of
+a sender thread sends the queued acks in order, every ack queued so far in one
+``AckBatch`` round trip answered per ack (the batch brings the next leases back with it).
+Everything that depends on acks being recorded waits for them first: ``flush()``,
+``prepare_cut()``, ``get_cursor()``, ``leave()`` and ``ack(..., wait=True)``. A refused ack is never dropped: it is raised by the next of
 those (as :class:`AckFailedError`), by the next ack of the same lease (as
 :class:`LeaseLostError`), or returned by ``take_ack_failures()``. Only this client's
 acks are flushed: when another process takes the cut (rank 0 for every rank), each
