@@ -14,11 +14,12 @@ By default ``ack()`` waits for the master's answer. With ``async_acks=True`` (or
 a sender thread sends the queued acks in order, every ack queued so far in one
 ``AckBatch`` round trip answered per ack (the batch brings the next leases back with it).
 Everything that depends on acks being recorded waits for them first: ``flush()``,
-``prepare_cut()``, ``get_cursor()``, ``leave()`` and ``ack(..., wait=True)``. A refused ack is never dropped: it is raised by the next of
-those (as :class:`AckFailedError`), by the next ack of the same lease (as
-:class:`LeaseLostError`), or returned by ``take_ack_failures()``. Only this client's
-acks are flushed: when another process takes the cut (rank 0 for every rank), each
-acking process must ``flush()`` before it tells that process to go on (the barrier).
+``prepare_cut()``, ``get_cursor()``, ``leave()`` and ``ack(..., wait=True)``. A refused
+ack is never dropped: it is raised by the next of those (as :class:`AckFailedError`), by
+the next ack of the same lease (as :class:`LeaseLostError`), or returned by
+``take_ack_failures()``. Only this client's acks are flushed: when another process takes
+the cut (rank 0 for every rank), each acking process must ``flush()`` before it tells
+that process to go on (the barrier).
 The full semantics are in :mod:`streamrover.shard_service.client_acks`.
 
 Calls survive a master restart: they wait for the channel to be ready and retry
