@@ -488,6 +488,11 @@ class ShardClient:
         return self._acks.pending
 
     @property
+    def acks_in_flight(self) -> int:
+        """Acks sent to the master and not yet answered (the rest of :attr:`acks_pending` is still queued)."""
+        return self._acks.in_flight
+
+    @property
     def last_ack_answered(self) -> float:
         """``time.monotonic()`` when the master last recorded an ack of this client (0.0 before the first)."""
         return self._last_ack_answer

@@ -148,6 +148,12 @@ class AckQueue:
         with self._cond:
             return len(self._queue) + len(self._in_flight)
 
+    @property
+    def in_flight(self) -> int:
+        """Acks sent to the master whose answer has not arrived yet."""
+        with self._cond:
+            return len(self._in_flight)
+
     # ----------------------------------------------------------------- producers
     def submit(self, request: pb.AckRequest, dataset: str, on_answer: Callable[[bool], None]) -> None:
         """Queue ``request`` (an ack of a lease of ``dataset``); ``on_answer(shard_done)`` runs in the sender thread."""

@@ -217,7 +217,9 @@ def test_a_worker_killed_with_queued_acks_is_caught_up_from_the_ledger(tmp_path:
                 queued.stdin.flush()
                 line = queued.stdout.readline().decode()
                 assert line.startswith("QUEUED"), line
-                assert int(line.split()[1]) == 5, "five acks (steps 1..5), none answered"
+                _, pending, in_flight = line.split()
+                assert int(pending) == 5, "five acks (steps 1..5), none answered"
+                assert int(in_flight) == 1, "only the first was sent; four die queued with the worker"
                 queued.kill()
                 queued.wait()
         finally:
