@@ -6,7 +6,8 @@ It leases one shard and prints ``LEASED``; once a line arrives on stdin (the tes
 stopped the master meanwhile) it writes the shard to the ledger batch by batch, queueing
 an ack after each (a different step each, so no two merge; the first is on the wire before
 the rest are queued), prints ``QUEUED <n> <k>`` with
-the number of acks not yet answered and how many of them were sent, and waits on stdin again, where the test SIGKILLs it.
+the number of acks not yet answered and how many of them were sent, and waits on stdin
+again, where the test SIGKILLs it.
 """
 
 from __future__ import annotations
