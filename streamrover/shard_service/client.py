@@ -412,7 +412,7 @@ class ShardClient:
                 f"ack of shard {lease.shard_id!r} at position {position} is outside the shard's range "
                 f"[{lease.start}, {lease.end})"
             )
-        self._acks.submit(request, lease.dataset, answered)
+        self._acks.submit(request, lease.dataset, answered, progress=position < lease.end and lease_more == 0)
         return None
 
     def _send_acks(self, batch: list[QueuedAck]) -> list[bool | ShardServiceError]:

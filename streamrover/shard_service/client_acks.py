@@ -14,8 +14,12 @@ may carry the next leases). The semantics, which the client's docstrings repeat:
   :class:`AckFailure` below. The batch also asks for the leases the reader wants next.
   While the client says holding is harmless (``may_hold``: its :meth:`shards` readers
   have enough leases waiting), the sender lets acks gather for up to :data:`ACK_LINGER`
-  seconds, so that small shards cost one round trip per batch, not per shard; anything
-  that waits for acks (``flush`` and the rest below) sends at once.
+  seconds, so that small shards cost one round trip per batch, not per shard. Acks that
+  end inside their shard and ask for no lease (progress acks: a trainer acking every
+  step) wait up to :data:`PROGRESS_LINGER` seconds while nothing but such acks is
+  queued: a batch reader acking every batch sends a fraction of the round trips, and
+  the shard-finishing ack, which may bring leases, goes at once. Anything that waits
+  for acks (``flush`` and the rest below) sends at once.
 * **Order.** Acks are sent in the order they were queued (one sender, FIFO). An ack
   queued right behind another ack of the same lease and the same step replaces it
   (the later position covers the earlier one; their dead-letter counts add up);
@@ -56,6 +60,8 @@ log = logging.getLogger(__name__)
 MAX_QUEUED_ACKS = 256  # ack() blocks beyond this many unsent acks (a sender far behind is back-pressure, not memory)
 MAX_BATCH = 256  # acks per AckBatch round trip
 ACK_LINGER = 0.01  # seconds the sender may let acks gather while may_hold() says the readers have work
+# seconds the sender may let acks gather while every queued ack is progress inside its shard (nothing waits on it)
+PROGRESS_LINGER = 0.05
 LeaseKey = tuple[str, int]  # (shard id, attempt)
 
 
@@ -104,6 +110,7 @@ class QueuedAck:
     seq: int
     on_answer: Callable[[bool], None]
     queued_at: float = 0.0
+    progress: bool = False  # ends before its shard's end and asks for no lease: nobody waits on its answer
 
     @property
     def key(self) -> tuple[str, str, int, bool, int]:
@@ -125,12 +132,14 @@ class AckQueue:
         max_batch: int = MAX_BATCH,
         may_hold: Callable[[], bool] | None = None,
         linger: float = ACK_LINGER,
+        progress_linger: float = PROGRESS_LINGER,
     ) -> None:
         self._send = send
         self._max = max_queued
         self._max_batch = max(max_batch, 1)
         self._may_hold = may_hold
         self._linger = linger
+        self._progress_linger = progress_linger
         self._waiters = 0  # threads in wait(): acks are sent at once while any waits
         self._cond = threading.Condition()
         self._queue: deque[QueuedAck] = deque()
@@ -155,13 +164,18 @@ class AckQueue:
             return len(self._in_flight)
 
     # ----------------------------------------------------------------- producers
-    def submit(self, request: pb.AckRequest, dataset: str, on_answer: Callable[[bool], None]) -> None:
-        """Queue ``request`` (an ack of a lease of ``dataset``); ``on_answer(shard_done)`` runs in the sender thread."""
+    def submit(
+        self, request: pb.AckRequest, dataset: str, on_answer: Callable[[bool], None], progress: bool = False
+    ) -> None:
+        """Queue ``request`` (an ack of a lease of ``dataset``); ``on_answer(shard_done)`` runs in the sender thread.
+
+        ``progress``: the ack ends inside its shard and asks for no lease, so nothing waits on its answer.
+        """
         with self._cond:
             if self._closing:
                 raise RuntimeError("the client is closed: no more acks")
             self._queued_seq += 1
-            item = QueuedAck(request, dataset, self._queued_seq, on_answer, time.monotonic())
+            item = QueuedAck(request, dataset, self._queued_seq, on_answer, time.monotonic(), progress)
             tail = self._queue[-1] if self._queue else None
             if tail is not None and tail.key == item.key and request.position >= tail.request.position:
                 tail.request.position = request.position  # same lease, same step: the later position covers it
@@ -169,6 +183,7 @@ class AckQueue:
                 tail.request.lease_more = max(tail.request.lease_more, request.lease_more)
                 tail.seq = item.seq
                 tail.on_answer = on_answer
+                tail.progress = progress and tail.request.lease_more == 0
                 return
             while len(self._queue) >= self._max and not self._closing:
                 self._cond.wait()
@@ -181,12 +196,16 @@ class AckQueue:
 
     def _holding(self) -> bool:
         """Whether the sender may let the queued acks gather (called with the lock held)."""
-        return (
-            self._may_hold is not None
-            and self._waiters == 0
-            and len(self._queue) < self._max_batch
-            and self._may_hold()
-        )
+        if self._waiters or len(self._queue) >= self._max_batch:
+            return False
+        return self._progress_only() or (self._may_hold is not None and self._may_hold())
+
+    def _progress_only(self) -> bool:
+        return all(item.progress for item in self._queue)
+
+    def _linger_for(self) -> float:
+        """How long the oldest queued ack may wait for company (called with the lock held)."""
+        return max(self._linger, self._progress_linger) if self._progress_only() else self._linger
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every ack queued so far is answered. Raises TimeoutError after ``timeout`` seconds."""
@@ -272,7 +291,7 @@ class AckQueue:
                     if not self._queue:
                         self._cond.wait()
                         continue
-                    linger = self._queue[0].queued_at + self._linger - time.monotonic()
+                    linger = self._queue[0].queued_at + self._linger_for() - time.monotonic()
                     if linger <= 0 or not self._holding():
                         break
                     self._cond.wait(linger)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -227,3 +228,35 @@ def test_small_shards_are_read_through_few_batches(client: ShardClient, dataset:
     client.flush()
     assert rows == 1000 and sum(batches) == 10
     assert client.describe_dataset(dataset).finished
+
+
+def test_progress_acks_wait_for_company_and_a_finishing_ack_takes_them_at_once(
+    client: ShardClient, dataset: str
+) -> None:
+    """Acks inside a shard (nothing waits on them) gather; the ack that ends the shard sends them all at once."""
+    client.join()
+    _, (a, b) = client.lease(dataset, 2)
+    batches: list[list[int]] = []
+    send = client._acks._send
+
+    def recording(batch: list[QueuedAck]) -> list[bool | Exception]:
+        batches.append([item.request.position for item in batch])
+        return send(batch)  # type: ignore[return-value]
+
+    client._acks._send = recording  # type: ignore[assignment]
+    client._acks._progress_linger = 60.0  # longer than this test: only a finishing ack or a flush sends them
+    for step in range(1, 6):
+        a.ack(a.lease.start + 10 * step, step=step)
+    t0 = time.monotonic()
+    a.ack(a.lease.end, step=6)  # ends the shard: sent at once, with the progress acks before it
+    client.flush()
+    assert time.monotonic() - t0 < 30, "the finishing ack waited for the progress linger"
+    assert batches == [[a.lease.start + 10 * s for s in range(1, 6)] + [a.lease.end]]
+    assert a.done
+
+    batches.clear()
+    for step in range(1, 4):
+        b.ack(b.lease.start + 10 * step, step=step)
+    client.flush()  # a flush sends progress acks at once
+    assert batches == [[b.lease.start + 10 * s for s in range(1, 4)]]
+    assert client.get_cursor()[1].size() == 130  # every ack recorded: shard a whole, 30 records of b
