@@ -40,7 +40,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
-from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka import Message as KafkaMessage
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
@@ -251,10 +259,22 @@ class KafkaSource(Source):
         offsets = [TopicPartition(self.topic, self._pid(pid), pos) for pid, pos in sorted(positions.items())]
         if not offsets:
             return
+        # Through the admin API, bounded by REQUEST_TIMEOUT: a consumer's synchronous commit waits for the group
+        # coordinator with no bound, so an outage would stall the master's poller (and its status) until it ended.
+        group = str(self.rdkafka["group.id"])
         try:
-            self._consumer_client().commit(offsets=offsets, asynchronous=False)
-        except KafkaException as exc:
-            raise SourceUnavailableError(f"cannot commit offsets to group {self.rdkafka['group.id']!r}: {exc}") from exc
+            futures = self._admin_client().alter_consumer_group_offsets(
+                [ConsumerGroupTopicPartitions(group, offsets)], request_timeout=REQUEST_TIMEOUT
+            )
+            answered = futures[group].result(timeout=REQUEST_TIMEOUT + 5)
+        except (KafkaException, TimeoutError) as exc:
+            raise SourceUnavailableError(f"cannot commit offsets to group {group!r}: {exc}") from exc
+        refused = [tp for tp in answered.topic_partitions or [] if tp.error is not None]
+        if refused:
+            raise SourceUnavailableError(
+                f"cannot commit offsets to group {group!r}: "
+                + ", ".join(f"partition {tp.partition}: {tp.error}" for tp in refused)
+            )
 
     def schema(self) -> pa.Schema:
         return self._schema

@@ -7,16 +7,13 @@ sender batches whatever was queued while the master was stopped (SIGSTOP).
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from streamrover.cursor import IntervalSet, PartitionKey
+from streamrover.cursor import IntervalSet
 from streamrover.shard_service import (
     AckFailedError,
     DatasetSpec,
@@ -24,15 +21,15 @@ from streamrover.shard_service import (
     LeasedShard,
     ShardClient,
 )
-from streamrover.shard_service.client_acks import QueuedAck
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.testing.procs import MasterProcess
 from tests.helpers import write_parquet_dataset
+from tests.shard_service.queued import partition_key, queued_client, record_batches, stopped
 
 
 @pytest.fixture
 def client(master: MasterProcess) -> Iterator[ShardClient]:
-    c = ShardClient(master.address, token=master.token, heartbeat=False, timeout=30, async_acks=True)
+    c = queued_client(master)
     yield c
     c.close()
 
@@ -42,21 +39,6 @@ def dataset(tmp_path: Path, client: ShardClient) -> str:
     write_parquet_dataset(tmp_path / "data", 1000, files=1, row_group_size=1000)
     client.register_dataset(DatasetSpec("rows", str(tmp_path / "data"), records_per_shard=100))
     return "rows"
-
-
-@contextmanager
-def stopped(master: MasterProcess) -> Iterator[None]:
-    """The master frozen: it answers nothing until the block ends."""
-    assert master.proc is not None
-    os.kill(master.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(master.proc.pid, signal.SIGCONT)
-
-
-def _key(shard: LeasedShard) -> PartitionKey:
-    return PartitionKey(shard.lease.dataset, shard.lease.epoch, shard.lease.partition.id)
 
 
 def _ack(
@@ -94,7 +76,7 @@ def test_a_refused_ack_in_the_middle_of_a_batch_stops_nothing_after_it(client: S
     acked = client.get_cursor()[1]
     # one partition, shards a, b, c in a row: a and c recorded, b (between them) not
     assert (a.lease.end, c.lease.start) == (b.lease.start, b.lease.end)
-    assert acked.get(_key(a)) == IntervalSet([(a.lease.start, a.lease.end), (c.lease.start, c.lease.end)])
+    assert acked.get(partition_key(a)) == IntervalSet([(a.lease.start, a.lease.end), (c.lease.start, c.lease.end)])
     # b's lease is untouched by the refusal: its real attempt still acks
     (again,) = _batch(client, _ack(client, b, b.lease.end)).results
     assert again.shard_done and not again.error_code
@@ -117,8 +99,8 @@ def test_acks_of_a_lease_apply_in_batch_order_with_their_steps(client: ShardClie
     ]  # fmt: skip
     _, cut1 = client.prepare_cut(step=1)
     _, cut3 = client.prepare_cut(step=3)
-    assert cut1.get(_key(a)) == IntervalSet([(s, s + 10)])
-    assert cut3.get(_key(a)) == IntervalSet([(s, s + 30)])
+    assert cut1.get(partition_key(a)) == IntervalSet([(s, s + 10)])
+    assert cut3.get(partition_key(a)) == IntervalSet([(s, s + 30)])
 
 
 def test_a_stale_ack_in_a_batch_is_refused_and_the_new_holders_are_recorded(
@@ -171,7 +153,8 @@ def test_a_batch_is_durable_when_answered(client: ShardClient, dataset: str, mas
     _batch(client, _ack(client, a, a.lease.end), _ack(client, b, b.lease.start + 60))
     master.restart()  # SIGKILL, then a new master from the journal
     acked = client.get_cursor()[1]
-    assert acked.get(_key(a)) == IntervalSet([(a.lease.start, a.lease.end), (b.lease.start, b.lease.start + 60)])
+    expected = IntervalSet([(a.lease.start, a.lease.end), (b.lease.start, b.lease.start + 60)])
+    assert acked.get(partition_key(a)) == expected
 
 
 def test_queued_acks_of_several_leases_go_in_one_batch_and_a_refusal_is_reported_once(
@@ -179,14 +162,7 @@ def test_queued_acks_of_several_leases_go_in_one_batch_and_a_refusal_is_reported
 ) -> None:
     client.join()
     _, (a, b, c) = client.lease(dataset, 3)
-    batches: list[int] = []
-    send = client._acks._send
-
-    def counting(batch: list[QueuedAck]) -> list[bool | Exception]:
-        batches.append(len(batch))
-        return send(batch)  # type: ignore[return-value]
-
-    client._acks._send = counting  # type: ignore[assignment]
+    sent = record_batches(client)
     ghost = dataclasses.replace(b.lease, attempt=b.lease.attempt + 1000)
     with stopped(master):
         a.ack(a.lease.start + 30, step=1)
@@ -201,10 +177,11 @@ def test_queued_acks_of_several_leases_go_in_one_batch_and_a_refusal_is_reported
     assert failure.shard_id == b.shard_id and failure.attempt == ghost.attempt and failure.lease_lost
     assert isinstance(failure.error, FailedPreconditionError) and "never issued" in str(failure.error)
     client.flush()  # reported once
+    batches = [len(positions) for positions in sent]
     assert sum(batches) == 6 and len(batches) <= 2, batches  # at most one in flight when the master stopped
     assert a.done and b.done and c.done
     _, cut = client.prepare_cut(step=2)
-    assert cut.get(_key(a)) == IntervalSet([(a.lease.start, a.lease.start + 60), (c.lease.start, c.lease.end)])
+    assert cut.get(partition_key(a)) == IntervalSet([(a.lease.start, a.lease.start + 60), (c.lease.start, c.lease.end)])
     with pytest.raises(FailedPreconditionError, match="never issued"):
         client.ack(ghost, b.lease.start + 20)  # that lease is lost for good: raised before sending
     assert client.acks_pending == 0
@@ -212,21 +189,14 @@ def test_queued_acks_of_several_leases_go_in_one_batch_and_a_refusal_is_reported
 
 def test_small_shards_are_read_through_few_batches(client: ShardClient, dataset: str) -> None:
     """shards() leases deeper when the caller gets through shards quickly, and queued acks gather into batches."""
-    batches: list[int] = []
-    send = client._acks._send
-
-    def counting(batch: list[QueuedAck]) -> list[bool | Exception]:
-        batches.append(len(batch))
-        return send(batch)  # type: ignore[return-value]
-
-    client._acks._send = counting  # type: ignore[assignment]
+    sent = record_batches(client)
     rows = 0
     for shard in client.shards(dataset):
         for batch in shard.batches():
             rows += batch.records.num_rows
         shard.ack()
     client.flush()
-    assert rows == 1000 and sum(batches) == 10
+    assert rows == 1000 and sum(len(positions) for positions in sent) == 10
     assert client.describe_dataset(dataset).finished
 
 
@@ -236,14 +206,7 @@ def test_progress_acks_wait_for_company_and_a_finishing_ack_takes_them_at_once(
     """Acks inside a shard (nothing waits on them) gather; the ack that ends the shard sends them all at once."""
     client.join()
     _, (a, b) = client.lease(dataset, 2)
-    batches: list[list[int]] = []
-    send = client._acks._send
-
-    def recording(batch: list[QueuedAck]) -> list[bool | Exception]:
-        batches.append([item.request.position for item in batch])
-        return send(batch)  # type: ignore[return-value]
-
-    client._acks._send = recording  # type: ignore[assignment]
+    batches = record_batches(client)
     client._acks._progress_linger = 60.0  # longer than this test: only a finishing ack or a flush sends them
     for step in range(1, 6):
         a.ack(a.lease.start + 10 * step, step=step)

@@ -7,23 +7,19 @@ until it continues, so what the client does meanwhile is observable.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
+from streamrover.cursor import DataCursor, IntervalSet
 from streamrover.shard_service import (
     AckFailedError,
     DatasetSpec,
     FailedPreconditionError,
-    LeasedShard,
     LeaseGrant,
     LeaseLostError,
     NotFoundError,
@@ -32,13 +28,14 @@ from streamrover.shard_service import (
 from streamrover.testing.ledger import Ledger
 from streamrover.testing.procs import MasterProcess, python_env, start_ledger_worker
 from tests.helpers import write_parquet_dataset
+from tests.shard_service.queued import partition_key, queued_client, stopped
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def client(master: MasterProcess) -> Iterator[ShardClient]:
-    c = ShardClient(master.address, token=master.token, heartbeat=False, timeout=30, async_acks=True)
+    c = queued_client(master)
     yield c
     c.close()
 
@@ -48,21 +45,6 @@ def dataset(tmp_path: Path, client: ShardClient) -> str:
     write_parquet_dataset(tmp_path / "data", 1000, files=1, row_group_size=1000)
     client.register_dataset(DatasetSpec("rows", str(tmp_path / "data"), records_per_shard=500))
     return "rows"
-
-
-@contextmanager
-def stopped(master: MasterProcess) -> Iterator[None]:
-    """The master frozen: it answers nothing until the block ends."""
-    assert master.proc is not None
-    os.kill(master.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(master.proc.pid, signal.SIGCONT)
-
-
-def _key(shard: LeasedShard) -> PartitionKey:
-    return PartitionKey(shard.lease.dataset, shard.lease.epoch, shard.lease.partition.id)
 
 
 def test_acks_with_steps_keep_their_order_and_a_cut_flushes_them_first(
@@ -79,9 +61,9 @@ def test_acks_with_steps_keep_their_order_and_a_cut_flushes_them_first(
     # The cut for step 5 is taken right away: it must still hold every ack of steps <= 5, and only those.
     _, cursor = client.prepare_cut(step=5)
     assert client.acks_pending == 0
-    assert cursor.get(_key(shard)) == IntervalSet([(start, positions[4])])
+    assert cursor.get(partition_key(shard)) == IntervalSet([(start, positions[4])])
     _, acked = client.get_cursor()
-    assert acked.get(_key(shard)) == IntervalSet([(start, positions[-1])])
+    assert acked.get(partition_key(shard)) == IntervalSet([(start, positions[-1])])
     assert shard.acked == positions[-1]
 
 
@@ -98,7 +80,7 @@ def test_acks_of_one_lease_and_step_merge_while_the_master_is_slow(
         assert 1 <= client.acks_pending <= 2
     client.flush()
     assert shard.done and shard.acked == end
-    assert client.get_cursor()[1].get(_key(shard)) == IntervalSet([(start, end)])
+    assert client.get_cursor()[1].get(partition_key(shard)) == IntervalSet([(start, end)])
 
 
 def test_a_refused_queued_ack_is_reported_once_and_the_lease_stays_lost(

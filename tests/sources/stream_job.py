@@ -94,6 +94,14 @@ class StreamJob:
     def finish(self, total: int, timeout: float = 180) -> tuple[LedgerReport, DataCursor, object]:
         """Wait for every record, take a final cut, stop everything; returns (ledger report, cursor, dataset info)."""
         wait_until(lambda: self.applied() >= total, timeout, f"all {total} records applied")
+        with self.admin() as admin:
+            # Applied is not yet acked: workers send queued acks a little later (progress acks linger). The final
+            # cut is taken once the master has recorded an ack for every position the source reports.
+            def all_acked() -> bool:
+                info = admin.describe_dataset("stream")
+                return info.records_acked >= sum(p.available_end - p.start for p in info.partitions)
+
+            wait_until(all_acked, timeout, "every applied record's ack recorded by the master")
         self._stop_cuts.set()
         if self._cutter is not None:
             self._cutter.join(timeout=60)

@@ -113,9 +113,13 @@ def test_kafka_broker_restart_mid_run(tmp_path: Path, kafka_broker: Any) -> None
 
         def broker_down_then_up() -> None:
             kafka_broker.kill()
-            with job.admin() as admin:  # the master keeps retrying and says so in status
-                wait_until(lambda: "Kafka" in admin.describe_dataset("stream").error, 60, "status to show the outage")
-            kafka_broker.start()
+            try:
+                with job.admin() as admin:  # the master keeps retrying and says so in status
+                    wait_until(
+                        lambda: "Kafka" in admin.describe_dataset("stream").error, 60, "status to show the outage"
+                    )
+            finally:
+                kafka_broker.start()  # also when the check failed: the broker is shared with later tests
 
         job.run_chaos(total, [broker_down_then_up], rng)
         report, _, info = job.finish(total)

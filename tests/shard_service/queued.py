@@ -1,0 +1,45 @@
+"""What the queued-ack tests share: a client with queued acks, a frozen master, and a record of the batches sent."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from streamrover.cursor import PartitionKey
+from streamrover.shard_service import LeasedShard, ShardClient
+from streamrover.shard_service.client_acks import QueuedAck
+from streamrover.testing.procs import MasterProcess
+
+
+def queued_client(master: MasterProcess) -> ShardClient:
+    return ShardClient(master.address, token=master.token, heartbeat=False, timeout=30, async_acks=True)
+
+
+@contextmanager
+def stopped(master: MasterProcess) -> Iterator[None]:
+    """The master frozen: it answers nothing until the block ends."""
+    assert master.proc is not None
+    os.kill(master.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(master.proc.pid, signal.SIGCONT)
+
+
+def partition_key(shard: LeasedShard) -> PartitionKey:
+    return PartitionKey(shard.lease.dataset, shard.lease.epoch, shard.lease.partition.id)
+
+
+def record_batches(client: ShardClient) -> list[list[int]]:
+    """From now on, the positions of every AckBatch the client's sender sends, one list per batch, in order."""
+    batches: list[list[int]] = []
+    send = client._acks._send
+
+    def recording(batch: list[QueuedAck]) -> list[bool | Exception]:
+        batches.append([item.request.position for item in batch])
+        return send(batch)  # type: ignore[return-value]
+
+    client._acks._send = recording  # type: ignore[assignment]
+    return batches
