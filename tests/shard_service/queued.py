@@ -6,15 +6,24 @@ import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from streamrover.cursor import PartitionKey
-from streamrover.shard_service import LeasedShard, ShardClient
+from streamrover.shard_service import DatasetSpec, LeasedShard, ShardClient
 from streamrover.shard_service.client_acks import QueuedAck
 from streamrover.testing.procs import MasterProcess
+from tests.helpers import write_parquet_dataset
 
 
 def queued_client(master: MasterProcess) -> ShardClient:
     return ShardClient(master.address, token=master.token, heartbeat=False, timeout=30, async_acks=True)
+
+
+def register_rows(root: Path, client: ShardClient, records_per_shard: int) -> str:
+    """A 1,000-row parquet file under ``root`` registered as dataset "rows" in shards of ``records_per_shard``."""
+    write_parquet_dataset(root / "data", 1000, files=1, row_group_size=1000)
+    client.register_dataset(DatasetSpec("rows", str(root / "data"), records_per_shard=records_per_shard))
+    return "rows"
 
 
 @contextmanager

@@ -16,29 +16,24 @@ import pytest
 from streamrover.cursor import IntervalSet
 from streamrover.shard_service import (
     AckFailedError,
-    DatasetSpec,
     FailedPreconditionError,
     LeasedShard,
     ShardClient,
 )
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.testing.procs import MasterProcess
-from tests.helpers import write_parquet_dataset
-from tests.shard_service.queued import partition_key, queued_client, record_batches, stopped
+from tests.shard_service.queued import partition_key, queued_client, record_batches, register_rows, stopped
 
 
 @pytest.fixture
 def client(master: MasterProcess) -> Iterator[ShardClient]:
-    c = queued_client(master)
-    yield c
-    c.close()
+    with queued_client(master) as c:
+        yield c
 
 
 @pytest.fixture
 def dataset(tmp_path: Path, client: ShardClient) -> str:
-    write_parquet_dataset(tmp_path / "data", 1000, files=1, row_group_size=1000)
-    client.register_dataset(DatasetSpec("rows", str(tmp_path / "data"), records_per_shard=100))
-    return "rows"
+    return register_rows(tmp_path, client, records_per_shard=100)
 
 
 def _ack(

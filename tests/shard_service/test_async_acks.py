@@ -28,23 +28,20 @@ from streamrover.shard_service import (
 from streamrover.testing.ledger import Ledger
 from streamrover.testing.procs import MasterProcess, python_env, start_ledger_worker
 from tests.helpers import write_parquet_dataset
-from tests.shard_service.queued import partition_key, queued_client, stopped
+from tests.shard_service.queued import partition_key, queued_client, register_rows, stopped
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def client(master: MasterProcess) -> Iterator[ShardClient]:
-    c = queued_client(master)
-    yield c
-    c.close()
+    with queued_client(master) as c:
+        yield c
 
 
 @pytest.fixture
 def dataset(tmp_path: Path, client: ShardClient) -> str:
-    write_parquet_dataset(tmp_path / "data", 1000, files=1, row_group_size=1000)
-    client.register_dataset(DatasetSpec("rows", str(tmp_path / "data"), records_per_shard=500))
-    return "rows"
+    return register_rows(tmp_path, client, records_per_shard=500)
 
 
 def test_acks_with_steps_keep_their_order_and_a_cut_flushes_them_first(
