@@ -64,7 +64,11 @@ class CursorBinder(Protocol):
     The cut protocol (ARCHITECTURE.md, "The exactly-once contract", steps 2-4):
 
     * :meth:`prepare_cut` is called by :meth:`Checkpointer.save` before the state is
-      copied; its cursor is stored with that snapshot (and so in the manifest).
+      copied; its cursor is stored with that snapshot (and so in the manifest). Every rank of
+      a multi-rank checkpoint calls it for the same step and must get the same cut (the
+      shard service's is idempotent per step), so the parts carry one cut id and the
+      manifest is published. The caller makes sure every rank's acks for steps ``<= step``
+      are recorded before the first rank saves (each rank flushes its acks, then a barrier).
     * :meth:`commit_cut` is called once the manifest holding that cursor is durable.
       It is called from a background thread, at most once per published manifest, by
       the rank whose saver published it; it must be idempotent (two savers finishing at

@@ -1,7 +1,9 @@
 """Cut, commit and restore: binding model states to data cursors (ARCHITECTURE.md, the exactly-once contract).
 
 - ``cut_prepare(step)``: the cursor of a model state = the committed cursor plus
-  every ack with ``step <= step`` (all acks when ``step`` is None).
+  every ack with ``step <= step`` (all acks when ``step`` is None). Idempotent per step:
+  every rank of a multi-rank checkpoint asks for the cut of its step and gets the same
+  one (the first call fixes the cursor), so the ranks' parts form one checkpoint.
 - ``cut_commit(cut_id)``: the checkpoint holding that cursor is durable; it
   becomes the committed cursor, and shards inside it are compacted away.
 - ``restore(cursor)``: everything outside the cursor is to be read again: leases
@@ -40,6 +42,15 @@ class CutOps(CoreState):
         return cursor
 
     def cut_prepare(self, step: int | None = None) -> CutRecord:
+        """The cut of ``step``: a new one, or the one already taken for ``step`` since the last commit or restore.
+
+        All ranks' acks with ``step <= step`` must be recorded before the first rank asks (a barrier after
+        each rank flushed its acks): later calls for the same step return the first call's cursor.
+        """
+        if step is not None:
+            same = self._cut_of_step(step)
+            if same is not None:
+                return same
         cursor = self.acked_cursor(step)
         self._cut_seq += 1
         cut = CutRecord(self._cut_seq, step, cursor, CutState.PREPARED)
@@ -52,6 +63,13 @@ class CutOps(CoreState):
                 self.journal.delete_cut(old)
             self._save_counters()
         return cut
+
+    def _cut_of_step(self, step: int) -> CutRecord | None:
+        """The prepared cut of ``step`` (or the last committed cut, if it is of ``step``), if any."""
+        for cut in sorted(self.cuts.values(), key=lambda c: -c.id):
+            if cut.step == step and (cut.state is CutState.PREPARED or cut.id == self.last_committed_cut):
+                return cut
+        return None
 
     def cut_commit(self, cut_id: int) -> DataCursor:
         cut = self.cuts.get(cut_id)

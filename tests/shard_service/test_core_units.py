@@ -171,3 +171,20 @@ def test_cursor_json_round_trip_and_errors() -> None:
         DataCursor.from_json('{"version": 1, "datasets": {"d": {"0": {"p": [[5, 1]]}}}}')
     with pytest.raises(CursorError, match="not valid JSON"):
         DataCursor.from_json("{")
+
+
+def test_cut_prepare_is_idempotent_per_step_until_a_commit_or_restore(tmp_path: Path, clock: Clock) -> None:
+    core = _core(tmp_path, clock)
+    _register(core)
+    w = core.join("w").id
+    (g,) = core.lease(w, "d").leases
+    core.ack(w, g.shard_id, g.attempt, 3, step=1)
+    first = core.cut_prepare(step=1)
+    core.ack(w, g.shard_id, g.attempt, 5, step=1)  # too late for step 1's cut: the first call fixed it
+    again = core.cut_prepare(step=1)
+    assert again.id == first.id and again.cursor == first.cursor
+    assert core.cut_prepare(step=2).id != first.id
+    core.cut_commit(first.id)
+    assert core.cut_prepare(step=1).id == first.id  # the committed cut of that step, committing it is a no-op
+    core.restore(DataCursor())
+    assert core.cut_prepare(step=1).id != first.id  # a new timeline: a new cut
