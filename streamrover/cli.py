@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from streamrover.operator import cli as operator_cli
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, DatasetSpec, ShardServiceError
 from streamrover.sources.api import SourceError
 
@@ -64,9 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     desc.add_argument("--json", action="store_true")
     _client_args(desc)
 
-    st = sub.add_parser("status", help="datasets, shards, workers and rates")
+    st = sub.add_parser("status", help="datasets, shards, workers and rates (or, given JOB, a job's nodes)")
+    st.add_argument("job", nargs="?", default=None, help="a job started with `streamrover run`: show its status")
+    st.add_argument("--json", action="store_true", help="with JOB: the status document as JSON")
+    st.add_argument("--home", default=None, help="with JOB: the jobs directory (default: $STREAMROVER_HOME)")
     st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS")
     _client_args(st)
+    operator_cli.add_parsers(sub)
     return parser
 
 
@@ -176,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "master":
             return _run_master(args)
+        if operator_cli.handles(args):
+            return operator_cli.main(args, console)
+        if args.command == "status" and args.job:
+            return operator_cli.main(argparse.Namespace(**{**vars(args), "command": "jobs", "jobs_command": "status"}),
+                                     console)  # fmt: skip
         with _client(args) as client:
             if args.command == "status":
                 if not args.watch:

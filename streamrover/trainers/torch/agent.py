@@ -47,6 +47,26 @@ class HealthReporter:
         self.node_id = node_id
         self.exits: list[dict[str, Any]] = []
         self._last: tuple[str, int, int, int, tuple[int, ...]] | None = None
+        self._doc: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def start_heartbeat(self, interval: float) -> None:
+        """Rewrite the health document every ``interval`` seconds (``heartbeat_at``): the node is alive."""
+        if self.client is None or interval <= 0 or self._beat is not None:
+            return
+        self._beat = threading.Thread(target=self._heartbeats, args=(interval,), name="node-heartbeat", daemon=True)
+        self._beat.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stopped.set()
+        if self._beat is not None:
+            self._beat.join(timeout=10)
+
+    def _heartbeats(self, interval: float) -> None:
+        while not self._stopped.wait(interval):  # the heartbeat period
+            self._write(None)
 
     def report(
         self,
@@ -80,9 +100,19 @@ class HealthReporter:
         }
         log.info("node %s: workers %s, %d restarts left, %d exits so far, %d standbys warm", self.node_id, state,
                  restarts_left, len(self.exits), standby_ready)  # fmt: skip
+        self._write(doc)
+
+    def _write(self, doc: dict[str, Any] | None) -> None:
+        """Write ``doc`` (None: the last one again, as a heartbeat); one writer at a time, newest wins."""
+        with self._lock:
+            if doc is not None:
+                self._doc = doc
+            self._send(self._doc or {"node": self.node_id, "state": "STARTING", "agent_pid": os.getpid()})
+
+    def _send(self, doc: dict[str, Any]) -> None:
         if self.client is None:
             return
-        data = json.dumps(doc).encode()
+        data = json.dumps({**doc, "heartbeat_at": time.time()}).encode()
         try:
             found = self.client.kv_get(self.key)
             version = found[1] if found else 0

@@ -58,6 +58,8 @@ def build_parser() -> ArgumentParser:
     group.add_argument("--standby-workers", "--standby_workers", type=int, default=None,
                        help="warm interpreters kept to restart workers in (torch already imported); "
                             "default --nproc-per-node, 0 disables")  # fmt: skip
+    group.add_argument("--heartbeat-interval", "--heartbeat_interval", type=float, default=5.0,
+                       help="seconds between the agent's heartbeats to the job master (0: none)")  # fmt: skip
     return parser
 
 
@@ -132,6 +134,7 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
     )
     client = master_client(args.shard_service, args.token, f"agent:{args.node_id}") if args.shard_service else None
     health = HealthReporter(client, run_id, args.node_id)
+    health.start_heartbeat(args.heartbeat_interval)
     namespace = namespace_for(args.ckpt_dir, os.environ[env.CKPT_JOB]) if args.ckpt_dir else None
     address = saver_address(namespace) if namespace else None
     size = config.nproc_per_node if args.standby_workers is None else args.standby_workers
@@ -168,6 +171,7 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
                 spec.rdzv_handler.shutdown()
             except Exception:  # torchelastic's launcher logs and goes on here too
                 log.exception("error shutting down the rendezvous handler")
+        health.stop_heartbeat()
         if client is not None:
             client.close()
 

@@ -1,0 +1,154 @@
+"""The job controller: what ``streamrover run`` runs. Starts the master, registers the datasets, supervises.
+
+One controller per job, on the machine where ``run`` was typed (for ``local`` and
+``ray``; on Kubernetes the operator pod runs it). It:
+
+1. launches the job master through the platform (its journal in ``master.state_dir``),
+   with the token from ``master.token`` (a file, an environment variable, or generated);
+2. registers every dataset of the spec (idempotent: a rerun of the same spec resumes);
+3. runs a :class:`~streamrover.operator.supervisor.Supervisor` tick every ``tick`` seconds,
+   relaunching the master if it died (same port; its journal makes that lossless),
+   taking ``scale`` requests, and writing ``status.json`` each time;
+4. on SIGTERM/SIGINT (``streamrover stop JOB``) stops the nodes, then the master.
+
+The exit code is 0 when training finished or the job was stopped, 1 when it failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from streamrover.operator.api import MasterLaunch, NodeState, Platform, create_platform
+from streamrover.operator.jobs import JobDir, write_atomic
+from streamrover.operator.spec import JobSpec
+from streamrover.operator.supervisor import JobPhase, Supervisor
+
+log = logging.getLogger(__name__)
+
+
+def resolve_token(spec: JobSpec, state_dir: Path) -> str:
+    """The job's bearer token, from where ``master.token`` says (generated into STATE_DIR/token by default)."""
+    source = spec.master.token
+    if source.file:
+        try:
+            return Path(source.file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"master.token.file: cannot read {source.file}: {exc.strerror}") from None
+    if source.env:
+        value = os.environ.get(source.env, "")
+        if not value:
+            raise ValueError(f"master.token.env: the environment variable {source.env} is not set")
+        return value
+    from streamrover.shard_service.server import load_or_create_token
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return load_or_create_token(state_dir)
+
+
+class JobController:
+    """Runs one job to its end (see the module docstring)."""
+
+    def __init__(self, spec: JobSpec, job: JobDir, platform: str | Platform = "local", tick: float = 0.5) -> None:
+        self.spec = spec
+        self.job = job
+        self.platform = create_platform(platform, workdir=job.path / "logs") if isinstance(platform, str) else platform
+        self.tick = tick
+        self._stop = threading.Event()
+        self.state_dir = Path(spec.master.state_dir) if spec.master.state_dir else job.path / "master"
+        self.ckpt_url = spec.checkpoint.url or str(job.path / "ckpt")
+        self.run_id = f"{spec.name}-{int(time.time() * 1000):x}"
+        self.supervisor: Supervisor | None = None
+        self.master_relaunches = 0
+
+    def request_stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def _health(self, client: Any) -> Any:
+        from streamrover.trainers.torch.agent import read_health  # torch only when a torch job runs
+
+        return lambda run_id, node_id: read_health(client, run_id, node_id)
+
+    def run(self) -> int:
+        """Run the job until it ends; returns the process exit code."""
+        from streamrover.shard_service import DatasetSpec, ShardClient
+
+        write_atomic(self.job.pid_path, f"{os.getpid()}\n")
+        token = resolve_token(self.spec, self.state_dir)
+        launch = MasterLaunch(self.spec.name, self.state_dir, token, self.spec.master.host, self.spec.master.port,
+                              self.spec.master.lease_ttl)  # fmt: skip
+        self._write({"job": self.spec.name, "phase": "starting", "platform": self.platform.name, "nodes": []})
+        master = self.platform.launch_master(launch)
+        client = ShardClient(master.address, token=token, name=f"controller:{self.spec.name}", heartbeat=False,
+                             timeout=60.0)  # fmt: skip
+        try:
+            for ds in self.spec.datasets:
+                client.register_dataset(DatasetSpec(ds.name, ds.uri, ds.format, dict(ds.options), ds.records_per_shard,
+                                                    ds.epochs, ds.shuffle, ds.seed))  # fmt: skip
+            sup = self.supervisor = Supervisor(
+                self.spec, self.platform, run_id=self.run_id, master_address=master.address, token=token,
+                ckpt_url=self.ckpt_url, health=self._health(client),
+            )  # fmt: skip
+            sup.start()
+            self._write(self._status())
+            while not sup.phase.ended:
+                if self._stop.wait(self.tick):  # the supervision period; a stop request wakes it at once
+                    sup.stop_all("stopped on request")
+                    break
+                self._keep_master(launch)
+                wanted = self.job.take_scale_request()
+                if wanted is not None:
+                    try:
+                        sup.scale(wanted, "streamrover scale")
+                    except ValueError as exc:
+                        sup.event("scale-refused", "", str(exc))
+                sup.tick()
+                self._write(self._status())
+            return 0 if sup.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED) else 1
+        finally:
+            if self.supervisor is not None and not self.supervisor.phase.ended:
+                self.supervisor.stop_all("the controller is exiting")
+            client.close()
+            self.platform.stop_master()
+            self._write(self._status())
+            self.platform.close()
+            self.job.pid_path.unlink(missing_ok=True)
+
+    def _keep_master(self, launch: MasterLaunch) -> None:
+        status = self.platform.observe_master()
+        if status.state is not NodeState.RUNNING and self.supervisor is not None:
+            self.master_relaunches += 1
+            why = status.detail or status.exit_code
+            self.supervisor.event("master", "master", f"{status.state.value} ({why}); relaunching it on the same port")
+            self.platform.launch_master(launch)
+
+    def _status(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"job": self.spec.name, "phase": "starting"}
+        if self.supervisor is not None:
+            doc = self.supervisor.status()
+        doc["master_relaunches"] = self.master_relaunches
+        doc["memory_enforcement"] = self.platform.resources().memory_enforcement
+        doc["controller_pid"] = os.getpid()
+        doc["state_dir"], doc["ckpt_url"] = str(self.state_dir), self.ckpt_url
+        return doc
+
+    def _write(self, doc: dict[str, Any]) -> None:
+        self.job.write_status(doc)
+
+
+def run_controller(spec: JobSpec, job: JobDir, platform: str = "local") -> int:
+    """Run a job in this process, stopping gracefully on SIGTERM or SIGINT."""
+    controller = JobController(spec, job, platform)
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        controller.request_stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    return controller.run()

@@ -1,0 +1,282 @@
+"""The ``local`` platform: the job master and its nodes as processes on this machine (no cluster needed).
+
+* The master is ``streamrover master`` in a subprocess; a relaunch reuses its port, so
+  nodes and clients keep their address (its journal makes the restart lossless).
+* A node is a process group (its own session) whose leader is the ``dlrover-run`` agent.
+  With a memory limit it runs in its own memory cgroup (:mod:`~streamrover.operator.cgroups`):
+  the process joins it before it execs, so everything the agent starts is inside. The
+  kernel's OOM killer enforces the limit and the cgroup's ``oom_kill`` count tells the
+  supervisor it happened. Where no memory cgroup can be made, a watchdog of resident
+  memory (the node's processes summed) SIGKILLs the largest process over the limit and
+  counts that as an OOM kill: the same outcome, later and coarser than the kernel's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamrover.operator.api import (
+    LaunchError,
+    MasterInfo,
+    MasterLaunch,
+    NodeLaunch,
+    NodeState,
+    NodeStatus,
+    Platform,
+    Resources,
+    UnknownNodeError,
+)
+from streamrover.operator.cgroups import CgroupRoot, NodeCgroup, memory_cgroups
+
+log = logging.getLogger(__name__)
+MEMORY_ENV = "STREAMROVER_NODE_MEMORY"  # the node's memory limit in bytes, for scripts that size themselves
+
+
+@dataclass
+class _Node:
+    launch: NodeLaunch
+    proc: subprocess.Popen[bytes]
+    cgroup: NodeCgroup | None
+    watchdog_kills: int = 0
+    stopped: bool = False
+
+
+class LocalPlatform(Platform):
+    """Processes on this machine. ``cgroups=False`` forces the resident-memory watchdog (tests, no root)."""
+
+    name = "local"
+
+    def __init__(self, workdir: str | Path, cgroups: bool = True, watch_interval: float = 0.25) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._cgroups: CgroupRoot | None = memory_cgroups() if cgroups else None
+        self._nodes: dict[str, _Node] = {}
+        self._master: subprocess.Popen[bytes] | None = None
+        self._master_launch: MasterLaunch | None = None
+        self._port = 0
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._watch_interval = watch_interval
+        self._watchdog: threading.Thread | None = None
+
+    # -- the master -------------------------------------------------------------------------
+    def launch_master(self, launch: MasterLaunch, timeout: float = 60.0) -> MasterInfo:
+        port = self._port or launch.port
+        cmd = [
+            sys.executable, "-m", "streamrover.cli", "master", "--state-dir", str(launch.state_dir),
+            "--host", launch.host, "--port", str(port), "--token", launch.token, "--lease-ttl", str(launch.lease_ttl),
+        ]  # fmt: skip
+        launch.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / "master.log", "ab") as logf:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, env=_env({}), start_new_session=True)
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as sel:  # the master prints its address once it listens
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout)
+        line = proc.stdout.readline().decode() if ready else ""
+        if "listening on" not in line:
+            proc.kill()
+            proc.wait()
+            tail = _tail(self.workdir / "master.log")
+            raise LaunchError(f"the job master did not start (exit {proc.returncode}): {line.strip()}\n{tail}")
+        proc.stdout.close()
+        address = line.split("listening on ", 1)[1].split(";", 1)[0].strip()
+        self._port = int(address.rsplit(":", 1)[1])
+        self._master, self._master_launch = proc, launch
+        return MasterInfo(address=address, pid=proc.pid)
+
+    def observe_master(self) -> NodeStatus:
+        if self._master is None:
+            return NodeStatus("master", NodeState.PENDING)
+        return _status("master", self._master, oom_kills=0, stopped=False)
+
+    def stop_master(self, grace: float = 10.0) -> None:
+        if self._master is not None and self._master.poll() is None:
+            self._master.terminate()
+            try:
+                self._master.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self._master.kill()
+                self._master.wait()
+
+    # -- nodes ----------------------------------------------------------------------------
+    def launch_node(self, launch: NodeLaunch) -> NodeStatus:
+        with self._lock:
+            if launch.node_id in self._nodes and self._nodes[launch.node_id].proc.poll() is None:
+                raise LaunchError(f"node {launch.node_id!r} is already running")
+        workdir = launch.workdir or self.workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        cgroup = None
+        command = list(launch.command)
+        if self._cgroups is not None and launch.memory is not None:
+            cgroup = self._cgroups.create(f"streamrover.{launch.job}.{launch.node_id}", launch.memory)
+            # the shell joins the cgroup, then execs the agent: nothing of the node starts outside it
+            join = f"echo $$ > {shlex.quote(str(cgroup.path / 'cgroup.procs'))} && exec \"$@\""
+            command = ["/bin/sh", "-c", join, "sh", *command]
+        env = dict(launch.env)
+        if launch.memory is not None:
+            env[MEMORY_ENV] = str(launch.memory)
+        try:
+            with open(workdir / f"node-{launch.node_id}.log", "ab") as logf:
+                proc = subprocess.Popen(command, env=_env(env), stdout=logf, stderr=subprocess.STDOUT,
+                                        cwd=workdir, start_new_session=True)  # fmt: skip
+        except OSError as exc:
+            if cgroup is not None:
+                cgroup.remove()
+            raise LaunchError(f"node {launch.node_id}: cannot run {launch.command[0]!r}: {exc}") from exc
+        with self._lock:
+            self._nodes[launch.node_id] = _Node(launch, proc, cgroup)
+        if cgroup is None and launch.memory is not None:
+            self._start_watchdog()
+        return self.observe(launch.node_id)
+
+    def _node(self, node_id: str) -> _Node:
+        with self._lock:
+            try:
+                return self._nodes[node_id]
+            except KeyError:
+                raise UnknownNodeError(f"no node {node_id!r} was launched here") from None
+
+    def observe(self, node_id: str) -> NodeStatus:
+        node = self._node(node_id)
+        kills = node.watchdog_kills + (node.cgroup.oom_kills() if node.cgroup is not None else 0)
+        status = _status(node_id, node.proc, kills, node.stopped)
+        if status.exit_code is not None:  # the agent is gone: its children (standbys, workers) go with it
+            if node.cgroup is not None:
+                node.cgroup.kill_all()
+                node.cgroup.remove()
+            else:
+                _killpg(node.proc.pid)
+        return NodeStatus(status.node_id, status.state, status.exit_code, kills, node.launch.memory, node.proc.pid,
+                          status.detail)  # fmt: skip
+
+    def stop_node(self, node_id: str, grace: float = 30.0) -> NodeStatus:
+        node = self._node(node_id)
+        node.stopped = True
+        if node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGTERM)  # torchelastic stops its workers and leaves the rendezvous
+            try:
+                node.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                log.warning("node %s did not leave within %.0f s: killing it", node_id, grace)
+        if node.cgroup is not None:
+            node.cgroup.kill_all()
+        _killpg(node.proc.pid)
+        node.proc.wait()
+        return self.observe(node_id)
+
+    def pids(self, node_id: str) -> list[int]:
+        """Every process of the node (its cgroup's or its process group's): for tests and ``status``."""
+        node = self._node(node_id)
+        if node.cgroup is not None:
+            return node.cgroup.pids()
+        import psutil
+
+        try:
+            parent = psutil.Process(node.proc.pid)
+            return [parent.pid] + [c.pid for c in parent.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def launcher_args(self) -> list[str]:
+        return ["--local-addr", "127.0.0.1"]
+
+    def resources(self) -> Resources:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        enforcement = self._cgroups.enforcement if self._cgroups else "watchdog"
+        detail = {"cgroup": str(self._cgroups.path)} if self._cgroups else {}
+        return Resources(cpus=float(os.cpu_count() or 1), memory=pages, memory_enforcement=enforcement, detail=detail)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            nodes = list(self._nodes.values())
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.proc.kill()
+                node.proc.wait()
+            if node.cgroup is not None:
+                node.cgroup.kill_all()
+                node.cgroup.remove()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
+
+    # -- the resident-memory watchdog (no memory cgroup) --------------------------------------
+    def _start_watchdog(self) -> None:
+        with self._lock:
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="memory-watchdog", daemon=True)
+                self._watchdog.start()
+
+    def _watch(self) -> None:
+        import psutil
+
+        while not self._closed.wait(self._watch_interval):  # a sampling period, not synchronisation
+            with self._lock:
+                nodes = [n for n in self._nodes.values() if n.cgroup is None and n.launch.memory is not None]
+            for node in nodes:
+                if node.proc.poll() is not None:
+                    continue
+                try:
+                    procs = [psutil.Process(node.proc.pid)]
+                    procs += procs[0].children(recursive=True)
+                    rss = {p: p.memory_info().rss for p in procs}
+                except psutil.Error:
+                    continue
+                if sum(rss.values()) > (node.launch.memory or 0):
+                    victim = max(rss, key=lambda p: rss[p])
+                    log.warning("node %s over its memory limit (%d > %d bytes): killing pid %d", node.launch.node_id,
+                                sum(rss.values()), node.launch.memory, victim.pid)  # fmt: skip
+                    node.watchdog_kills += 1
+                    try:
+                        victim.kill()
+                    except psutil.Error:
+                        continue
+
+
+def _status(node_id: str, proc: subprocess.Popen[bytes], oom_kills: int, stopped: bool) -> NodeStatus:
+    code = proc.poll()
+    if oom_kills:
+        state = NodeState.OOM_KILLED
+    elif code is None:
+        state = NodeState.RUNNING
+    elif stopped:
+        state = NodeState.STOPPED
+    elif code == 0:
+        state = NodeState.SUCCEEDED
+    elif code < 0:
+        state = NodeState.LOST
+    else:
+        state = NodeState.FAILED
+    detail = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else ""
+    return NodeStatus(node_id, state, code, oom_kills, pid=proc.pid, detail=detail)
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

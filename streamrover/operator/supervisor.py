@@ -1,0 +1,335 @@
+"""Supervision of a job's nodes, the same on every platform: relaunch, more memory after an OOM, scale, fail.
+
+The supervisor keeps a registry of the job's nodes (slots ``n0``, ``n1``...; a relaunch
+of slot 1 is ``n1.1``, ``n1.2``: a new node id, so its rendezvous and checkpoint names
+are fresh). Each :meth:`Supervisor.tick` observes every node through the platform and
+reads the heartbeat its agent writes to the master (``nodes/<run id>/<node id>``), then:
+
+* a **failed worker process** is not the supervisor's business: ``dlrover-run`` restarts
+  the node's worker group in place (``restart.per_node`` times); the agent's health
+  document says how many restarts are left, which ``status`` shows;
+* a **lost node** (its agent killed by a signal, its machine gone, or silent for
+  ``restart.heartbeat_timeout`` seconds) or a **failed node** (the agent exited non-zero:
+  its in-place restarts are spent) is relaunched with the same resources;
+* a node the **OOM killer** hit is stopped and relaunched with ``restart.oom.factor``
+  times its memory, at most the ceiling; an OOM at the ceiling fails the job;
+* every relaunch counts against ``restart.per_job``; when it is spent the job **fails**,
+  with the reason in ``status``;
+* **scale** to N nodes within the bounds: new slots are launched, or the highest slots
+  leave gracefully (SIGTERM: the agent stops its workers, the rendezvous closes the
+  round, the others re-rendezvous; rank 0 restores the newest checkpoint and resets the
+  cursor, which hands every lease back);
+* the job has **succeeded** once a node's agent exited 0 and every node has ended.
+
+Every decision is an event (time, kind, node, message) kept in the status document.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from streamrover.operator.api import LaunchError, NodeLaunch, NodeState, NodeStatus, Platform
+from streamrover.operator.spec import JobSpec, format_memory
+
+log = logging.getLogger(__name__)
+MAX_EVENTS = 200
+CKPT_EVERY_ENV = "STREAMROVER_CKPT_EVERY"
+CKPT_KEEP_ENV = "STREAMROVER_CKPT_KEEP"
+HealthReader = Callable[[str, str], "dict[str, Any] | None"]  # (run id, node id) -> the agent's health document
+
+
+class JobPhase(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
+
+
+@dataclass
+class NodeRecord:
+    """One node as the supervisor knows it."""
+
+    node_id: str
+    slot: int
+    generation: int
+    memory: int | None
+    launched_at: float
+    state: NodeState = NodeState.PENDING
+    exit_code: int | None = None
+    oom_kills: int = 0
+    pid: int | None = None
+    detail: str = ""
+    heartbeat_at: float | None = None  # wall clock of the agent's last health write
+    restarts_left: int | None = None
+    workers: dict[str, int] = field(default_factory=dict)
+    worker_exits: int = 0
+    handled: bool = False  # its end was acted on (relaunched, counted)
+
+    def view(self, now: float) -> dict[str, Any]:
+        out = asdict(self)
+        out["state"] = self.state.value
+        out["memory"] = format_memory(self.memory) if self.memory else None
+        out["heartbeat_age"] = round(now - self.heartbeat_at, 1) if self.heartbeat_at else None
+        del out["handled"]
+        return out
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float
+    kind: str
+    node: str
+    message: str
+
+
+class Supervisor:
+    """Keeps a job's nodes as its spec and the operator's requests say (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        platform: Platform,
+        *,
+        run_id: str,
+        master_address: str,
+        token: str,
+        ckpt_url: str,
+        health: HealthReader | None = None,
+        clock: Callable[[], float] = time.time,
+        stop_grace: float = 60.0,
+    ) -> None:
+        self.spec = spec
+        self.platform = platform
+        self.run_id = run_id
+        self.master_address = master_address
+        self.token = token
+        self.ckpt_url = ckpt_url
+        self.health = health
+        self.clock = clock
+        self.stop_grace = stop_grace
+        self.phase = JobPhase.STARTING
+        self.reason = ""
+        lo, _ = spec.scale_bounds
+        self.desired = lo
+        self.nodes: dict[str, NodeRecord] = {}  # every node ever launched, by id
+        self.slots: dict[int, str] = {}  # slot -> its current node id
+        self.relaunches = 0
+        self.events: list[Event] = []
+
+    # -- events and the status document ----------------------------------------------------
+    def event(self, kind: str, node: str, message: str) -> None:
+        self.events.append(Event(self.clock(), kind, node, message))
+        del self.events[:-MAX_EVENTS]
+        log.info("%s %s: %s", kind, node or "job", message)
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        lo, hi = self.spec.scale_bounds
+        return {
+            "job": self.spec.name,
+            "platform": self.platform.name,
+            "run_id": self.run_id,
+            "phase": self.phase.value,
+            "reason": self.reason,
+            "master": self.master_address,
+            "desired_nodes": self.desired,
+            "bounds": [lo, hi],
+            "relaunches": self.relaunches,
+            "relaunch_budget": self.spec.restart.per_job,
+            "nodes": [self.nodes[nid].view(now) for nid in sorted(self.slots.values(), key=self._slot_of)],
+            "ended_nodes": [r.view(now) for r in self.nodes.values() if r.node_id not in self.slots.values()][-20:],
+            "events": [asdict(e) for e in self.events[-50:]],
+            "updated_at": now,
+        }
+
+    def _slot_of(self, node_id: str) -> int:
+        return self.nodes[node_id].slot
+
+    # -- launching -----------------------------------------------------------------------------
+    def node_command(self, node_id: str) -> list[str]:
+        """``dlrover-run`` for one node: the spec's trainer, elastic within its node range."""
+        t, r = self.spec.trainer, self.spec.restart
+        return [
+            sys.executable, "-m", "streamrover.trainers.torch.run",
+            "--nnodes", str(t.nodes), "--nproc-per-node", str(t.nproc_per_node), "--max-restarts", str(r.per_node),
+            "--rdzv-backend", "streamrover", "--rdzv-id", self.run_id,
+            "--rdzv-conf", "last_call_timeout=1,join_timeout=600",
+            "--shard-service", self.master_address, "--ckpt-dir", self.ckpt_url, "--node-id", node_id,
+            *self.platform.launcher_args(), *t.launcher_args, t.script, *t.args,
+        ]  # fmt: skip
+
+    def _launch(self, slot: int, memory: int | None, why: str) -> NodeRecord:
+        previous = self.slots.get(slot)
+        generation = self.nodes[previous].generation + 1 if previous else 0
+        node_id = f"n{slot}" if generation == 0 else f"n{slot}.{generation}"
+        env = {
+            "STREAMROVER_TOKEN": self.token,
+            CKPT_EVERY_ENV: str(self.spec.checkpoint.every_steps),
+            CKPT_KEEP_ENV: str(self.spec.checkpoint.keep_last),
+            **self.spec.trainer.env,
+        }
+        launch = NodeLaunch(self.spec.name, node_id, self.node_command(node_id), env, memory, self.spec.trainer.cpu)
+        record = NodeRecord(node_id, slot, generation, memory, self.clock())
+        self.nodes[node_id] = record
+        self.slots[slot] = node_id
+        try:
+            self._apply(record, self.platform.launch_node(launch))
+        except LaunchError as exc:
+            record.state, record.detail = NodeState.FAILED, str(exc)
+        mem = f", memory {format_memory(memory)}" if memory else ""
+        self.event("launch", node_id, f"{why}{mem}")
+        return record
+
+    def start(self) -> None:
+        """Launch the first nodes (the lower bound of the node range)."""
+        for slot in range(self.desired):
+            self._launch(slot, self.spec.trainer.memory, "initial node")
+        self.phase = JobPhase.RUNNING
+
+    # -- one supervision pass ---------------------------------------------------------------------
+    def tick(self) -> None:
+        """Observe every current node and act on what ended; then bring the node count to ``desired``."""
+        if self.phase.ended:
+            return
+        for slot, node_id in sorted(self.slots.items()):
+            record = self.nodes[node_id]
+            if record.handled:
+                continue
+            self._apply(record, self.platform.observe(node_id))
+            self._read_health(record)
+            if record.state is NodeState.RUNNING and self._silent(record):
+                self.event("heartbeat", node_id, f"no heartbeat for {self.spec.restart.heartbeat_timeout:.0f} s")
+                self._apply(record, self.platform.stop_node(node_id, grace=5.0))
+                record.state, record.detail = NodeState.LOST, "silent: no heartbeat"
+            if record.state.ended:
+                self._ended(slot, record)
+            if self.phase.ended:
+                return
+        self._finish_if_done()
+        if not self.phase.ended and not self._any_succeeded():
+            self._reconcile()
+
+    def _apply(self, record: NodeRecord, status: NodeStatus) -> None:
+        record.state, record.exit_code, record.oom_kills = status.state, status.exit_code, status.oom_kills
+        record.pid, record.detail = status.pid, status.detail or record.detail
+
+    def _read_health(self, record: NodeRecord) -> None:
+        if self.health is None:
+            return
+        try:
+            doc = self.health(self.run_id, record.node_id)
+        except Exception as exc:  # the master may be restarting: heartbeats are advisory until the timeout
+            log.debug("could not read %s's health: %s", record.node_id, exc)
+            return
+        if doc:
+            record.heartbeat_at = float(doc.get("heartbeat_at") or doc.get("at") or 0.0)
+            record.restarts_left = doc.get("restarts_left")
+            record.workers = dict(doc.get("workers", {}))
+            record.worker_exits = len(doc.get("exits", []))
+
+    def _silent(self, record: NodeRecord) -> bool:
+        limit = self.spec.restart.heartbeat_timeout
+        last = record.heartbeat_at or record.launched_at
+        return self.clock() - max(last, record.launched_at) > limit
+
+    def _ended(self, slot: int, record: NodeRecord) -> None:
+        """Act once on a node that ended."""
+        record.handled = True
+        state = record.state
+        if state is NodeState.SUCCEEDED:
+            self.event("succeeded", record.node_id, "training finished on this node")
+            return
+        if state is NodeState.STOPPED:
+            return
+        if self._any_succeeded():
+            self.event("ended", record.node_id, f"{state.value} after training finished; not relaunched")
+            return
+        memory = record.memory
+        if state is NodeState.OOM_KILLED:
+            if record.exit_code is None:  # the agent lives on (the OOM killer took a worker): it must go
+                self._apply(record, self.platform.stop_node(record.node_id, grace=5.0))
+                record.state = NodeState.OOM_KILLED
+            ceiling = self.spec.memory_ceiling
+            if memory is None or ceiling is None:
+                reason = "OOM-killed with no memory limit to raise"
+                return self._fail(f"node {record.node_id} {reason}")
+            if memory >= ceiling:
+                return self._fail(f"node {record.node_id} was OOM-killed at the memory ceiling "
+                                  f"{format_memory(ceiling)} (restart.oom.max_memory)")  # fmt: skip
+            memory = min(int(memory * self.spec.restart.oom.factor), ceiling)
+            self.event("oom", record.node_id, f"OOM-killed at {format_memory(record.memory or 0)}; relaunching with "
+                                              f"{format_memory(memory)}")  # fmt: skip
+        else:
+            why = record.detail or (f"exit code {record.exit_code}" if record.exit_code is not None else state.value)
+            self.event(state.value, record.node_id, why)
+        if slot >= self.desired:
+            return  # the job was scaled in meanwhile: the slot is not wanted
+        if self.relaunches >= self.spec.restart.per_job:
+            why = record.detail or record.exit_code
+            return self._fail(f"node {record.node_id} {state.value} ({why}) and the job's "
+                              f"{self.spec.restart.per_job} node relaunches (restart.per_job) are spent")  # fmt: skip
+        self.relaunches += 1
+        self._launch(slot, memory, f"relaunch of {record.node_id} ({state.value})")
+
+    def _fail(self, reason: str) -> None:
+        self.phase, self.reason = JobPhase.FAILED, reason
+        self.event("failed", "", reason)
+        self.stop_all("the job failed")
+
+    def _any_succeeded(self) -> bool:
+        return any(self.nodes[n].state is NodeState.SUCCEEDED for n in self.slots.values())
+
+    def _finish_if_done(self) -> None:
+        current = [self.nodes[n] for n in self.slots.values()]
+        if current and all(r.state.ended for r in current) and self._any_succeeded():
+            self.phase, self.reason = JobPhase.SUCCEEDED, "training finished"
+            self.event("succeeded", "", "every node has ended; training finished")
+
+    # -- scaling -----------------------------------------------------------------------------------
+    def scale(self, nodes: int, why: str = "requested") -> None:
+        """Ask for ``nodes`` nodes; refused (ValueError) outside the spec's bounds."""
+        lo, hi = self.spec.scale_bounds
+        if not lo <= nodes <= hi:
+            raise ValueError(f"{nodes} nodes is outside this job's bounds {lo}:{hi}")
+        if nodes != self.desired:
+            self.event("scale", "", f"{self.desired} -> {nodes} nodes ({why})")
+        self.desired = nodes
+
+    def _reconcile(self) -> None:
+        active = {s: n for s, n in self.slots.items() if not self.nodes[n].state.ended}
+        for slot in sorted(active, reverse=True):
+            if slot >= self.desired:
+                self.event("scale-in", active[slot], "leaving gracefully")
+                self._apply(self.nodes[active[slot]], self.platform.stop_node(active[slot], grace=self.stop_grace))
+                self.nodes[active[slot]].handled = True
+                del self.slots[slot]
+        for slot in range(self.desired):
+            if slot not in self.slots or self.nodes[self.slots[slot]].state is NodeState.STOPPED:
+                self._launch(slot, self.spec.trainer.memory, "scale-out")
+
+    def stop_all(self, why: str) -> None:
+        """Stop every running node (job stop or failure); the phase says which."""
+        for node_id in list(self.slots.values()):
+            record = self.nodes[node_id]
+            if not record.state.ended:
+                self._apply(record, self.platform.stop_node(node_id, grace=self.stop_grace))
+                record.handled = True
+                self.event("stop", node_id, why)
+        if not self.phase.ended:
+            self.phase, self.reason = JobPhase.STOPPED, why
+
+
+def status_json(status: dict[str, Any]) -> str:
+    return json.dumps(status, indent=2, sort_keys=True, default=str)
