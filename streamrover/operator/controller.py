@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from streamrover.operator.api import MasterLaunch, NodeState, Platform, create_platform
+from streamrover.operator.autoscaler import Autoscaler
 from streamrover.operator.jobs import JobDir, write_atomic
 from streamrover.operator.spec import JobSpec
 from streamrover.operator.supervisor import JobPhase, Supervisor
@@ -66,6 +67,11 @@ class JobController:
         self.run_id = f"{spec.name}-{int(time.time() * 1000):x}"
         self.supervisor: Supervisor | None = None
         self.master_relaunches = 0
+        self.autoscaler: Autoscaler | None = None
+        if spec.autoscaling is not None:
+            self.autoscaler = Autoscaler(spec.autoscaling, *spec.scale_bounds)
+        self.sample_every = 2.0
+        self._sampled_at = 0.0
 
     def request_stop(self, *_: Any) -> None:
         self._stop.set()
@@ -109,6 +115,7 @@ class JobController:
                     except ValueError as exc:
                         sup.event("scale-refused", "", str(exc))
                 sup.tick()
+                self._autoscale(client)
                 self._write(self._status())
             return 0 if sup.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED) else 1
         finally:
@@ -128,6 +135,26 @@ class JobController:
             self.supervisor.event("master", "master", f"{status.state.value} ({why}); relaunching it on the same port")
             self.platform.launch_master(launch)
 
+    def _autoscale(self, client: Any) -> None:
+        """Feed the autoscaler the master's lag and acked counts; apply what it decides."""
+        from streamrover.shard_service import ShardServiceError
+
+        now = time.time()
+        if self.autoscaler is None or self.supervisor is None or now - self._sampled_at < self.sample_every:
+            return
+        self._sampled_at = now
+        try:
+            datasets = client.status().datasets
+        except ShardServiceError as exc:  # the master may be restarting: no sample this time
+            log.info("no autoscaling sample: %s", exc)
+            return
+        streams = [d for d in datasets if d.kind == 2]
+        lag, consumed = sum(d.lag for d in streams), sum(d.records_acked for d in streams)
+        decision = self.autoscaler.observe(now, lag, consumed, self.supervisor.desired)
+        if decision is not None:
+            self.supervisor.event("autoscale", "", decision.describe())
+            self.supervisor.scale(decision.nodes_to, f"autoscaler: {decision.why}")
+
     def _status(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"job": self.spec.name, "phase": "starting"}
         if self.supervisor is not None:
@@ -135,6 +162,9 @@ class JobController:
         doc["master_relaunches"] = self.master_relaunches
         doc["memory_enforcement"] = self.platform.resources().memory_enforcement
         doc["controller_pid"] = os.getpid()
+        if self.autoscaler is not None:
+            doc["autoscaling"] = {"decisions": [vars(d) for d in self.autoscaler.decisions[-10:]],
+                                  "samples": [vars(s) for s in self.autoscaler.samples[-3:]]}  # fmt: skip
         doc["state_dir"], doc["ckpt_url"] = str(self.state_dir), self.ckpt_url
         return doc
 

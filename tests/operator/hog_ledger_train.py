@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.trainers import ledger_train  # noqa: E402
+from tests.trainers import ledger_train
 
 _held: list[np.ndarray] = []
 

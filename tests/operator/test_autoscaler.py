@@ -1,0 +1,72 @@
+"""The autoscaler's decisions from lag and throughput samples (pure: synthetic clocks, no processes)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamrover.operator.autoscaler import Autoscaler
+from streamrover.operator.spec import AutoscalingSpec
+
+
+def _scaler(target: int = 10_000, cooldown: float = 30.0, lo: int = 1, hi: int = 3) -> Autoscaler:
+    return Autoscaler(AutoscalingSpec(target_lag_records=target, cooldown_seconds=cooldown), lo, hi)
+
+
+def _feed(scaler: Autoscaler, start: float, seconds: int, nodes: int, produce: float, per_node: float,
+          lag: float, consumed: float | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
+    """Samples every 2 s of a stream produced at ``produce``/s and consumed at ``per_node`` per node."""
+    out = []
+    consumed = getattr(_feed, "consumed", 0.0) if consumed is None else consumed
+    for t in range(0, seconds + 1, 2):
+        decision = scaler.observe(start + t, int(lag), int(consumed), nodes)
+        if decision:
+            out.append(decision)
+            nodes = decision.nodes_to
+        consume = min(per_node * nodes, produce + lag / 2)
+        lag = max(0.0, lag + (produce - consume) * 2)
+        consumed += consume * 2
+    _feed.consumed = consumed  # type: ignore[attr-defined]  # the counter goes on across calls
+    return out, nodes, lag
+
+
+def test_a_rate_step_scales_out_to_what_keeps_up_and_back_in_after_cooldowns() -> None:
+    scaler = _scaler()
+    decisions, nodes, lag = _feed(scaler, 0, 40, 1, produce=1_000, per_node=1_200, lag=0, consumed=0)
+    assert not decisions and nodes == 1, "one node keeps up with 1,000/s"
+    decisions, nodes, lag = _feed(scaler, 42, 60, 1, produce=4_000, per_node=1_200, lag=lag)
+    assert [d.nodes_to for d in decisions][-1] == 3 and nodes == 3, decisions
+    assert all(d.why == "lag above target" and d.nodes_to > d.nodes_from for d in decisions), decisions
+    assert decisions[-1].at - 42 <= 30, "at 3 nodes within 30 s of the rate step"
+    assert "produced" in decisions[0].describe() and decisions[0].per_node_rate > 0
+    decisions, nodes, lag = _feed(scaler, 104, 200, nodes, produce=1_000, per_node=1_200, lag=lag)
+    assert [d.nodes_to for d in decisions] == [2, 1], decisions
+    assert decisions[1].at - decisions[0].at >= 30, "one step in per cooldown"
+
+
+def test_between_half_the_target_and_the_target_nothing_changes() -> None:
+    scaler = _scaler(target=10_000)
+    decisions, nodes, _ = _feed(scaler, 0, 300, 2, produce=2_000, per_node=1_000, lag=7_000)
+    assert not decisions and nodes == 2
+
+
+def test_freshness_target_is_a_lag_of_freshness_times_the_rate() -> None:
+    scaler = Autoscaler(AutoscalingSpec(target_freshness_seconds=2.0, cooldown_seconds=10), 1, 4)
+    decisions, _, _ = _feed(scaler, 0, 30, 1, produce=3_000, per_node=1_000, lag=20_000)
+    assert decisions and abs(decisions[0].target_lag - 6_000) < 1_500, decisions
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200_000), st.integers(0, 5_000)), min_size=2, max_size=80),
+       st.integers(1, 2), st.integers(2, 5), st.floats(0, 60))  # fmt: skip
+def test_decisions_stay_in_bounds_and_respect_the_cooldown(steps, lo, hi, cooldown) -> None:  # type: ignore[no-untyped-def]
+    scaler = _scaler(target=5_000, cooldown=cooldown, lo=lo, hi=hi)
+    nodes, consumed = lo, 0
+    for i, (lag, rate) in enumerate(steps):
+        consumed += rate
+        decision = scaler.observe(i * 3.0, lag, consumed, nodes)
+        if decision:
+            assert lo <= decision.nodes_to <= hi and decision.nodes_to != nodes
+            nodes = decision.nodes_to
+    for a, b in zip(scaler.decisions, scaler.decisions[1:]):
+        assert b.nodes_to > b.nodes_from or b.at - a.at >= cooldown, "a step in waits a cooldown"
