@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     desc.add_argument("--json", action="store_true")
     _client_args(desc)
 
+    sub.add_parser("tf-ps-run", help="launch a TensorFlow parameter-server job (see tf-ps-run --help)", add_help=False)
+
     st = sub.add_parser("status", help="datasets, shards, workers and rates (or, given JOB, a job's nodes)")
     st.add_argument("job", nargs="?", default=None, help="a job started with `streamrover run`: show its status")
     st.add_argument("--json", action="store_true", help="with JOB: the status document as JSON")
@@ -175,6 +177,11 @@ def _status_view(client) -> Table:  # type: ignore[no-untyped-def]
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tf-ps-run"]:  # its own parser: everything after the script belongs to the script
+        from streamrover.trainers.tensorflow.launcher import main as tf_ps_run
+
+        return tf_ps_run(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
     console = Console()
