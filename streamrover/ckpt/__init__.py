@@ -37,6 +37,7 @@ from streamrover.ckpt.api import (
     SharedMemoryTooSmallError,
     SnapshotCopyError,
     Source,
+    StorageUnavailableError,
     UnsupportedStateError,
 )
 from streamrover.ckpt.checkpointer import Checkpointer, CheckpointFallbackWarning
@@ -68,6 +69,7 @@ __all__ = [
     "SharedMemoryTooSmallError",
     "SnapshotCopyError",
     "Source",
+    "StorageUnavailableError",
     "TorchCheckpoint",
     "UnsupportedStateError",
     "fsdp_sharded_state",

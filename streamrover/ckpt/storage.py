@@ -8,14 +8,28 @@ is complete. Checksums are computed while writing, on a second core.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import queue
 import shutil
 import threading
+import time
 import uuid
 import zlib
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
+
+from streamrover.ckpt.api import StorageUnavailableError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Reads that fail with an I/O error are retried this many times in all, the waits doubling from
+#: READ_BACKOFF seconds (0.25 + 0.5 + 1 + 2 + 4: a blip of up to ~8 s is ridden out).
+READ_ATTEMPTS = 6
+READ_BACKOFF = 0.25
+#: Errors that say what is on storage (a missing or misplaced file), not that storage failed: never retried.
+_ANSWERS = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
 CHECKSUM_ALGO = "crc32"  # zlib, ~4 GB/s on one core; "sha256" (or any hashlib name) on request
 
@@ -87,6 +101,8 @@ class Storage:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         self.storage_options = dict(storage_options or {})
+        self.read_attempts = READ_ATTEMPTS
+        self.read_backoff = READ_BACKOFF
         if "://" in url:
             import fsspec
 
@@ -173,8 +189,34 @@ class Storage:
             pass
 
     # -- reads -------------------------------------------------------------------
+    def _retried(self, what: str, path: str, call: Callable[[], T]) -> T:
+        """``call()``, retried with backoff on I/O errors; :class:`StorageUnavailableError` once they persist.
+
+        A missing file is an answer, not a failure (``FileNotFoundError`` is raised at once).
+        """
+        delay = self.read_backoff
+        for attempt in range(1, self.read_attempts + 1):
+            try:
+                return call()
+            except _ANSWERS:
+                raise
+            except OSError as exc:
+                if attempt == self.read_attempts:
+                    raise StorageUnavailableError(
+                        f"checkpoint storage failed to {what} {path} {attempt} times over "
+                        f"~{self.read_backoff * (2 ** (attempt - 1) - 1):.1f} s: {exc}; no checkpoint was skipped"
+                    ) from exc
+                log.warning("checkpoint storage: %s %s failed (%s); retrying in %.2f s", what, path, exc, delay)
+                time.sleep(delay)  # backoff between retries of a failed I/O call
+                delay *= 2
+        raise AssertionError("unreachable")
+
     def read(self, path: str) -> bytearray:
-        """The whole file, in a writable buffer (tensors are built on it without copying)."""
+        """The whole file, in a writable buffer (tensors are built on it without copying). I/O errors are retried
+        with backoff (:class:`StorageUnavailableError` if they last); a missing file raises ``FileNotFoundError``."""
+        return self._retried("read", path, lambda: self._read(path))
+
+    def _read(self, path: str) -> bytearray:
         if self.local:
             with open(path, "rb", buffering=0) as fh:
                 size = os.fstat(fh.fileno()).st_size
@@ -191,10 +233,23 @@ class Storage:
             return bytearray(fh.read())
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path) if self.local else bool(self.fs.exists(path))
+        """Whether ``path`` exists; an I/O error is retried, not taken for "no" (``os.path.exists`` would)."""
+        return self._retried("stat", path, lambda: self._exists(path))
+
+    def _exists(self, path: str) -> bool:
+        if self.local:
+            try:
+                os.stat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            return True
+        return bool(self.fs.exists(path))
 
     def listdir(self, path: str) -> list[str]:
-        """Names (not paths) in directory ``path``; empty if it does not exist."""
+        """Names (not paths) in directory ``path``; empty if it does not exist. I/O errors are retried."""
+        return self._retried("list", path, lambda: self._listdir(path))
+
+    def _listdir(self, path: str) -> list[str]:
         if self.local:
             try:
                 return sorted(os.listdir(path))
