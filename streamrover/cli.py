@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from streamrover.cursor import DataCursor
 from streamrover.operator import cli as operator_cli
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, DatasetSpec, ShardServiceError
 from streamrover.sources.api import SourceError
@@ -74,6 +75,18 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS")
     _client_args(st)
     operator_cli.add_parsers(sub)
+
+    rs = sub.add_parser("restore", help="reset the shard service's cursor (what a checkpoint load does)")
+    target = rs.add_mutually_exclusive_group(required=True)
+    target.add_argument("--cut", type=int, help="reset to a cut the master remembers")
+    target.add_argument("--empty", action="store_true", help="reset to an empty cursor: start over")
+    rs.add_argument(
+        "--discard-committed",
+        action="store_true",
+        help="allow --empty to throw away the committed cursor: every record already in a committed checkpoint "
+        "is read (and trained on) again",
+    )
+    _client_args(rs)
     return parser
 
 
@@ -171,9 +184,26 @@ def _status_view(client) -> Table:  # type: ignore[no-untyped-def]
     outer.add_row(workers)
     outer.add_row(
         f"{st.records_per_second:,.0f} records/s  {st.acks_per_second:,.1f} acks/s  "
-        f"last committed cut {st.last_committed_cut}  up {st.uptime_seconds:,.0f}s"
+        f"last committed cut {st.last_committed_cut} ({st.persisting_cuts} being persisted)  "
+        f"up {st.uptime_seconds:,.0f}s"
     )
+    if st.cut_commit_error:
+        outer.add_row(f"[red]cut commit refused:[/red] {st.cut_commit_error}")
     return outer
+
+
+def _restore(console: Console, client: Any, args: argparse.Namespace) -> int:
+    before = client.status().last_committed_cut
+    if args.empty:
+        resp = client.restore_cursor(DataCursor(), discard_committed=args.discard_committed)
+    else:
+        resp = client.restore_cut(args.cut)
+    what = "an empty cursor" if args.empty else f"cut {args.cut}"
+    console.print(
+        f"reset to {what} (the committed cut was {before}): {resp.leases_revoked} lease(s) revoked, "
+        f"{resp.records_requeued:,} record(s) to be read again"
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                     while True:
                         time.sleep(args.watch)  # display refresh interval
                         live.update(_status_view(client))
+            if args.command == "restore":
+                return _restore(console, client, args)
             if args.dataset_command == "add":
                 options = dict(kv.split("=", 1) for kv in args.option)
                 spec = DatasetSpec(

@@ -33,6 +33,11 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint on storage is partial or fails its checksums; the loader falls back to an older one."""
 
 
+class StorageUnavailableError(CheckpointError):
+    """Checkpoint storage kept failing (I/O errors, not missing files) through every retry. Nothing was
+    skipped as corrupt: restoring an older checkpoint, or none, would throw progress away; fix storage."""
+
+
 class NoCheckpointError(CheckpointError):
     """No consistent checkpoint exists, neither in shared memory nor on storage."""
 
@@ -78,16 +83,22 @@ class CursorBinder(Protocol):
     * :meth:`restore_cursor` is called after a load, with the loaded cursor.
     """
 
-    def prepare_cut(self, step: int | None) -> tuple[int, DataCursor]:
-        """Take a cut for ``step``: return its id and the cursor of positions applied up to it."""
+    def prepare_cut(self, step: int | None, *, persisting: bool = False) -> tuple[int, DataCursor]:
+        """Take a cut for ``step``: return its id and the cursor of positions applied up to it.
+
+        ``persisting``: the snapshot will be persisted, so the cut must stay committable however slow
+        the persist is (cuts of memory-only snapshots may be forgotten)."""
         ...
 
     def commit_cut(self, cut_id: int) -> object:
         """Mark cut ``cut_id`` committed: its manifest is durable (any return value is ignored)."""
         ...
 
-    def restore_cursor(self, cursor: DataCursor) -> object:
-        """Reset the shard service to ``cursor``: everything acked or leased after it is read again."""
+    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False) -> object:
+        """Reset the shard service to ``cursor``: everything acked or leased after it is read again.
+
+        ``from_memory``: the cursor is of a shared-memory snapshot, not of a checkpoint on storage; the
+        shard service then commits nothing upstream beyond the newest durable checkpoint's cursor."""
         ...
 
 

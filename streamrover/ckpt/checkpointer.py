@@ -133,7 +133,7 @@ class Checkpointer:
         self.wait_snapshot()
         cut_id: int | None = None
         if cursor is None and self.binder is not None:
-            cut_id, cursor = self.binder.prepare_cut(step)
+            cut_id, cursor = self.binder.prepare_cut(step, persisting=persist)
         with self._cond:
             if persist:
                 self._ensure_link()  # in this thread: a saver it starts must not be a child of a copy thread
@@ -287,7 +287,7 @@ class Checkpointer:
         if loaded.source == Source.STORAGE:
             self._drop_newer_snapshots(loaded.step)
         if restore and self.binder is not None:
-            self.binder.restore_cursor(loaded.cursor)
+            self.binder.restore_cursor(loaded.cursor, from_memory=loaded.source == Source.MEMORY)
         return loaded
 
     def _drop_newer_snapshots(self, step: int) -> None:
@@ -320,7 +320,7 @@ class Checkpointer:
                         f"step {step} has world size {manifest['world_size']}, not {self.world_size}"
                     )
                 doc, state, cursor = read_part(self.storage, manifest, part)
-            except (CorruptCheckpointError, OSError) as exc:
+            except (CorruptCheckpointError, FileNotFoundError) as exc:  # not StorageUnavailableError: never skipped
                 msg = f"skipping checkpoint at step {step}: {exc}"
                 warnings.warn(msg, CheckpointFallbackWarning, stacklevel=3)
                 log.warning(msg)

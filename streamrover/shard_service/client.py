@@ -513,15 +513,18 @@ class ShardClient:
                 into.append(shard)
 
     # ------------------------------------------------------------------- cursor
-    def prepare_cut(self, step: int | None = None) -> tuple[int, DataCursor]:
+    def prepare_cut(self, step: int | None = None, *, persisting: bool = False) -> tuple[int, DataCursor]:
         """Take a cut of everything acked (with step <= ``step`` when given); returns (cut id, its cursor).
+
+        Idempotent per ``step``: every rank of one checkpoint gets the same cut. ``persisting``: the
+        checkpoint of this cut will be persisted, so the cut is kept until it commits, however long that takes.
 
         This client's queued acks are flushed first (:meth:`flush`), so the cut holds every ack
         this client made before the call; a refused one raises :class:`AckFailedError` and no
         cut is taken. Acks queued in *other* clients (other ranks) are theirs to flush first.
         """
         self.flush()
-        request = pb.CutPrepareRequest(has_step=step is not None, step=step or 0)
+        request = pb.CutPrepareRequest(has_step=step is not None, step=step or 0, persisting=persisting)
         resp = self._call(self._stub.CutPrepare, request)
         return resp.cut_id, convert.cursor_from_pb(resp.cursor)
 
@@ -536,14 +539,24 @@ class ShardClient:
         resp = self._call(self._stub.GetCursor, pb.GetCursorRequest())
         return convert.cursor_from_pb(resp.committed), convert.cursor_from_pb(resp.acked)
 
-    def restore_cursor(self, cursor: DataCursor) -> pb.RestoreResponse:
+    def restore_cursor(
+        self, cursor: DataCursor, *, from_memory: bool = False, discard_committed: bool = False
+    ) -> pb.RestoreResponse:
         """Reset the service to ``cursor``; every lease (this client's too) is revoked.
+
+        ``from_memory``: the cursor is of a shared-memory snapshot that storage does not hold, so offsets
+        committed upstream stay at the newest durable checkpoint's. An empty ``cursor`` while the service
+        has committed progress is refused (``FailedPreconditionError``) unless ``discard_committed``:
+        that throws away every committed cut, and every record is read again.
 
         Acks still queued in this client are dropped, and unreported ack failures forgotten:
         they concern leases the restore revokes (an ack already in flight is answered first).
         """
         self._acks.discard()
-        resp = self._call(self._stub.Restore, pb.RestoreRequest(cursor=convert.cursor_to_pb(cursor)))
+        request = pb.RestoreRequest(
+            cursor=convert.cursor_to_pb(cursor), from_memory=from_memory, discard_committed=discard_committed
+        )
+        resp = self._call(self._stub.Restore, request)
         self._forget_leases()
         return resp
 

@@ -23,7 +23,11 @@ from streamrover.shard_service.state import CoreState
 from streamrover.sources.api import SourceKind
 
 KEEP_COMMITTED_CUTS = 8
-MAX_PREPARED_CUTS = 32
+MAX_PREPARED_CUTS = 32  # cuts of snapshots not (yet) to be persisted: the oldest beyond this are evicted
+MAX_PERSISTING_CUTS = 1024  # cuts being persisted: beyond this, ones in the middle are evicted (never the oldest)
+KEEP_OLDEST_PERSISTING = 64  # the oldest persisting cuts are the ones whose persists are running
+REMEMBER_FORGOTTEN = 256
+PENDING = (CutState.PREPARED, CutState.PERSISTING)
 
 
 class CutOps(CoreState):
@@ -41,44 +45,78 @@ class CutOps(CoreState):
                 cursor.add(self._key(s), s.start, pos)
         return cursor
 
-    def cut_prepare(self, step: int | None = None) -> CutRecord:
+    def cut_prepare(self, step: int | None = None, persisting: bool = False) -> CutRecord:
         """The cut of ``step``: a new one, or the one already taken for ``step`` since the last commit or restore.
 
         All ranks' acks with ``step <= step`` must be recorded before the first rank asks (a barrier after
         each rank flushed its acks): later calls for the same step return the first call's cursor.
+        ``persisting``: its checkpoint will be persisted, so the cut is kept until it or a newer cut commits
+        (a slow persist still commits); other prepared cuts beyond :data:`MAX_PREPARED_CUTS` are evicted.
         """
         if step is not None:
             same = self._cut_of_step(step)
             if same is not None:
+                if persisting and same.state is CutState.PREPARED:
+                    same.state = CutState.PERSISTING
+                    with self.journal.transaction():
+                        self.journal.put_cut(same)
                 return same
         cursor = self.acked_cursor(step)
         self._cut_seq += 1
-        cut = CutRecord(self._cut_seq, step, cursor, CutState.PREPARED)
+        cut = CutRecord(self._cut_seq, step, cursor, CutState.PERSISTING if persisting else CutState.PREPARED)
         self.cuts[cut.id] = cut
         with self.journal.transaction():
             self.journal.put_cut(cut)
-            prepared = sorted(c.id for c in self.cuts.values() if c.state is CutState.PREPARED)
-            for old in prepared[:-MAX_PREPARED_CUTS]:
-                del self.cuts[old]
-                self.journal.delete_cut(old)
+            self._evict_cuts()
             self._save_counters()
         return cut
+
+    def _evict_cuts(self) -> None:
+        prepared = sorted(c.id for c in self.cuts.values() if c.state is CutState.PREPARED)
+        for old in prepared[:-MAX_PREPARED_CUTS]:
+            self._forget_cut(old, f"evicted: more than {MAX_PREPARED_CUTS} newer cuts were prepared, not persisting")
+        persisting = sorted(c.id for c in self.cuts.values() if c.state is CutState.PERSISTING)
+        excess = len(persisting) - MAX_PERSISTING_CUTS
+        for old in persisting[KEEP_OLDEST_PERSISTING : KEEP_OLDEST_PERSISTING + max(excess, 0)]:
+            self._forget_cut(old, f"evicted: more than {MAX_PERSISTING_CUTS} cuts were being persisted at once")
+
+    def _forget_cut(self, cut_id: int, why: str) -> None:
+        """Forget an uncommitted cut (with the journal transaction open), remembering why for a late commit."""
+        cut = self.cuts.pop(cut_id)
+        self.journal.delete_cut(cut_id)
+        self.forgotten_cuts[cut_id] = f"cut {cut_id} (step {cut.step}) was {why}"
+        while len(self.forgotten_cuts) > REMEMBER_FORGOTTEN:
+            del self.forgotten_cuts[next(iter(self.forgotten_cuts))]
 
     def _cut_of_step(self, step: int) -> CutRecord | None:
         """The prepared cut of ``step`` (or the last committed cut, if it is of ``step``), if any."""
         for cut in sorted(self.cuts.values(), key=lambda c: -c.id):
-            if cut.step == step and (cut.state is CutState.PREPARED or cut.id == self.last_committed_cut):
+            if cut.step == step and (cut.state in PENDING or cut.id == self.last_committed_cut):
                 return cut
         return None
 
     def cut_commit(self, cut_id: int) -> DataCursor:
+        """Commit cut ``cut_id`` (its checkpoint is durable); a refusal is kept for ``status`` with its reason."""
+        try:
+            committed = self._cut_commit(cut_id)
+        except (NotFoundError, FailedPreconditionError) as exc:
+            self.cut_commit_error = str(exc)
+            raise
+        self.cut_commit_error = ""
+        return committed
+
+    def _cut_commit(self, cut_id: int) -> DataCursor:
         cut = self.cuts.get(cut_id)
         if cut is None:
+            if cut_id in self.forgotten_cuts:
+                raise NotFoundError(f"cannot commit: {self.forgotten_cuts[cut_id]}")
             if cut_id <= self.last_committed_cut:
                 raise FailedPreconditionError(
                     f"cut {cut_id} is older than the committed cut {self.last_committed_cut} and was discarded"
                 )
-            raise NotFoundError(f"cut {cut_id} is unknown (prepared cuts are discarded by a restore)")
+            if cut_id > self._cut_seq:
+                raise NotFoundError(f"cut {cut_id} was never prepared by this shard service (newest: {self._cut_seq})")
+            raise NotFoundError(f"cut {cut_id} is no longer remembered (forgotten before the master restarted)")
         if cut.state is CutState.COMMITTED:
             return self.committed.copy()
         if cut_id < self.last_committed_cut:
@@ -94,10 +132,19 @@ class CutOps(CoreState):
             self.last_committed_cut = cut_id
             self.committed = cut.cursor.copy()
             self.journal.put_cursor(self.committed)
+            self._set_durable(self.committed)
             self._fold_committed()
             self._forget_cuts(keep_after=cut_id)
             self._save_counters()
         return self.committed.copy()
+
+    def _set_durable(self, cursor: DataCursor) -> None:
+        self.durable = cursor.copy()
+        self.journal.put_meta("durable_cursor", self.durable.to_json())
+
+    def persisting_cuts(self) -> int:
+        """Prepared cuts whose checkpoints are being persisted."""
+        return sum(1 for c in self.cuts.values() if c.state is CutState.PERSISTING)
 
     def _fold_committed(self) -> None:
         for sid in sorted(self.unfolded):
@@ -114,19 +161,40 @@ class CutOps(CoreState):
 
     def _forget_cuts(self, keep_after: int) -> None:
         committed = sorted(c.id for c in self.cuts.values() if c.state is CutState.COMMITTED)
-        stale = [c.id for c in self.cuts.values() if c.state is CutState.PREPARED and c.id < keep_after]
+        stale = [c.id for c in self.cuts.values() if c.state in PENDING and c.id < keep_after]
         for cid in stale + committed[:-KEEP_COMMITTED_CUTS]:
             del self.cuts[cid]
             self.journal.delete_cut(cid)
 
     # ------------------------------------------------------------------ restore
-    def restore(self, cursor: DataCursor | None = None, cut_id: int | None = None) -> tuple[int, int]:
-        """Reset to ``cursor`` (or the cursor of cut ``cut_id``). Returns (leases revoked, records requeued)."""
+    def restore(
+        self,
+        cursor: DataCursor | None = None,
+        cut_id: int | None = None,
+        *,
+        discard_committed: bool = False,
+        from_memory: bool = False,
+    ) -> tuple[int, int]:
+        """Reset to ``cursor`` (or the cursor of cut ``cut_id``). Returns (leases revoked, records requeued).
+
+        ``from_memory``: ``cursor`` is of a shared-memory snapshot, not on storage: the upstream commit limit
+        stays at the newest durable checkpoint's cursor. An empty cursor while the committed cursor is not
+        empty is refused unless ``discard_committed`` (it throws all committed progress away).
+        """
         if cursor is None:
             cut = self.cuts.get(cut_id or 0)
             if cut is None:
                 raise NotFoundError(f"cut {cut_id} is not remembered; restore from the checkpoint's cursor instead")
             cursor = cut.cursor
+        if not cursor.keys() and self.committed.keys() and not discard_committed:
+            parts = len(self.committed.keys())
+            raise FailedPreconditionError(
+                f"refusing to reset to an empty cursor: it would throw away committed cut {self.last_committed_cut} "
+                f"(progress in {parts} partition(s) of {', '.join(self.committed.datasets())}) and every record "
+                "would be read again; if no checkpoint can be loaded because storage is unreachable, fix storage "
+                "and restart; to start over on purpose pass discard_committed "
+                "(`streamrover restore --empty --discard-committed`)"
+            )
         ackrules.check_restorable(cursor, self.datasets)
         revoked = 0
         requeued = 0
@@ -143,9 +211,10 @@ class CutOps(CoreState):
                 requeued += self._replan(ds, cursor.only(ds.name))
             self.committed = cursor.copy()
             self.journal.put_cursor(self.committed)
-            for cid in [c.id for c in self.cuts.values() if c.state is CutState.PREPARED]:
-                del self.cuts[cid]
-                self.journal.delete_cut(cid)
+            if not from_memory:
+                self._set_durable(cursor)
+            for cid in [c.id for c in self.cuts.values() if c.state in PENDING]:
+                self._forget_cut(cid, f"discarded by a restore (cut {self._cut_seq + 1})")
             self._cut_seq += 1
             restored = CutRecord(self._cut_seq, None, cursor.copy(), CutState.COMMITTED)
             self.cuts[restored.id] = restored

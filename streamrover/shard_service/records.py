@@ -81,6 +81,7 @@ class WorkerRecord:
 
 class CutState(enum.Enum):
     PREPARED = "prepared"
+    PERSISTING = "persisting"  # prepared, and its checkpoint is being persisted: never evicted by newer prepares
     COMMITTED = "committed"
 
 

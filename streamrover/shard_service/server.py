@@ -301,7 +301,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     @_rpc
     def CutPrepare(self, request: pb.CutPrepareRequest, context: Any) -> pb.CutPrepareResponse:
         with self.cond:
-            cut = self.core.cut_prepare(request.step if request.has_step else None)
+            cut = self.core.cut_prepare(request.step if request.has_step else None, persisting=request.persisting)
             return pb.CutPrepareResponse(cut_id=cut.id, cursor=convert.cursor_to_pb(cut.cursor))
 
     @_rpc
@@ -326,9 +326,15 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             raise InvalidArgumentError("restore: give a cut_id or a cursor")
         with self.cond:
             if which == "cursor":
-                revoked, requeued = self.core.restore(cursor=convert.cursor_from_pb(request.cursor))
+                revoked, requeued = self.core.restore(
+                    cursor=convert.cursor_from_pb(request.cursor),
+                    discard_committed=request.discard_committed,
+                    from_memory=request.from_memory,
+                )
             else:
-                revoked, requeued = self.core.restore(cut_id=request.cut_id)
+                revoked, requeued = self.core.restore(
+                    cut_id=request.cut_id, discard_committed=request.discard_committed
+                )
             self._commit_upstream()
             self.cond.notify_all()
             return pb.RestoreResponse(leases_revoked=revoked, records_requeued=requeued)
@@ -356,6 +362,8 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 acks_per_second=aps,
                 last_committed_cut=self.core.last_committed_cut,
                 uptime_seconds=now - self.core.started,
+                cut_commit_error=self.core.cut_commit_error,
+                persisting_cuts=self.core.persisting_cuts(),
             )
 
 

@@ -37,6 +37,8 @@ class CoreState:
         self.workers: dict[str, WorkerRecord] = {}
         self.committed = DataCursor()
         self.cuts: dict[int, CutRecord] = {}
+        self.forgotten_cuts: dict[int, str] = {}  # recently forgotten uncommitted cuts -> why (memory only, bounded)
+        self.cut_commit_error = ""  # the last refused cut commit since the last successful one, and why
         self.restore_revoked: set[str] = set()
         self.ack_log: deque[tuple[float, int]] = deque()
         self.available: dict[tuple[str, int], int] = {}  # streams: (dataset, partition index) -> end at last poll
@@ -50,6 +52,8 @@ class CoreState:
         self._back = float(journal.get_meta("back_priority") or 0.0)
         self.last_committed_cut = int(journal.get_meta("last_committed_cut") or 0)
         self._load()
+        durable = journal.get_meta("durable_cursor")  # the newest checkpoint storage holds: the upstream limit
+        self.durable = DataCursor.from_json(durable) if durable else self.committed.copy()
 
     # ------------------------------------------------------------------ loading
     def _load(self) -> None:

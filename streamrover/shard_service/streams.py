@@ -121,8 +121,11 @@ class StreamOps(CoreState):
         return out
 
     def committed_positions(self, ds: DatasetRecord) -> dict[str, int]:
-        """Per partition id: the end of the committed run from the partition's start (what to commit upstream)."""
+        """Per partition id: the end of the committed run from the partition's start (what to commit upstream),
+        never beyond the newest durable checkpoint's cursor (a restore from shared memory commits nothing more)."""
         return {
-            plan.id: self.committed.get(PartitionKey(ds.name, 0, plan.id)).prefix_end(plan.start)
+            plan.id: min(
+                c.get(PartitionKey(ds.name, 0, plan.id)).prefix_end(plan.start) for c in (self.committed, self.durable)
+            )
             for plan in ds.partitions
         }

@@ -28,7 +28,7 @@ class FakeShardService:
     def ack(self, partition: str, start: int, end: int) -> None:
         self.cursor.add(PartitionKey("clicks", 0, partition), start, end)
 
-    def prepare_cut(self, step: int | None) -> tuple[int, DataCursor]:
+    def prepare_cut(self, step: int | None, *, persisting: bool = False) -> tuple[int, DataCursor]:
         self._next += 1
         self.cuts[self._next] = self.cursor.copy()
         return self._next, self.cursor.copy()
@@ -36,7 +36,7 @@ class FakeShardService:
     def commit_cut(self, cut_id: int) -> None:
         self.committed.append(cut_id)
 
-    def restore_cursor(self, cursor: DataCursor) -> None:
+    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False) -> None:
         self.cursor = cursor.copy()
         self.restored.append(cursor.copy())
 

@@ -186,5 +186,5 @@ def test_cut_prepare_is_idempotent_per_step_until_a_commit_or_restore(tmp_path: 
     assert core.cut_prepare(step=2).id != first.id
     core.cut_commit(first.id)
     assert core.cut_prepare(step=1).id == first.id  # the committed cut of that step, committing it is a no-op
-    core.restore(DataCursor())
+    core.restore(DataCursor(), discard_committed=True)
     assert core.cut_prepare(step=1).id != first.id  # a new timeline: a new cut

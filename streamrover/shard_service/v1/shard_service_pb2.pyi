@@ -817,16 +817,22 @@ class CutPrepareRequest(google.protobuf.message.Message):
 
     HAS_STEP_FIELD_NUMBER: builtins.int
     STEP_FIELD_NUMBER: builtins.int
+    PERSISTING_FIELD_NUMBER: builtins.int
     has_step: builtins.bool
     step: builtins.int
     """include acks with step <= this (all acks when has_step is false)"""
+    persisting: builtins.bool
+    """The checkpoint of this cut will be persisted: keep the cut (never evicted by newer prepares)
+    until it or a newer cut commits, or a restore discards it.
+    """
     def __init__(
         self,
         *,
         has_step: builtins.bool = ...,
         step: builtins.int = ...,
+        persisting: builtins.bool = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["has_step", b"has_step", "step", b"step"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["has_step", b"has_step", "persisting", b"persisting", "step", b"step"]) -> None: ...
 
 global___CutPrepareRequest = CutPrepareRequest
 
@@ -923,8 +929,18 @@ class RestoreRequest(google.protobuf.message.Message):
 
     CUT_ID_FIELD_NUMBER: builtins.int
     CURSOR_FIELD_NUMBER: builtins.int
+    DISCARD_COMMITTED_FIELD_NUMBER: builtins.int
+    FROM_MEMORY_FIELD_NUMBER: builtins.int
     cut_id: builtins.int
     """a cut this service still remembers"""
+    discard_committed: builtins.bool
+    """Restoring an empty cursor while the committed cursor is not empty throws away all committed
+    progress (every record is read again): refused with FAILED_PRECONDITION unless this is set.
+    """
+    from_memory: builtins.bool
+    """The cursor is of a shared-memory snapshot that storage does not hold: offsets committed to the
+    broker stay at the newest durable checkpoint's cursor (never beyond what storage can restore).
+    """
     @property
     def cursor(self) -> global___Cursor:
         """the cursor from a checkpoint manifest"""
@@ -934,9 +950,11 @@ class RestoreRequest(google.protobuf.message.Message):
         *,
         cut_id: builtins.int = ...,
         cursor: global___Cursor | None = ...,
+        discard_committed: builtins.bool = ...,
+        from_memory: builtins.bool = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["cursor", b"cursor", "cut_id", b"cut_id", "target", b"target"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["cursor", b"cursor", "cut_id", b"cut_id", "target", b"target"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["cursor", b"cursor", "cut_id", b"cut_id", "discard_committed", b"discard_committed", "from_memory", b"from_memory", "target", b"target"]) -> None: ...
     def WhichOneof(self, oneof_group: typing.Literal["target", b"target"]) -> typing.Literal["cut_id", "cursor"] | None: ...
 
 global___RestoreRequest = RestoreRequest
@@ -1008,11 +1026,17 @@ class StatusResponse(google.protobuf.message.Message):
     ACKS_PER_SECOND_FIELD_NUMBER: builtins.int
     LAST_COMMITTED_CUT_FIELD_NUMBER: builtins.int
     UPTIME_SECONDS_FIELD_NUMBER: builtins.int
+    CUT_COMMIT_ERROR_FIELD_NUMBER: builtins.int
+    PERSISTING_CUTS_FIELD_NUMBER: builtins.int
     records_per_second: builtins.float
     """acked, over the last few seconds"""
     acks_per_second: builtins.float
     last_committed_cut: builtins.int
     uptime_seconds: builtins.float
+    cut_commit_error: builtins.str
+    """the last cut commit refused since the last successful one, and why"""
+    persisting_cuts: builtins.int
+    """prepared cuts whose checkpoints are being persisted"""
     @property
     def datasets(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___DatasetInfo]: ...
     @property
@@ -1026,8 +1050,10 @@ class StatusResponse(google.protobuf.message.Message):
         acks_per_second: builtins.float = ...,
         last_committed_cut: builtins.int = ...,
         uptime_seconds: builtins.float = ...,
+        cut_commit_error: builtins.str = ...,
+        persisting_cuts: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["acks_per_second", b"acks_per_second", "datasets", b"datasets", "last_committed_cut", b"last_committed_cut", "records_per_second", b"records_per_second", "uptime_seconds", b"uptime_seconds", "workers", b"workers"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["acks_per_second", b"acks_per_second", "cut_commit_error", b"cut_commit_error", "datasets", b"datasets", "last_committed_cut", b"last_committed_cut", "persisting_cuts", b"persisting_cuts", "records_per_second", b"records_per_second", "uptime_seconds", b"uptime_seconds", "workers", b"workers"]) -> None: ...
 
 global___StatusResponse = StatusResponse
 

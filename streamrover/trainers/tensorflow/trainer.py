@@ -73,16 +73,16 @@ class _CutBinder:
         self.client = client
         self.last_cursor = DataCursor()
 
-    def prepare_cut(self, step: int | None) -> tuple[int, DataCursor]:
-        cut_id, cursor = self.client.prepare_cut(step)
+    def prepare_cut(self, step: int | None, *, persisting: bool = False) -> tuple[int, DataCursor]:
+        cut_id, cursor = self.client.prepare_cut(step, persisting=persisting)
         self.last_cursor = cursor
         return cut_id, cursor
 
     def commit_cut(self, cut_id: int) -> object:
         return self.client.commit_cut(cut_id)
 
-    def restore_cursor(self, cursor: DataCursor) -> object:
-        return self.client.restore_cursor(cursor)
+    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False) -> object:
+        return self.client.restore_cursor(cursor, from_memory=from_memory)
 
 
 @dataclass
