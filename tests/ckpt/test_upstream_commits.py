@@ -3,8 +3,8 @@
 Checkpoint 1 is persisted (its cut commits the group offset to 100); the trainer goes on and takes a
 memory-only snapshot at step 2 (offset 200), then restarts on the same node and restores that snapshot
 from shared memory. The broker's committed offset must stay at checkpoint 1's: storage cannot restore
-step 2, and a broker may delete (Pulsar) or age out (Kafka retention) what is committed. A durable
-checkpoint taken afterwards moves it on.
+step 2, and a broker may delete (Pulsar) or age out (Kafka retention) what is committed; also after the
+master is SIGKILLed and restarted. A durable checkpoint taken afterwards moves it on.
 """
 
 from __future__ import annotations
@@ -108,6 +108,10 @@ def test_a_restore_from_shared_memory_commits_nothing_upstream_beyond_storage(
         assert client.get_cursor()[0].size() == 200, "the master resumes from the memory snapshot's cursor"
         next_id = _poller_rounds_done(client, tansu_broker, topic, 300)
         assert _group_offset(tansu_broker, topic) == 100, "committed upstream beyond what storage can restore"
+        master.restart()  # SIGKILL: the durable limit is in the journal, not only in memory
+        client.commit_cut(client.status().last_committed_cut)  # a repeated commit: hands positions to the poller
+        next_id = _poller_rounds_done(client, tansu_broker, topic, next_id)
+        assert _group_offset(tansu_broker, topic) == 100, "after a master restart, upstream ran ahead of storage"
 
         assert _ack_one_shard(client, step=3) == 300
         ckpt.save(3, {"w": np.full(4, 3.0)})
