@@ -323,8 +323,9 @@ class ShardCore(CutOps, StreamOps):
             return verdict
         w = self.workers[worker_id]
         w.last_seen = self.clock()
-        w.records_acked += position - s.acked_to
-        self.ack_log.append((w.last_seen, position - s.acked_to))
+        records = self.datasets[s.dataset].records_in(s.pindex, s.acked_to, position)
+        w.records_acked += records
+        self.ack_log.append((w.last_seen, records))
         s.acks.append((step, position))
         s.acked_by[attempt] = position
         s.acked_to = position
@@ -414,9 +415,14 @@ class ShardCore(CutOps, StreamOps):
         for part in ds.partitions:
             for epoch in range(ds.epochs_planned):
                 covered = self.committed.get(PartitionKey(ds.name, epoch, part.id))
-                committed_cells += grid_cells_covered(part, ds.shard_size, covered)
-                committed_records += covered.size()
-        acked_records = self.acked_cursor().only(ds.name).size()
+                committed_cells += grid_cells_covered(part, ds.shard_size, covered, ds.runs.get(part.index))
+                committed_records += ds.records_in_set(part.index, covered)
+        index = {p.id: p.index for p in ds.partitions}
+        acked_records = sum(
+            ds.records_in_set(index[key.partition], covered)
+            for key, covered in self.acked_cursor().only(ds.name).items()
+            if key.partition in index
+        )
         finished = self.finished(ds)
         return DatasetCounts(
             todo=states[ShardState.TODO],
@@ -427,6 +433,10 @@ class ShardCore(CutOps, StreamOps):
             records_committed=committed_records,
             finished=finished,
         )
+
+    def planned_records(self, ds: DatasetRecord) -> int:
+        """Records in the dataset's planned extents (a stream's grows as it is planned)."""
+        return ds.planned_records()
 
     def rates(self, window: float = 5.0) -> tuple[float, float]:
         """(records acked per second, acks per second) over the last ``window`` seconds."""

@@ -235,7 +235,7 @@ class CutOps(CoreState):
             ds.epochs_planned = max([k.epoch + 1 for k in cursor.keys()] + [1])
         planned = list(
             itertools.chain.from_iterable(
-                plan_epoch(ds.partitions, e, ds.shard_size, ds.spec.shuffle, ds.spec.seed, done)
+                plan_epoch(ds.partitions, e, ds.shard_size, ds.spec.shuffle, ds.spec.seed, done, ds.runs)
                 for e in range(ds.epochs_planned)
             )
         )

@@ -26,6 +26,7 @@ from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, PartitionPlan, ShardState
 from streamrover.shard_service.records import CutRecord, CutState, DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.sources.api import SourceKind
+from streamrover.sources.positions import RecordRuns
 
 SCHEMA_VERSION = 1
 
@@ -110,7 +111,13 @@ class Journal:
 
     # -- datasets ------------------------------------------------------------
     def put_dataset(self, ds: DatasetRecord) -> None:
-        parts = json.dumps([[p.index, p.id, p.start, p.end] for p in ds.partitions])
+        # A sparse partition's runs ride along as a fifth element (sources/positions.py).
+        parts = json.dumps(
+            [
+                [p.index, p.id, p.start, p.end] + ([ds.runs[p.index].to_list()] if p.index in ds.runs else [])
+                for p in ds.partitions
+            ]
+        )
         self._db.execute(
             "INSERT OR REPLACE INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -129,8 +136,10 @@ class Journal:
         out = []
         rows = self._db.execute("SELECT * FROM datasets ORDER BY name")
         for _name, spec, kind, parts, schema, epochs, dead, failed in rows:
-            partitions = [PartitionPlan(int(i), str(pid), int(s), int(e)) for i, pid, s, e in json.loads(parts)]
+            rows_of = json.loads(parts)
+            partitions = [PartitionPlan(int(i), str(pid), int(s), int(e)) for i, pid, s, e, *_ in rows_of]
             record = DatasetRecord(DatasetSpec.from_json(spec), SourceKind(kind), partitions, schema, int(epochs))
+            record.runs = {int(row[0]): RecordRuns.from_list(row[4]) for row in rows_of if len(row) > 4}
             record.dead_letters, record.failed = int(dead), str(failed)
             out.append(record)
         return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from streamrover.cursor import DataCursor
+from streamrover.cursor import DataCursor, IntervalSet
 from streamrover.shard_service.api import (
     DEFAULT_RECORDS_PER_SHARD,
     MAX_AUTO_RECORDS_PER_SHARD,
@@ -14,6 +14,7 @@ from streamrover.shard_service.api import (
     ShardState,
 )
 from streamrover.sources.api import SourceKind
+from streamrover.sources.positions import RecordRuns
 
 
 @dataclass
@@ -48,6 +49,9 @@ class DatasetRecord:
     epochs_planned: int = 0
     dead_letters: int = 0
     failed: str = ""  # why the dataset cannot go on ("" while it can)
+    # Sparse partitions (by index): the runs of positions that hold records, as the source reported
+    # them (sources/positions.py). A partition without runs is dense.
+    runs: dict[int, RecordRuns] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -65,6 +69,20 @@ class DatasetRecord:
 
     def partition_by_id(self) -> dict[str, PartitionPlan]:
         return {p.id: p for p in self.partitions}
+
+    def records_in(self, pindex: int, start: int, end: int) -> int:
+        """How many records partition ``pindex`` holds in ``[start, end)`` (a position difference only if dense)."""
+        runs = self.runs.get(pindex)
+        return max(end - start, 0) if runs is None else runs.count(start, end)
+
+    def records_in_set(self, pindex: int, covered: IntervalSet) -> int:
+        """How many records of partition ``pindex`` lie inside ``covered``."""
+        runs = self.runs.get(pindex)
+        return covered.size() if runs is None else sum(runs.count(a, b) for a, b in covered)
+
+    def planned_records(self) -> int:
+        """Records in the partitions' planned extents."""
+        return sum(self.records_in(p.index, p.start, p.end) for p in self.partitions)
 
 
 @dataclass

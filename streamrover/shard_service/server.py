@@ -145,7 +145,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             error=error,
             failed=bool(ds.failed),
             dead_letters=ds.dead_letters,
-            total_records=sum(p.end - p.start for p in ds.partitions),
+            total_records=ds.planned_records(),
             epochs_planned=ds.epochs_planned,
             shards=pb.ShardCounts(
                 todo=counts.todo, leased=counts.leased, acked=counts.acked, committed=counts.committed

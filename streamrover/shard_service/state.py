@@ -43,7 +43,6 @@ class CoreState:
         self.ack_log: deque[tuple[float, int]] = deque()
         self.available: dict[tuple[str, int], int] = {}  # streams: (dataset, partition index) -> end at last poll
         self.pending_since: dict[tuple[str, int], float] = {}  # streams: since when unplanned records wait
-        self.segments: dict[tuple[str, int], tuple[tuple[int, int], ...] | None] = {}  # sparse streams: runs
         self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)
         self.started = clock()
         self._lease_seq = int(journal.get_meta("lease_seq") or 0)

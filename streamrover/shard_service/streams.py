@@ -10,7 +10,7 @@ added with the position they start at.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import replace
 
 from streamrover.cursor import PartitionKey
@@ -19,6 +19,7 @@ from streamrover.shard_service.planner import PlannedShard
 from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.state import CoreState
 from streamrover.sources.api import Partition, SourceKind
+from streamrover.sources.positions import RecordRuns
 
 DEFAULT_MAX_DELAY_MS = 500
 DEFAULT_MAX_PENDING_SHARDS = 64
@@ -30,7 +31,7 @@ def stream_option(ds: DatasetRecord, key: str, default: int) -> int:
 
 
 def full_shards(
-    end: int, avail: int, size: int, segments: Sequence[tuple[int, int]] | None, limit: int
+    end: int, avail: int, size: int, segments: Iterable[tuple[int, int]] | None, limit: int
 ) -> tuple[list[tuple[int, int]], int]:
     """Up to ``limit`` shards from ``end``, each spanning ``size`` positions that can hold records.
 
@@ -39,7 +40,10 @@ def full_shards(
     shard that follows them, so a gap never becomes a stream of empty shards.
     Returns the shards and where the next shard starts.
     """
-    runs = [(end, avail)] if segments is None else [(max(a, end), min(b, avail)) for a, b in sorted(segments)]
+    if segments is None:
+        runs = [(end, avail)]
+    else:
+        runs = [(max(a, end), min(b, avail)) for a, b in sorted(segments) if b > end and a < avail]
     shards: list[tuple[int, int]] = []
     start, need = end, size
     for a, b in runs:
@@ -72,19 +76,25 @@ class StreamOps(CoreState):
                 known[p.id] = plan
                 changed = True
             self.available[(name, known[p.id].index)] = p.end
-            self.segments[(name, known[p.id].index)] = p.segments
+            if p.segments is not None:  # a sparse partition: where its records are (sources/positions.py)
+                seen = ds.runs.setdefault(known[p.id].index, RecordRuns())
+                before = len(seen)
+                # A new run (a ledger rollover) is journalled now; a run that grew rides with the next write
+                # (the source reports its newest run at every poll, after a master restart too).
+                if seen.add(p.segments) and len(seen) != before:
+                    changed = True
         pending = self.state_counts[name][ShardState.TODO]
         planned: list[PlannedShard] = []
         for plan in list(ds.partitions):
             key = (name, plan.index)
             avail = self.available.get(key, plan.end)
-            full, end = full_shards(plan.end, avail, size, self.segments.get(key), max_pending - pending)
-            planned.extend(PlannedShard(0, plan, a, b) for a, b in full)
+            full, end = full_shards(plan.end, avail, size, ds.runs.get(plan.index), max_pending - pending)
+            planned.extend(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)) for a, b in full)
             pending += len(full)
             if avail > end:
                 since = self.pending_since.setdefault(key, now)
                 if pending < max_pending and (force or now - since >= max_delay):
-                    planned.append(PlannedShard(0, plan, end, avail))
+                    planned.append(PlannedShard(0, plan, end, avail, ds.records_in(plan.index, end, avail)))
                     end = avail
                     pending += 1
                     self.pending_since.pop(key, None)
@@ -112,12 +122,12 @@ class StreamOps(CoreState):
             raise FailedPreconditionError(f"dataset {ds.name!r} failed: {ds.failed}")
 
     def lag(self, ds: DatasetRecord) -> list[tuple[int, int, int]]:
-        """Per partition: (available end, committed end, lag)."""
+        """Per partition: (available end, committed end, lag in records between them)."""
         out = []
         for plan in ds.partitions:
             committed_end = self.committed.get(PartitionKey(ds.name, 0, plan.id)).prefix_end(plan.start)
             avail = self.available.get((ds.name, plan.index), plan.end)
-            out.append((avail, committed_end, max(avail - committed_end, 0)))
+            out.append((avail, committed_end, ds.records_in(plan.index, committed_end, avail)))
         return out
 
     def committed_positions(self, ds: DatasetRecord) -> dict[str, int]:

@@ -64,8 +64,13 @@ class Partition:
     id: str
     start: int
     end: int
-    #: Sparse sources may say which runs ``(a, b)`` of positions below ``end`` can hold records
-    #: (a Pulsar ledger's entries, say); the planner then sizes shards by those, not by gaps.
+    #: Where a sparse partition's records lie (None: dense, one record per position): sorted, disjoint
+    #: runs ``(a, b)`` below ``end``, each holding one record per position; positions outside every run
+    #: hold none (a Pulsar ledger's entries are a run; a ledger rollover is the gap to the next run).
+    #: The master keeps the union of the runs a partition ever reported (a source may report only those
+    #: it knows now) and counts records by them: shard sizes, the re-plan after a restore, lag, counts
+    #: and rates (sources/positions.py). Runs never bound what a shard covers, so a run the source
+    #: missed costs count accuracy, never a record.
     segments: tuple[tuple[int, int], ...] | None = None
 
 
@@ -96,6 +101,8 @@ class Source(ABC):
 
     kind: SourceKind = SourceKind.BATCH
     #: True when every integer position in a partition's [start, end) holds exactly one record.
+    #: A sparse source (False) says where its records are with :attr:`Partition.segments`; one that
+    #: reports none (Kafka: its gaps are rare and small) is counted as if dense, an upper bound.
     dense_positions: bool = True
 
     @abstractmethod

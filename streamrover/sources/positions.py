@@ -1,0 +1,94 @@
+"""Counting records over positions that are not dense (the sources/api.py position contract).
+
+A dense partition holds one record at every position of ``[start, end)``. A sparse one (Pulsar:
+``ledger << bits | entry``, a ledger rollover jumps the position by up to ``2**bits``) says where its
+records lie as *runs*: sorted, disjoint ``[a, b)`` ranges that hold one record per position; a
+position outside every run holds none. :class:`RecordRuns` keeps a partition's runs and answers how
+many records lie in a range (:meth:`RecordRuns.count`), how many lie before a position
+(:meth:`RecordRuns.rank`) and where the k-th record is (:meth:`RecordRuns.select`): what the master
+needs to size shards, re-plan after a restore and report counts and lag in records.
+
+Runs are a description, never a boundary: a shard always covers every position of its range, so a
+run the master never learned (a ledger that came and went between two polls) only makes a shard
+hold more records than planned and a count low; it never loses a record.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator
+
+
+class RecordRuns:
+    """The runs of positions that hold records, merged (a union: a run learned once is kept)."""
+
+    def __init__(self, runs: Iterable[tuple[int, int]] = ()) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._before: list[int] = []  # records in the runs before run i
+        self.add(runs)
+
+    def add(self, runs: Iterable[tuple[int, int]]) -> bool:
+        """Merge ``runs`` in. Returns whether anything changed."""
+        merged = sorted([*zip(self._starts, self._ends), *((a, b) for a, b in runs if a < b)])
+        starts: list[int] = []
+        ends: list[int] = []
+        for a, b in merged:
+            if starts and a <= ends[-1]:
+                ends[-1] = max(ends[-1], b)
+            else:
+                starts.append(a)
+                ends.append(b)
+        if starts == self._starts and ends == self._ends:
+            return False
+        self._starts, self._ends = starts, ends
+        total = 0
+        self._before = []
+        for a, b in zip(starts, ends):
+            self._before.append(total)
+            total += b - a
+        return True
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(zip(self._starts, self._ends))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RecordRuns) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RecordRuns({list(self)!r})"
+
+    def to_list(self) -> list[list[int]]:
+        return [[a, b] for a, b in self]
+
+    @classmethod
+    def from_list(cls, items: Iterable[Iterable[int]]) -> RecordRuns:
+        return cls((int(a), int(b)) for a, b in items)
+
+    def rank(self, position: int) -> int:
+        """How many records lie at positions below ``position``."""
+        i = bisect.bisect_right(self._starts, position) - 1
+        if i < 0:
+            return 0
+        return self._before[i] + min(position, self._ends[i]) - self._starts[i]
+
+    def count(self, start: int, end: int) -> int:
+        """How many records lie in ``[start, end)``."""
+        return max(self.rank(end) - self.rank(start), 0)
+
+    def select(self, k: int) -> int:
+        """The position of the record with rank ``k`` (0 = the first); past the last: the last run's end."""
+        if not self._starts:
+            return 0
+        i = bisect.bisect_right(self._before, k) - 1
+        if i < 0:
+            return self._starts[0]
+        offset = k - self._before[i]
+        if offset >= self._ends[i] - self._starts[i]:
+            return self._ends[i]
+        return self._starts[i] + offset
