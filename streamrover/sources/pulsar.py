@@ -41,6 +41,10 @@ by the rest of one entry. For non-batched producers a position is a message and 
 counts messages; with batching it counts entries. Reads skip duplicate deliveries by
 (position, batch index), which only grows along a partition. Partitions with no message yet are
 not reported until their first message exists (their first ledger id is not known before).
+The master side reports each ledger it has seen as a run (``Partition.segments``) so that shards,
+lag and counts are sized in records: ``routed`` sees every message; ``direct`` learns the newest
+ledger from ``get_last_message_id`` and, after a rollover, reads the tail of the ledgers before it
+(from the entry after the last one known: the broker moves such a start to the next ledger).
 
 **Reading one partition.** ``direct`` opens a reader (and, on the master, a consumer of the
 subscription) on the partition's own topic ``persistent://.../TOPIC-partition-N``: the right way on
@@ -51,9 +55,10 @@ partition's last message id (``get_last_message_id`` is not supported on a multi
 and acknowledges through one consumer of the partitioned topic. ``auto`` asks the broker for the
 partitions of ``TOPIC-partition-0``: a broker that answers the partition itself gets ``direct``,
 others ``routed`` (on pulsar-lite that lookup creates a topic ``TOPIC-partition-0``). Tested here
-(tests/sources/test_pulsar_stream.py) against pulsar-lite 0.2.0 only: partitioned topics ``routed``,
-a non-partitioned topic ``direct``. ``direct`` on a partition of a partitioned topic, ledger
-rollovers (gaps) and batched producers are written to the Pulsar client API but not tested.
+against pulsar-lite 0.2.0 (tests/sources/test_pulsar_stream.py: partitioned topics ``routed``, a
+non-partitioned topic ``direct``; pulsar-lite never rolls a ledger) and real Apache Pulsar 4.0
+standalone with 50-entry ledgers (tests/sources/test_pulsar_rollover.py: a partitioned topic read
+``direct`` across ledger rollovers). Batched producers are written to the client API but not tested.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ from streamrover.sources.api import (
     SourceUnavailableError,
     register_source,
 )
+from streamrover.sources.pulsar_positions import LedgerRuns, PositionCodec
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
 log = logging.getLogger(__name__)
@@ -116,32 +122,6 @@ def _client_value(text: str) -> Any:
     return text
 
 
-class PositionCodec:
-    """(ledger id, entry id) <-> int64 position: ``ledger_id << entry_bits | entry_id``."""
-
-    def __init__(self, entry_bits: int = 24) -> None:
-        if not 16 <= entry_bits <= 40:
-            raise SourceError(f"sr.entry_bits must be within 16..40, got {entry_bits}")
-        self.entry_bits = entry_bits
-        self.ledger_bits = 63 - entry_bits
-
-    def encode(self, ledger_id: int, entry_id: int) -> int:
-        if not 0 <= entry_id < 1 << self.entry_bits:
-            raise SourceError(
-                f"Pulsar entry id {entry_id} (ledger {ledger_id}) does not fit in sr.entry_bits={self.entry_bits}: "
-                "register the dataset with a larger sr.entry_bits"
-            )
-        if not 0 <= ledger_id < 1 << self.ledger_bits:
-            raise SourceError(
-                f"Pulsar ledger id {ledger_id} does not fit in {self.ledger_bits} bits (63 - sr.entry_bits="
-                f"{self.entry_bits}): register the dataset with a smaller sr.entry_bits"
-            )
-        return ledger_id << self.entry_bits | entry_id
-
-    def decode(self, position: int) -> tuple[int, int]:
-        return position >> self.entry_bits, position & ((1 << self.entry_bits) - 1)
-
-
 class PulsarSource(Source):
     kind = SourceKind.STREAM
     dense_positions = False
@@ -178,6 +158,9 @@ class PulsarSource(Source):
         self._last: dict[str, int] = {}  # partition id -> position of the last message seen
         self._acked: dict[str, int] = {}  # partition id -> position last committed upstream
         self._empty: dict[str, tuple[int, int]] = {}  # partition id -> [a, b) known to hold no message
+        self._ledgers = LedgerRuns(self.codec.entry_bits)  # master side: the ledgers seen, per partition
+        self._walkers: dict[str, Any] = {}  # direct master side: readers learning ledgers (``_walk``)
+        self._walked: dict[str, tuple[int, int]] = {}  # ... and the (ledger, entry) up to which they are known
 
     # -- clients and names -----------------------------------------------------
     def _pulsar(self) -> Any:
@@ -232,24 +215,66 @@ class PulsarSource(Source):
 
     # -- master side ---------------------------------------------------------------
     def _scan(self, budget: float = POLL_BUDGET) -> None:
-        """Update ``_first``/``_last`` from the broker."""
+        """Update ``_first``/``_last`` and the ledgers seen from the broker."""
         names = self._partition_names()
         if self.mode == "routed":
             self._consumer("")  # the subscription exists from the registration on
             self._scan_routed(budget)
             return
+        deadline = time.monotonic() + budget
         for name in names:
             pid = self._pid(name)
             last = self._call("get_last_message_id", self._consumer(name).get_last_message_id)
             if last.entry_id() < 0:
                 continue  # no message yet
-            self._last[pid] = self.codec.encode(last.ledger_id(), last.entry_id())
+            ledger, entry = last.ledger_id(), last.entry_id()
+            self._last[pid] = self.codec.encode(ledger, entry)
             if pid not in self._first:
                 reader = self._call("create_reader", self._pulsar().create_reader, name, pulsar.MessageId.earliest)
                 try:
                     self._first[pid] = self._position(self._call("read", reader.read_next, 10_000))[0]
                 finally:
                     reader.close()
+                self._ledgers.see(pid, *self.codec.decode(self._first[pid]))
+                self._walked[pid] = self.codec.decode(self._first[pid])
+            if self._walk(pid, name, ledger, deadline):
+                self._walked[pid] = (ledger, entry)
+            first_ledger, first_entry = self.codec.decode(self._first[pid])
+            self._ledgers.see(pid, ledger, first_entry if ledger == first_ledger else 0, entry)  # entries are dense
+
+    def _walk(self, pid: str, name: str, ledger: int, deadline: float) -> bool:
+        """Learn the ledgers before ``ledger`` not seen whole yet. Returns whether every one is known now.
+
+        Reads from the entry after the last one walked (the broker moves a start past a ledger's
+        end to the next ledger) until the first message of ``ledger``: the tail of the ledger seen
+        last, and any between; within the poll's budget, the reader kept for the next poll.
+        Normally a rollover costs the entries written since the last poll.
+        """
+        while self._walked[pid][0] < ledger:
+            if time.monotonic() >= deadline:
+                return False
+            walker = self._walkers.get(pid)
+            if walker is None:
+                at, last = self._walked[pid]
+                start = self._message_id(pid, self.codec.encode(at, last + 1))
+                walker = self._call(
+                    "create_reader", self._pulsar().create_reader, name, start, start_message_id_inclusive=True
+                )
+                self._walkers[pid] = walker
+            try:
+                msg = walker.read_next(200)
+            except pulsar.Timeout:
+                return False
+            except pulsar.PulsarException as exc:
+                self._walkers.pop(pid).close()
+                raise SourceUnavailableError(f"Pulsar at {self.service_url}: reading {pid}: {exc!r}") from exc
+            seen, entry = self.codec.decode(self._position(msg)[0])
+            if seen >= ledger:
+                self._walkers.pop(pid).close()
+                return True
+            self._ledgers.see(pid, seen, entry)
+            self._walked[pid] = max(self._walked[pid], (seen, entry))
+        return True
 
     def _scan_routed(self, budget: float) -> None:
         if self._tail is None:
@@ -268,15 +293,15 @@ class PulsarSource(Source):
             pid, pos = self._pid(msg.topic_name()), self._position(msg)[0]
             self._first.setdefault(pid, pos)
             self._last[pid] = max(self._last.get(pid, pos), pos)
+            self._ledgers.see(pid, *self.codec.decode(pos))
 
     def _polled(self) -> list[Partition]:
         out = []
         for name in self._names:
             pid = self._pid(name)
             if pid in self._last:
-                ledger, _ = self.codec.decode(self._last[pid])  # entries of the newest ledger are dense
-                run = ((self.codec.encode(ledger, 0), self._last[pid] + 1),)
-                out.append(Partition(pid, self._first[pid], self._last[pid] + 1, segments=run))
+                segments = self._ledgers.runs(pid)  # every ledger seen: the master counts records by them
+                out.append(Partition(pid, self._first[pid], self._last[pid] + 1, segments=segments))
         return out
 
     def partitions(self) -> list[Partition]:
@@ -401,13 +426,13 @@ class PulsarSource(Source):
         return ReadBatch(records, start, end, kept, dead_letters=dead)
 
     def close(self) -> None:
-        for closable in [*self._consumers.values(), self._tail]:
+        for closable in [*self._consumers.values(), *self._walkers.values(), self._tail]:
             if closable is not None:
                 try:
                     closable.close()
                 except pulsar.PulsarException as exc:  # already disconnected: nothing to release
                     log.debug("closing %s: %r", self.topic, exc)
-        self._consumers, self._tail = {}, None
+        self._consumers, self._walkers, self._tail = {}, {}, None
         if self._client is not None:
             self._client.close()
             self._client = None
