@@ -88,7 +88,9 @@ class StreamOps(CoreState):
         for plan in list(ds.partitions):
             key = (name, plan.index)
             avail = self.available.get(key, plan.end)
-            full, end = full_shards(plan.end, avail, size, ds.runs.get(plan.index), max_pending - pending)
+            runs = ds.runs.get(plan.index)
+            segments = None if runs is None else runs.between(plan.end, avail)
+            full, end = full_shards(plan.end, avail, size, segments, max_pending - pending)
             planned.extend(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)) for a, b in full)
             pending += len(full)
             if avail > end:

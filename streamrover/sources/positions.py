@@ -70,6 +70,17 @@ class RecordRuns:
     def from_list(cls, items: Iterable[Iterable[int]]) -> RecordRuns:
         return cls((int(a), int(b)) for a, b in items)
 
+    def between(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The runs that overlap ``[start, end)``, clipped to it."""
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        out = []
+        while i < len(self._starts) and self._starts[i] < end:
+            a, b = max(self._starts[i], start), min(self._ends[i], end)
+            if a < b:
+                out.append((a, b))
+            i += 1
+        return out
+
     def rank(self, position: int) -> int:
         """How many records lie at positions below ``position``."""
         i = bisect.bisect_right(self._starts, position) - 1

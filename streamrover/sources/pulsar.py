@@ -81,6 +81,9 @@ from streamrover.sources.api import (
     SourceUnavailableError,
     register_source,
 )
+from streamrover.sources.pulsar_client import client_logger, parse_uri
+from streamrover.sources.pulsar_client import client_value as _client_value
+from streamrover.sources.pulsar_client import partition_index as _index
 from streamrover.sources.pulsar_positions import LedgerRuns, PositionCodec
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
@@ -98,28 +101,6 @@ RAW_SCHEMA = pa.schema(
 
 POLL_BUDGET = 0.5  # seconds a routed poll may spend tailing the topic
 REGISTER_BUDGET = 60.0  # ... and the first listing, which reads up to the end
-
-
-def parse_uri(uri: str) -> tuple[str, str]:
-    """``pulsar://HOST:PORT/[TENANT/NS/]TOPIC`` -> (service url, full topic name)."""
-    scheme, sep, rest = uri.partition("://")
-    hosts, _, path = rest.partition("/")
-    parts = path.split("/") if path else []
-    if scheme not in ("pulsar", "pulsar+ssl") or not sep or not hosts or len(parts) not in (1, 3) or not all(parts):
-        raise SourceError(f"a Pulsar URI looks like pulsar://HOST:PORT/[TENANT/NAMESPACE/]TOPIC, got {uri!r}")
-    tenant, ns, topic = parts if len(parts) == 3 else ("public", "default", parts[0])
-    return f"{scheme}://{hosts}", f"persistent://{tenant}/{ns}/{topic}"
-
-
-def _client_value(text: str) -> Any:
-    if text in ("true", "false"):
-        return text == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 class PulsarSource(Source):
@@ -165,7 +146,7 @@ class PulsarSource(Source):
     # -- clients and names -----------------------------------------------------
     def _pulsar(self) -> Any:
         if self._client is None:
-            self._client = pulsar.Client(self.service_url, logger=_client_logger(), **self.client_options)
+            self._client = pulsar.Client(self.service_url, logger=client_logger(), **self.client_options)
         return self._client
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -436,29 +417,6 @@ class PulsarSource(Source):
         if self._client is not None:
             self._client.close()
             self._client = None
-
-
-def _client_logger() -> Any:
-    """The client library's own console logger at this module's logging level (Warn unless configured).
-
-    Not the ``logging`` logger itself: given one, pulsar-client 3.x formats a DEBUG line per
-    received message whatever the level (and prints a message whose value is not UTF-8,
-    payload included, to stdout).
-    """
-    level = log.getEffectiveLevel()
-    if level <= logging.DEBUG:
-        return pulsar.ConsoleLogger(pulsar.LoggerLevel.Debug)
-    if level <= logging.INFO:
-        return pulsar.ConsoleLogger(pulsar.LoggerLevel.Info)
-    if level <= logging.WARNING:
-        return pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn)
-    return pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
-
-
-def _index(name: str) -> int:
-    """The partition number in ``...-partition-N`` (-1 for a non-partitioned topic)."""
-    _, sep, num = name.rpartition("-partition-")
-    return int(num) if sep and num.isdigit() else -1
 
 
 def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:

@@ -136,6 +136,8 @@ def test_record_runs_count_rank_and_select_agree_with_a_set_of_positions(
     for k, p in enumerate(positions):
         assert runs.select(k) == p
     assert RecordRuns.from_list(runs.to_list()) == runs
+    assert sum(y - x for x, y in runs.between(a, b)) == runs.count(a, b)
+    assert all(a <= x < y <= b for x, y in runs.between(a, b))
 
 
 @given(_RUNS, st.lists(st.tuples(st.integers(0, 330), st.integers(1, 40)), max_size=4), st.integers(1, 30))
