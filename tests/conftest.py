@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,15 +46,32 @@ def _free_leaked_shared_memory() -> Iterator[None]:
     before = set(shm.glob("srckpt-*")) if shm.is_dir() else set()
     yield
     in_use = _mapped_checkpoint_buffers()  # a live process's buffers (another run's trainer, saver or bench)
+    served = _served_namespaces()  # a live saver owns its namespace's buffers (it frees orphans when it exits)
     # A buffer written in the last seconds may belong to a concurrent run that has created it and not yet
     # mapped it (or whose trainer restarts to map it again): spare it, at the cost of rarely leaving one.
     recent = time.time() - 10.0
     for leftover in set(shm.glob("srckpt-*")) - before if shm.is_dir() else ():
         try:
-            if str(leftover) not in in_use and leftover.stat().st_mtime < recent:
+            namespace = re.sub(r"-r\d+-b\d+$", "", leftover.name.removeprefix("srckpt-"))
+            if str(leftover) not in in_use and namespace not in served and leftover.stat().st_mtime < recent:
                 leftover.unlink(missing_ok=True)
         except FileNotFoundError:
             continue
+
+
+def _served_namespaces() -> set[str]:
+    """Checkpoint namespaces whose saver listens now (its abstract socket, ``@streamrover-ckpt-NS``).
+
+    Between a trainer's death and its restart nobody maps its buffers (a chief restarted by tf-ps-run,
+    a worker group restarted by its agent): the saver that persisted them still serves the namespace.
+    """
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()
+    except OSError:
+        return set()
+    prefix = "@streamrover-ckpt-"
+    return {re.sub(r"[^A-Za-z0-9_.-]", "_", f.removeprefix(prefix)) for line in lines
+            for f in line.split()[7:8] if f.startswith(prefix)}  # fmt: skip
 
 
 def _mapped_checkpoint_buffers() -> set[str]:

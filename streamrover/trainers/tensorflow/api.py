@@ -27,7 +27,8 @@ Exactly once (the design :class:`~streamrover.trainers.tensorflow.trainer.PSTrai
    *and* the shard service's cursor back to the newest checkpoint (from shared memory: a memcpy
    and one assign per variable). Every step since that checkpoint, including the partial one,
    is discarded and its records are leased and applied again, once. The same rollback follows
-   a refused ack (a lease lost under applied records).
+   a refused ack (a lease lost under applied records) and a step whose result cannot be fetched
+   (its worker died after the closure ran): its records are not acked, and its updates undone.
 4. **PS loss and chief loss restart the chief.** A dead parameter server loses its variables;
    the launcher restarts it and restarts the chief, which (like any chief at start) loads the
    newest checkpoint — this host's shared memory when it is at least as new as storage, storage

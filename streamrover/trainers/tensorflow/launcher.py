@@ -33,14 +33,21 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from streamrover.trainers.standby import StandbyPool
 from streamrover.trainers.tensorflow.api import CLUSTER, ClusterConfigError, ClusterSpec, TrainerEnv
 
 SERVER_MODULE = "streamrover.trainers.tensorflow.server"
+TF_WARM_MODULES = ("numpy", "pyarrow", "tensorflow", "streamrover.trainers.tensorflow.trainer")
+
+
+def _say(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} tf-ps-run: {message}", flush=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,6 +75,7 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     max_restarts: int = 100
     ready_timeout: float = 180.0
+    standby: int = 2  # warm interpreters (TensorFlow imported) for restarted tasks; 0: always start fresh
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +105,14 @@ class PSJob:
         self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()  # put() is safe in signal handlers
         self._chief_restart: str | None = None  # why the current chief is being stopped
         self._leaving: list[str] = []
+        self._joining: set[str] = set()
+        self._booting: dict[tuple[str, Any], subprocess.Popen[bytes]] = {}
+        self._chief_due = False  # a chief is to start once the parameter servers listen
+        self._ready_pipes: dict[int, IO[bytes]] = {}
+        self._pool: StandbyPool | None = None
+        if cfg.standby > 0:
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # what the standbys import TensorFlow with
+            self._pool = StandbyPool(cfg.standby, flags=(), warm=TF_WARM_MODULES, refill_delay=5.0)
         self._stopping = False
 
     # -- processes ------------------------------------------------------------------------
@@ -113,45 +129,90 @@ class PSJob:
 
         threading.Thread(target=wait, name=f"watch-{kind}-{key}", daemon=True).start()
 
+    def _launch(self, cmd: list[str], env: dict[str, str], stdout: IO[bytes], stderr: IO[bytes] | None
+                ) -> subprocess.Popen[bytes]:  # fmt: skip
+        """Run ``cmd`` in a warm standby interpreter (TensorFlow already imported) if one is ready, else fresh."""
+        if self._pool is not None:
+            proc = self._pool.start(cmd, env, stdout, stderr if stderr is not None else stdout)
+            if proc is not None:
+                self._pool.schedule_fill()
+                return proc
+        return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr if stderr is not None else stdout)
+
     def _start_server(self, job: str, index: int, address: str) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self.cfg.env, CLUSTER: self.spec().to_json(), "TF_CPP_MIN_LOG_LEVEL": "2"}
         cmd = [sys.executable, "-m", SERVER_MODULE, "--job", job, "--index", str(index)]
         log = self._log(f"{job}-{address.rsplit(':', 1)[1]}")
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log)
+        read_fd, write_fd = os.pipe()  # the server says READY on its stdout
+        with os.fdopen(write_fd, "wb") as out:
+            proc = self._launch(cmd, env, out, log)
         log.close()
+        self._ready_pipes[proc.pid] = os.fdopen(read_fd, "rb")
         return proc
 
     def _await_ready(self, proc: subprocess.Popen[bytes], what: str) -> None:
-        assert proc.stdout is not None
+        pipe = self._ready_pipes.pop(proc.pid)
         with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            line = proc.stdout.readline() if sel.select(self.cfg.ready_timeout) else b""
-        proc.stdout.close()
+            sel.register(pipe, selectors.EVENT_READ)
+            line = pipe.readline() if sel.select(self.cfg.ready_timeout) else b""
+        pipe.close()
         if b"READY" not in line:
             proc.kill()
             raise RuntimeError(f"{what} did not start (see {self.log_dir})")
 
     def _start_ps(self, index: int) -> None:
-        proc = self._start_server("ps", index, self.ps_addrs[index])
-        self._await_ready(proc, f"ps {index} at {self.ps_addrs[index]}")
-        self.ps[index] = proc
-        self._watch("ps", index, proc)
+        self._spawn_server("ps", index, self.ps_addrs[index])
 
     def _start_worker(self, address: str) -> None:
-        proc = self._start_server("worker", self.worker_addrs.index(address), address)
-        self._await_ready(proc, f"worker at {address}")
-        self.workers[address] = proc
-        self._watch("worker", address, proc)
+        self._spawn_server("worker", address, address)
+
+    def _spawn_server(self, kind: str, key: Any, address: str) -> None:
+        """Start a server without blocking supervision; a "ready" event follows once it listens."""
+        index = key if kind == "ps" else self.worker_addrs.index(address)
+        proc = self._start_server(kind, index, address)
+        self._booting[(kind, key)] = proc
+        if kind == "ps":
+            self.ps[key] = proc
+        else:
+            self.workers[address] = proc
+
+        def ready() -> None:
+            try:
+                self._await_ready(proc, f"{kind} {key} at {address}")
+            except RuntimeError as exc:
+                _say(str(exc))
+            self._events.put(("ready", kind, key, proc))
+
+        threading.Thread(target=ready, name=f"ready-{kind}-{key}", daemon=True).start()
+
+    def _on_ready(self, kind: str, key: Any, proc: subprocess.Popen[bytes]) -> None:
+        if self._booting.get((kind, key)) is not proc:
+            return
+        del self._booting[(kind, key)]
+        self._watch(kind, key, proc)  # an exit from now on is a failure to handle (before: see _await_ready)
+        if proc.poll() is not None:
+            return
+        _say(f"{kind} {key} (pid {proc.pid}) is ready")
+        if kind == "worker" and key in self._joining:
+            self._joining.discard(key)
+            self._stop_chief("a worker joins")
+        self._maybe_start_chief()
+
+    def _maybe_start_chief(self) -> None:
+        """Start the chief that is due once no parameter server is still booting."""
+        if self._chief_due and not any(kind == "ps" for kind, _ in self._booting):
+            self._chief_due = False
+            self._start_chief()
 
     def _start_chief(self) -> None:
         env_cfg = TrainerEnv(self.spec(), self.cfg.master, self.cfg.token, self.cfg.ckpt_dir,
                              self.cfg.ckpt_job, self.cfg.events)  # fmt: skip
         env = {**os.environ, **self.cfg.env, **env_cfg.to_env(), "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
         log = self._log("chief")
-        self.chief = subprocess.Popen([sys.executable, self.cfg.script, *self.cfg.script_args], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.chief = self._launch([sys.executable, self.cfg.script, *self.cfg.script_args], env, log, None)
         log.close()
         self.chief_starts += 1
+        _say(f"chief start {self.chief_starts} (pid {self.chief.pid}), {len(self.worker_addrs)} workers")
         self._watch("chief", self.chief_starts, self.chief)
         self._write_status()
 
@@ -186,17 +247,21 @@ class PSJob:
             self.workers[address] = procs[len(self.ps_addrs) + j][0]
             self._watch("worker", address, self.workers[address])
         self._start_chief()
+        if self._pool is not None:
+            self._pool.schedule_fill()  # after the first start-up: the imports do not compete with it
 
     def request(self, what: str) -> None:
         """Ask the supervisor for ``"add_worker"``, ``"remove_worker"`` or ``"stop"`` (thread- and signal-safe)."""
         self._events.put(("request", what))
 
     def _stop_chief(self, why: str, sig: int = signal.SIGTERM) -> None:
+        _say(f"stopping the chief ({signal.Signals(sig).name}): {why}")
         self._chief_restart = why
         if self.chief is not None and self.chief.poll() is None:
             self.chief.send_signal(sig)
 
     def _on_exit(self, kind: str, key: Any, proc: subprocess.Popen[bytes]) -> int | None:
+        _say(f"{kind} {key} (pid {proc.pid}) exited with {proc.returncode}")
         if kind == "chief":
             if proc is not self.chief:
                 return None
@@ -210,7 +275,8 @@ class PSJob:
                 self.restarts["chief"] += 1
                 if self.restarts["chief"] > self.cfg.max_restarts:
                     return proc.returncode or 1
-            self._start_chief()
+            self._chief_due = True
+            self._maybe_start_chief()
             return None
         if kind == "ps" and self.ps[key] is proc:
             self.restarts["ps"] += 1
@@ -223,11 +289,12 @@ class PSJob:
         return None
 
     def _on_request(self, what: str) -> None:
+        _say(f"request: {what}")
         if what == "add_worker":
             address = f"{self.cfg.host}:{free_port(self.cfg.host)}"
             self.worker_addrs.append(address)
-            self._start_worker(address)
-            self._stop_chief("a worker joins")
+            self._joining.add(address)
+            self._start_worker(address)  # the chief restarts with it once it listens
         elif what == "remove_worker":
             if len(self.worker_addrs) <= 1:
                 return
@@ -245,6 +312,9 @@ class PSJob:
                 if event[0] == "request":
                     self._on_request(event[1])
                     continue
+                if event[0] == "ready":
+                    self._on_ready(*event[1:])
+                    continue
                 code = self._on_exit(*event[1:])
                 if code is not None:
                     return code
@@ -254,6 +324,8 @@ class PSJob:
     def shutdown(self) -> None:
         """Kill every process this launcher started (the servers hold nothing to keep)."""
         self._stopping = True
+        if self._pool is not None:
+            self._pool.close()
         procs = [self.chief, *self.ps, *self.workers.values()]
         for proc in procs:
             if proc is not None and proc.poll() is None:
@@ -277,6 +349,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--events", default=None, help="the chief appends restores/rollbacks/checkpoints here (JSONL)")
     p.add_argument("--host", default="127.0.0.1", help="interface of every task (default 127.0.0.1 only)")
     p.add_argument("--max-restarts", type=int, default=100, help="chief restarts after failures before giving up")
+    p.add_argument("--standby", type=int, default=2, help="warm interpreters for restarted tasks (0: none)")
     p.add_argument("script", help="the training script (the chief)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -291,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = LaunchConfig(
             args.script, list(args.script_args), args.ps, args.workers, args.shard_service, args.token,
             args.ckpt_dir, args.ckpt_job, args.log_dir, args.status_file, args.events, args.host, args.max_restarts,
+            standby=args.standby,
         )  # fmt: skip
     except ClusterConfigError as exc:
         raise SystemExit(f"tf-ps-run: {exc}") from exc

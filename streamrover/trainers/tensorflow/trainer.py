@@ -21,6 +21,7 @@ The user writes the step; the trainer leases, reads, schedules, acks, checkpoint
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -116,6 +117,7 @@ class PSTrainer:
         max_inflight: int | None = None,
     ) -> None:
         started = time.monotonic()
+        faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 CHIEF`: every thread's stack
         self.env = env or TrainerEnv.from_env()
         spec = self.env.cluster
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -151,6 +153,8 @@ class PSTrainer:
         self._last_ckpt_step = -1
         self._lease_lost = False
         self._on_result: Callable[[int, Any], None] | None = None
+        self._resumed_pending = False
+        self._step_failed: str | None = None
 
     # -- failure detection ----------------------------------------------------------------
     def _hook_reruns(self) -> None:
@@ -197,10 +201,14 @@ class PSTrainer:
             self._event("restore", source=None, step=0, seconds=time.monotonic() - started)
             return None
         load_variables_state(loaded.state["vars"], state)
+        self._binder.last_cursor = loaded.cursor
+        self._resumed_pending = True
         self.step = self._last_ckpt_step = loaded.step
         self.restored_from = f"{loaded.source.value}:{loaded.step}"
         self.timings["restore"] = time.monotonic() - started
-        self._event("restore", source=loaded.source.value, step=loaded.step, seconds=self.timings["restore"])
+        memory = self.checkpointer.engine.newest()
+        self._event("restore", source=loaded.source.value, step=loaded.step, seconds=self.timings["restore"],
+                    memory_step=memory.step if memory is not None else None)  # fmt: skip
         return self.restored_from
 
     def _rollback(self, why: str) -> None:
@@ -209,17 +217,33 @@ class PSTrainer:
         if self._feed is not None:
             self._feed.stop()
         self._reruns.clear()  # a closure put back from now on makes the next loop roll back again
-        self._join()
+        self._join(attempts=3)
         self._inflight.clear()
-        self._lease_lost = False
-        self.restore(self._state)
+        self._lease_lost, self._step_failed = False, None
+        try:
+            self.restore(self._state)
+        except _PS_LOST as exc:  # the variables cannot be assigned: a parameter server is gone
+            raise ParameterServerLostError(f"rollback failed: {exc}") from exc
         self._event("rollback", why=why, step=self.step, seconds=time.monotonic() - started)
 
-    def _join(self) -> None:
-        try:
-            self.coordinator.join()
-        except _PS_LOST as exc:
-            raise ParameterServerLostError(f"a parameter server failed: {exc}") from exc
+    def _rollback_reason(self) -> str | None:
+        if self._reruns.is_set():
+            return "a closure was re-run"
+        if self._lease_lost:
+            return "a lease was lost under applied records"
+        return self._step_failed
+
+    def _join(self, attempts: int = 1) -> None:
+        """Wait until no closure runs. A step's error is raised by the first join after it (then cleared):
+        with ``attempts`` > 1 that many errors are tolerated (a rollback follows anyway)."""
+        for attempt in range(attempts):
+            try:
+                self.coordinator.join()
+                return
+            except _PS_LOST as exc:
+                if attempt == attempts - 1:
+                    raise ParameterServerLostError(f"the cluster did not recover: {exc}") from exc
+                self._step_failed = self._step_failed or f"join: {str(exc)[:300]}"
 
     # -- checkpoints ----------------------------------------------------------------------
     def _save(self, persist: bool = True) -> None:
@@ -228,14 +252,15 @@ class PSTrainer:
 
     def checkpoint(self) -> bool:
         """Drain, ack, flush and save at the current step; False when it rolled back instead."""
-        self._join()
+        self._join(attempts=2)
         if self._reruns.is_set():
             self._rollback("a closure was re-run")
             return False
         while self._inflight:
             self._retire(self._inflight.popleft(), self._on_result)
-        if self._lease_lost:
-            self._rollback("a lease was lost under applied records")
+        why = self._rollback_reason()
+        if why:
+            self._rollback(why)
             return False
         try:
             self._save()
@@ -249,8 +274,12 @@ class PSTrainer:
     def _retire(self, done: _Step, on_result: Callable[[int, Any], None] | None = None) -> None:
         try:
             value = done.value.fetch()
-        except _PS_LOST as exc:
-            raise ParameterServerLostError(f"step {done.step} failed: {exc}") from exc
+        except _PS_LOST as exc:  # a worker failed under it (a PS failure too: then the rollback fails)
+            self._step_failed = f"step {done.step} failed: {str(exc)[:300]}"
+            return  # its records are not acked: the rollback hands them out again
+        if self._resumed_pending:
+            self._resumed_pending = False
+            self._event("resumed", step=done.step)  # the first step completed after a (re)start or rollback
         for shard, end in done.acks:
             try:
                 shard.ack(end, step=done.step, wait=False)
@@ -309,10 +338,12 @@ class PSTrainer:
                 return LeaseFeed(self.client, dataset, batch_size, columns=columns).start()
 
             self._feed = new_feed()
-            done = stopped = False
+            stopped = False
+            done = self._reached(stop_at_records)  # a chief restarted after the end: nothing left to do
             while not done:
-                if self._reruns.is_set() or self._lease_lost:
-                    self._rollback("a closure was re-run" if self._reruns.is_set() else "a lease was lost")
+                why = self._rollback_reason()
+                if why:
+                    self._rollback(why)
                     self._feed = new_feed()
                     continue
                 if self._stop_requested:
@@ -336,7 +367,11 @@ class PSTrainer:
                     continue
                 self.step += 1
                 tensors = {k: tf.convert_to_tensor(v) for k, v in item.columns.items()}
-                value = self.coordinator.schedule(fn, args=(tensors,))
+                try:
+                    value = self.coordinator.schedule(fn, args=(tensors,))
+                except _PS_LOST as exc:  # an earlier step's error, raised here: roll back (this batch is re-read)
+                    self._step_failed = f"schedule: {str(exc)[:300]}"
+                    continue
                 self._inflight.append(_Step(self.step, value, [(item.shard, item.end)]))
                 while len(self._inflight) > self.max_inflight:
                     self._retire(self._inflight.popleft(), on_result)
