@@ -98,6 +98,7 @@ class ShardCore(CutOps, StreamOps):
         self.datasets[ds.name] = ds
         self._new_dataset_indexes(ds.name)
         with self.journal.transaction():
+            self.journal.delete_runs_of(ds.name)  # left by a removed dataset of that name, if any
             if kind is SourceKind.BATCH:
                 self._plan_next_epoch(ds)
             else:

@@ -49,6 +49,9 @@ CREATE TABLE IF NOT EXISTS cursor (
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value BLOB NOT NULL, version INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS cuts (
     id INTEGER PRIMARY KEY, step INTEGER, cursor TEXT NOT NULL, state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    dataset TEXT NOT NULL, pindex INTEGER NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
+    PRIMARY KEY (dataset, pindex, start)) WITHOUT ROWID;
 """
 
 
@@ -111,13 +114,16 @@ class Journal:
 
     # -- datasets ------------------------------------------------------------
     def put_dataset(self, ds: DatasetRecord) -> None:
-        # A sparse partition's runs ride along as a fifth element (sources/positions.py).
-        parts = json.dumps(
-            [
-                [p.index, p.id, p.start, p.end] + ([ds.runs[p.index].to_list()] if p.index in ds.runs else [])
-                for p in ds.partitions
-            ]
-        )
+        parts = json.dumps([[p.index, p.id, p.start, p.end] for p in ds.partitions])
+        for pindex, runs in sorted(ds.runs.items()):  # sparse partitions: the runs changed since the last write
+            changed = runs.take_changed()
+            if changed is not None:
+                lo, rows = changed
+                where = "dataset = ? AND pindex = ? AND start >= ?"
+                self._db.execute(f"DELETE FROM runs WHERE {where}", (ds.name, pindex, lo))
+                self._db.executemany(
+                    "INSERT INTO runs VALUES (?, ?, ?, ?)", [(ds.name, pindex, a, b) for a, b in rows]
+                )
         self._db.execute(
             "INSERT OR REPLACE INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -136,13 +142,28 @@ class Journal:
         out = []
         rows = self._db.execute("SELECT * FROM datasets ORDER BY name")
         for _name, spec, kind, parts, schema, epochs, dead, failed in rows:
-            rows_of = json.loads(parts)
-            partitions = [PartitionPlan(int(i), str(pid), int(s), int(e)) for i, pid, s, e, *_ in rows_of]
+            partitions = [PartitionPlan(int(i), str(pid), int(s), int(e)) for i, pid, s, e, *_ in json.loads(parts)]
             record = DatasetRecord(DatasetSpec.from_json(spec), SourceKind(kind), partitions, schema, int(epochs))
-            record.runs = {int(row[0]): RecordRuns.from_list(row[4]) for row in rows_of if len(row) > 4}
+            record.runs = self._load_runs(record.name)
             record.dead_letters, record.failed = int(dead), str(failed)
             out.append(record)
         return out
+
+    def _load_runs(self, dataset: str) -> dict[int, RecordRuns]:
+        by_partition: dict[int, list[tuple[int, int]]] = {}
+        query = 'SELECT pindex, start, "end" FROM runs WHERE dataset = ? ORDER BY pindex, start'
+        rows = self._db.execute(query, (dataset,))
+        for pindex, a, b in rows:
+            by_partition.setdefault(int(pindex), []).append((int(a), int(b)))
+        out = {}
+        for pindex, runs in by_partition.items():
+            out[pindex] = RecordRuns(runs)
+            out[pindex].changed_from = None  # as journalled
+        return out
+
+    def delete_runs_of(self, dataset: str) -> None:
+        """Forget a dataset's runs (a new dataset of that name starts without)."""
+        self._db.execute("DELETE FROM runs WHERE dataset = ?", (dataset,))
 
     # -- shards --------------------------------------------------------------
     def put_shard(self, s: ShardRecord) -> None:

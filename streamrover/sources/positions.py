@@ -26,6 +26,9 @@ class RecordRuns:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._before: list[int] = []  # records in the runs before run i
+        #: The lowest start among runs changed (added, grown, merged away) since :meth:`take_changed`;
+        #: None when nothing changed. Lets a journal rewrite only the changed tail (normally one run).
+        self.changed_from: int | None = None
         self.add(runs)
 
     def add(self, runs: Iterable[tuple[int, int]]) -> bool:
@@ -41,6 +44,11 @@ class RecordRuns:
                 ends.append(b)
         if starts == self._starts and ends == self._ends:
             return False
+        i = 0
+        while i < min(len(starts), len(self._starts)) and (starts[i], ends[i]) == (self._starts[i], self._ends[i]):
+            i += 1
+        first = min(x[i] for x in (starts, self._starts) if i < len(x))
+        self.changed_from = first if self.changed_from is None else min(self.changed_from, first)
         self._starts, self._ends = starts, ends
         total = 0
         self._before = []
@@ -80,6 +88,13 @@ class RecordRuns:
                 out.append((a, b))
             i += 1
         return out
+
+    def take_changed(self) -> tuple[int, list[tuple[int, int]]] | None:
+        """(:attr:`changed_from`, the runs that start there or later), or None if nothing changed; resets it."""
+        if self.changed_from is None:
+            return None
+        lo, self.changed_from = self.changed_from, None
+        return lo, [(a, b) for a, b in self if a >= lo]
 
     def rank(self, position: int) -> int:
         """How many records lie at positions below ``position``."""

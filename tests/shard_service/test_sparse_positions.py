@@ -9,8 +9,9 @@ the lag and the ack rates must all count the 320 records, and the runs must surv
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
@@ -18,6 +19,7 @@ from streamrover.shard_service.api import DatasetSpec, PartitionPlan
 from streamrover.shard_service.core import ShardCore
 from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.planner import plan_epoch
+from streamrover.shard_service.records import DatasetRecord
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.positions import RecordRuns
 
@@ -155,3 +157,35 @@ def test_a_replan_covers_exactly_what_is_missing_in_pieces_of_at_most_size_recor
         assert p.records == runs.count(p.start, p.end) <= size
         assert p.records > 0 or all(runs.count(a, b) == 0 for a, b in covered.missing(p.start, p.end))
     assert len(planned) <= sum(-(-runs.count(a, b) // size) + 1 for a, b in covered.missing(0, 330))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_RUNS, min_size=1, max_size=6))
+def test_the_journal_keeps_the_runs_writing_only_what_changed(tmp_path_factory: Any, polls: list[Any]) -> None:
+    journal = Journal(tmp_path_factory.mktemp("runs") / "j.db")
+    ds = DatasetRecord(DatasetSpec("p", "pulsar://x/t"), SourceKind.STREAM, [PartitionPlan(0, "t", 0, 400)], "[]")
+    ds.runs[0] = RecordRuns()
+    for raw in polls:
+        ds.runs[0].add((s, s + n) for s, n in raw)
+        with journal.transaction():
+            journal.put_dataset(ds)
+        [loaded] = journal.load_datasets()
+        assert loaded.runs.get(0, RecordRuns()) == ds.runs[0]
+    journal.close()
+
+
+def test_a_grown_run_rewrites_one_row_not_all(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.db")
+    ds = DatasetRecord(DatasetSpec("p", "pulsar://x/t"), SourceKind.STREAM, [PartitionPlan(0, "t", 0, 0)], "[]")
+    ds.runs[0] = RecordRuns((pos(lg, 0), pos(lg, 50)) for lg in range(1, 1001))  # a thousand rolled ledgers
+    with journal.transaction():
+        journal.put_dataset(ds)
+    before = journal._db.total_changes
+    ds.runs[0].add([(pos(1000, 0), pos(1000, 60))])  # the newest ledger grew
+    with journal.transaction():
+        journal.put_dataset(ds)
+    assert journal._db.total_changes - before <= 3  # the dataset row, one run deleted and written again
+    [(row_bytes,)] = journal._db.execute("SELECT length(partitions) FROM datasets").fetchall()
+    assert row_bytes < 100  # the dataset's row does not carry the runs (it is rewritten at every planning)
+    assert len(journal.load_datasets()[0].runs[0]) == 1000
+    journal.close()
