@@ -175,7 +175,11 @@ def create_platform(name: str, **kwargs: Any) -> Platform:
             from streamrover.operator import local
 
             register_platform("local", local.LocalPlatform)
-        elif name in ("ray", "k8s"):
+        elif name == "ray":
+            from streamrover.operator import ray
+
+            register_platform("ray", ray.RayPlatform)
+        elif name == "k8s":
             raise PlatformUnavailableError(f"platform {name!r} is not built yet in this version (use --platform local)")
     try:
         factory = _registry[name]

@@ -97,8 +97,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from streamrover.operator.spec import load_spec
 
     spec = load_spec(args.spec)
-    if args.platform != "local":
-        raise PlatformUnavailableError(f"platform {args.platform!r} is not built yet in this version (use local)")
+    if args.platform == "k8s":
+        raise PlatformUnavailableError("platform 'k8s' is not built yet in this version (use local or ray)")
     job = job_dir(spec.name, _home(args), create=True)
     pid = job.controller_pid()
     if pid is not None:

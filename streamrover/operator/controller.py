@@ -59,7 +59,11 @@ class JobController:
     def __init__(self, spec: JobSpec, job: JobDir, platform: str | Platform = "local", tick: float = 0.5) -> None:
         self.spec = spec
         self.job = job
-        self.platform = create_platform(platform, workdir=job.path / "logs") if isinstance(platform, str) else platform
+        if isinstance(platform, str):
+            options = {"max_nodes": spec.trainer.nodes.max, "cpu": spec.trainer.cpu} if platform == "ray" else {}
+            self.platform = create_platform(platform, workdir=job.path / "logs", **options)
+        else:
+            self.platform = platform
         self.tick = tick
         self._stop = threading.Event()
         self.state_dir = Path(spec.master.state_dir) if spec.master.state_dir else job.path / "master"

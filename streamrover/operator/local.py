@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +56,10 @@ class LocalPlatform(Platform):
 
     name = "local"
 
-    def __init__(self, workdir: str | Path, cgroups: bool = True, watch_interval: float = 0.25) -> None:
+    def __init__(self, workdir: str | Path, cgroups: bool = True, watch_interval: float = 0.25,
+                 preexec: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.workdir = Path(workdir)
+        self._preexec = preexec  # run in each child before exec (the ray platform: die with the actor)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._cgroups: CgroupRoot | None = memory_cgroups() if cgroups else None
         self._nodes: dict[str, _Node] = {}
@@ -77,7 +80,8 @@ class LocalPlatform(Platform):
         ]  # fmt: skip
         launch.state_dir.mkdir(parents=True, exist_ok=True)
         with open(self.workdir / "master.log", "ab") as logf:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, env=_env({}), start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, env=_env({}), start_new_session=True,
+                                    preexec_fn=self._preexec)  # fmt: skip
         assert proc.stdout is not None
         with selectors.DefaultSelector() as sel:  # the master prints its address once it listens
             sel.register(proc.stdout, selectors.EVENT_READ)
@@ -128,7 +132,7 @@ class LocalPlatform(Platform):
         try:
             with open(workdir / f"node-{launch.node_id}.log", "ab") as logf:
                 proc = subprocess.Popen(command, env=_env(env), stdout=logf, stderr=subprocess.STDOUT,
-                                        cwd=workdir, start_new_session=True)  # fmt: skip
+                                        cwd=workdir, start_new_session=True, preexec_fn=self._preexec)  # fmt: skip
         except OSError as exc:
             if cgroup is not None:
                 cgroup.remove()

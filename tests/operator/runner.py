@@ -26,21 +26,28 @@ PARTITIONS = 4
 
 def kafka_topic(broker: Any, records: int) -> str:
     """A fresh topic holding the ledger records ``0 .. records-1`` as JSON, spread over four partitions."""
-    from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
     topic = f"job-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": broker.bootstrap})
     for f in admin.create_topics([NewTopic(topic, PARTITIONS, 1)]).values():
         f.result(30)
+    if records:
+        produce(broker, topic, np.arange(records))
+    return topic
+
+
+def produce(broker: Any, topic: str, ids: np.ndarray) -> None:
+    """Produce the ledger records of ``ids`` (JSON) to ``topic``, record ``i`` to partition ``i % 4``."""
+    from confluent_kafka import Producer
+
     producer = Producer(broker.client_config(**{"acks": "all", "enable.idempotence": True, "linger.ms": 20}))
-    table = records_table(np.arange(records))
+    table = records_table(ids)
     for i, x, y in zip(table["id"].tolist(), table["x"].tolist(), table["y"].tolist()):
         producer.produce(topic, value=json.dumps({"id": i, "x": x, "y": y}).encode(), partition=i % PARTITIONS)
         if i % 2000 == 0:
             producer.poll(0)
     assert producer.flush(60) == 0
-    return topic
 
 
 def ledger_spec(name: str, uri: str, records: int, out: Path, **trainer: Any) -> dict[str, Any]:
@@ -81,10 +88,10 @@ class RunningJob:
         self.env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), self.env.get("PYTHONPATH", "")])
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, platform: str = "local") -> None:
+        cmd = [sys.executable, "-m", "streamrover.cli", "run", str(self.spec_path), "--platform", platform]
         with open(self.tmp / "run.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "streamrover.cli", "run", str(self.spec_path)],
-                                         env=self.env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     @property
     def dir(self) -> JobDir:
