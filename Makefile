@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Extras the test suite needs; grows as issues land (kafka, torch, ...).
-TEST_EXTRAS ?= dev,ckpt,kafka,pulsar,rocketmq,torch,tf,platform
+TEST_EXTRAS ?= dev,ckpt,kafka,pulsar,rocketmq,torch,tf,platform,ray
 PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,ray,apache-beam,apache-flink,pyspark
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))

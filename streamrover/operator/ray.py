@@ -9,8 +9,12 @@
   reschedules its bundles onto the nodes left, and the relaunched node goes there.
 * ``max_restarts=0``, ``max_task_retries=0``: Ray never restarts an actor or retries a call
   (which would run work twice); the supervisor decides what is relaunched.
-* The master's actor is pinned (softly) to the driver's Ray node; its journal lives in
-  ``master.state_dir`` on that node.
+* The master's actor runs on the head node (Ray's ``node:__internal_head__`` resource), the
+  node a cluster keeps; its journal lives in ``master.state_dir`` there. If it dies anyway,
+  the controller relaunches it (same port; on another node the address changes).
+* Observing never blocks the supervisor: each ``observe`` collects the answer to the
+  previous probe if it has arrived and sends the next (a Ray node that vanished without a
+  word leaves calls pending until Ray declares its actors dead, tens of seconds).
 * The cluster is Ray's usual ``RAY_ADDRESS`` (``ray start --head`` + ``ray start --address``,
   or ``ray.cluster_utils.Cluster`` in tests); with none set, a local Ray is started.
 
@@ -122,18 +126,19 @@ class RayPlatform(Platform):
         self._master: Any = None
         self._master_ip = "127.0.0.1"
         self._ended: dict[str, NodeStatus] = {}
+        self._probes: dict[str, Any] = {}  # node id (or "master") -> the pending observe call
+        self._seen: dict[str, NodeStatus] = {}  # the last answer
 
     # -- the master ------------------------------------------------------------------------
     def launch_master(self, launch: MasterLaunch, timeout: float = 120.0) -> MasterInfo:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         ray = self._ray
-        here = ray.get_runtime_context().get_node_id()
         if self._master is not None:
             ray.kill(self._master, no_restart=True)
-        self._master = self._actor_cls.options(
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)
-        ).remote(str(self.workdir))
+        self._probes.pop("master", None)
+        self._seen.pop("master", None)
+        self._master = self._actor_cls.options(num_cpus=0, resources={"node:__internal_head__": 0.001}).remote(
+            str(self.workdir)
+        )
         doc = asdict(launch)
         doc["state_dir"] = str(launch.state_dir)
         try:
@@ -149,13 +154,13 @@ class RayPlatform(Platform):
     def observe_master(self) -> NodeStatus:
         if self._master is None:
             return NodeStatus("master", NodeState.PENDING)
-        return self._call(self._master, "master", "observe_master")
+        return self._probe("master", self._master, "observe_master")
 
     def stop_master(self, grace: float = 10.0) -> None:
         if self._master is not None:
             try:
                 self._ray.get(self._master.stop_master.remote(grace), timeout=grace + 30)
-            except self._ray.exceptions.RayError:
+            except self._ray.exceptions.RayError:  # its actor is gone already: nothing to stop
                 pass
             self._ray.kill(self._master, no_restart=True)
             self._master = None
@@ -180,22 +185,50 @@ class RayPlatform(Platform):
             raise LaunchError(f"node {launch.node_id}: its Ray actor failed to start it: {exc}") from exc
         self._hosts[launch.node_id], self._bundles[launch.node_id] = host, free[0]
         where = ray.get(host.ray_node.remote(), timeout=60)
-        return NodeStatus(status.node_id, status.state, status.exit_code, status.oom_kills, status.memory, status.pid,
-                          f"ray node {where}")  # fmt: skip
+        status = NodeStatus(status.node_id, status.state, status.exit_code, status.oom_kills, status.memory,
+                            status.pid, f"ray node {where}")  # fmt: skip
+        self._seen[launch.node_id] = status
+        return status
 
-    def _call(self, host: Any, node_id: str, method: str, *args: Any) -> NodeStatus:
+    def _call(self, host: Any, node_id: str, method: str, *args: Any, timeout: float = 60.0) -> NodeStatus:
         ray = self._ray
         try:
-            return _status(ray.get(getattr(host, method).remote(*args), timeout=60))
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            return _status(ray.get(getattr(host, method).remote(*args), timeout=timeout))
+        except ray.exceptions.GetTimeoutError:
+            return NodeStatus(node_id, NodeState.LOST, detail=f"its Ray actor did not answer within {timeout:.0f} s")
+        except ray.exceptions.RayError as exc:
             return NodeStatus(node_id, NodeState.LOST, detail=f"its Ray actor died ({type(exc).__name__})")
+
+    def _probe(self, key: str, host: Any, method: str, *args: Any) -> NodeStatus:
+        """The answer to the last probe if it came (then the next is sent), else the last answer known."""
+        ray = self._ray
+        ref = self._probes.get(key)
+        if ref is None:
+            ref = self._probes[key] = getattr(host, method).remote(*args)
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return self._seen.get(key, NodeStatus(key, NodeState.RUNNING, detail="no answer from its actor yet"))
+        del self._probes[key]
+        try:
+            status = _status(ray.get(ref))
+        except ray.exceptions.ActorUnavailableError:
+            # unreachable for now (its node is not answering): Ray says ActorDiedError once it knows it is gone
+            return self._seen.get(key, NodeStatus(key, NodeState.RUNNING, detail="its actor is unreachable"))
+        except ray.exceptions.RayError as exc:
+            status = NodeStatus(key, NodeState.LOST, detail=f"its Ray actor died ({type(exc).__name__})")
+        previous = self._seen.get(key)
+        if previous is not None and previous.detail.startswith("ray node") and not status.detail:
+            status = NodeStatus(status.node_id, status.state, status.exit_code, status.oom_kills, status.memory,
+                                status.pid, previous.detail)  # fmt: skip
+        self._seen[key] = status
+        return status
 
     def observe(self, node_id: str) -> NodeStatus:
         if node_id in self._ended:
             return self._ended[node_id]
         if node_id not in self._hosts:
             raise UnknownNodeError(f"no node {node_id!r} was launched on this Ray platform")
-        status = self._call(self._hosts[node_id], node_id, "observe", node_id)
+        status = self._probe(node_id, self._hosts[node_id], "observe", node_id)
         if status.state.ended and status.state is not NodeState.OOM_KILLED:
             self._release(node_id, status)
         return status
@@ -205,7 +238,8 @@ class RayPlatform(Platform):
             return self._ended[node_id]
         if node_id not in self._hosts:
             raise UnknownNodeError(f"no node {node_id!r} was launched on this Ray platform")
-        status = self._call(self._hosts[node_id], node_id, "stop_node", node_id, grace)
+        self._probes.pop(node_id, None)
+        status = self._call(self._hosts[node_id], node_id, "stop_node", node_id, grace, timeout=grace + 30)
         self._release(node_id, status)
         return status
 

@@ -76,13 +76,14 @@ class NodeRecord:
     workers: dict[str, int] = field(default_factory=dict)
     worker_exits: int = 0
     handled: bool = False  # its end was acted on (relaunched, counted)
+    launched: bool = True  # False: the platform could not start it (nothing to observe)
 
     def view(self, now: float) -> dict[str, Any]:
         out = asdict(self)
         out["state"] = self.state.value
         out["memory"] = format_memory(self.memory) if self.memory else None
         out["heartbeat_age"] = round(now - self.heartbeat_at, 1) if self.heartbeat_at else None
-        del out["handled"]
+        del out["handled"], out["launched"]
         return out
 
 
@@ -187,7 +188,7 @@ class Supervisor:
         try:
             self._apply(record, self.platform.launch_node(launch))
         except LaunchError as exc:
-            record.state, record.detail = NodeState.FAILED, str(exc)
+            record.state, record.detail, record.launched = NodeState.FAILED, f"could not launch: {exc}", False
         mem = f", memory {format_memory(memory)}" if memory else ""
         self.event("launch", node_id, f"{why}{mem}")
         return record
@@ -207,8 +208,9 @@ class Supervisor:
             record = self.nodes[node_id]
             if record.handled:
                 continue
-            self._apply(record, self.platform.observe(node_id))
-            self._read_health(record)
+            if record.launched:
+                self._apply(record, self.platform.observe(node_id))
+                self._read_health(record)
             if record.state is NodeState.RUNNING and self._silent(record):
                 self.event("heartbeat", node_id, f"no heartbeat for {self.spec.restart.heartbeat_timeout:.0f} s")
                 self._apply(record, self.platform.stop_node(node_id, grace=5.0))

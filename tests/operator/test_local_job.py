@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,11 @@ def test_a_lost_node_is_relaunched_and_the_ledger_is_exact(tmp_path: Path, kafka
         wait_until(lambda: job.running("n0") and job.running("n1"), 180, "both nodes training")
         wait_until(lambda: job.acked() >= 0.3 * RECORDS, 240, "30% of the records acked")
         killed = job.kill_agent("n1")
+        started = time.monotonic()
         wait_until(lambda: job.node("n1.1") is not None, 60, "the supervisor to relaunch n1")
+        relaunched = time.monotonic() - started
+        wait_until(lambda: job.running("n1.1"), 180, "n1.1 training")
+        print(f"SIGKILL -> relaunched {relaunched:.2f} s, -> its workers running {time.monotonic() - started:.2f} s")
         assert job.wait(timeout=300) == 0, job.logs()
         doc = job.status()
         assert doc["phase"] == "succeeded", job.logs()
@@ -68,7 +73,11 @@ def test_an_oom_killed_node_is_relaunched_with_more_memory(tmp_path: Path, kafka
         assert job.status()["memory_enforcement"] in ("cgroup-v1", "cgroup-v2", "watchdog")
         wait_until(lambda: job.acked() >= 0.3 * RECORDS, 240, "30% of the records acked")
         hog.touch()  # rank 0 now holds 1 GiB more: over 1.5 GiB with the agent and torch
+        started = time.monotonic()
         wait_until(lambda: job.node("n0.1") is not None, 120, "the supervisor to relaunch n0 with more memory")
+        relaunched = time.monotonic() - started
+        wait_until(lambda: job.running("n0.1"), 180, "n0.1 training")
+        print(f"hog -> relaunched {relaunched:.2f} s, -> its workers running {time.monotonic() - started:.2f} s")
         assert job.wait(timeout=300) == 0, job.logs()
         doc = job.status()
         assert doc["phase"] == "succeeded", job.logs()
