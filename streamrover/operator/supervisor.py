@@ -126,6 +126,7 @@ class Supervisor:
         self.desired = lo
         self.nodes: dict[str, NodeRecord] = {}  # every node ever launched, by id
         self.slots: dict[int, str] = {}  # slot -> its current node id
+        self.generations: dict[int, int] = {}  # slot -> the generation of its newest node
         self.relaunches = 0
         self.events: list[Event] = []
 
@@ -172,8 +173,8 @@ class Supervisor:
         ]  # fmt: skip
 
     def _launch(self, slot: int, memory: int | None, why: str) -> NodeRecord:
-        previous = self.slots.get(slot)
-        generation = self.nodes[previous].generation + 1 if previous else 0
+        generation = self.generations.get(slot, -1) + 1  # never reuse a node id: rendezvous and shm names
+        self.generations[slot] = generation
         node_id = f"n{slot}" if generation == 0 else f"n{slot}.{generation}"
         env = {
             "STREAMROVER_TOKEN": self.token,

@@ -115,6 +115,9 @@ def test_scale_bounds_and_scale_in_stops_the_highest_slots() -> None:
     sup.tick()
     assert platform.stops == ["n2", "n1"] and sup.status()["desired_nodes"] == 1
     assert [n["node_id"] for n in sup.status()["nodes"]] == ["n0"]
+    sup.scale(2)
+    sup.tick()
+    assert platform.launches[-1].node_id == "n1.1", "a slot's new node never reuses an id"
 
 
 def test_a_node_that_failed_after_another_succeeded_is_not_relaunched() -> None:
