@@ -14,6 +14,7 @@ them all before handing out a state. Nothing here unpickles.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
@@ -21,6 +22,8 @@ from streamrover.ckpt.api import FORMAT_VERSION, CorruptCheckpointError
 from streamrover.ckpt.flatten import DTYPES, make_tensor, unflatten
 from streamrover.ckpt.storage import Storage, checksum
 from streamrover.cursor import CursorError, DataCursor
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
@@ -142,7 +145,11 @@ def build_manifest(storage: Storage, step: int, world_size: int) -> bytes | None
             "tensors_bytes": part["tensors_bytes"],
         }
     if len(cut_ids) > 1:
-        return None  # parts of different cuts (a rank re-saved this step after a restart): not one checkpoint
+        # Parts of different cuts: not one checkpoint (a rank re-saved this step after a restore and the others
+        # have not yet). Published once every rank's part carries the same cut; say so, never silently.
+        log.warning("%s: parts carry cuts %s, not one: the manifest waits until every rank saves this step's cut",
+                    d, sorted(cut_ids))  # fmt: skip
+        return None
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
