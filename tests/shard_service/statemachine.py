@@ -13,8 +13,11 @@ the records applied at steps <= S (acks are tagged with the step that applied
 them, like StreamSession's); the committed cursor is the model's committed
 snapshot and inside the acked cursor; a master restart (journal replay) changes
 nothing observable; a restore to a committed or to a memory-snapshot cut (its
-checkpoint never persisted) puts the service exactly at that snapshot; after
-draining, every record is committed exactly once.
+checkpoint never persisted) puts the service exactly at that snapshot, and
+offsets committed upstream never pass the newest checkpoint storage holds (a
+memory restore moves the committed cursor, not that limit); a reset to an empty
+cursor over committed progress is refused unless asked for; after draining,
+every record is committed exactly once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -95,6 +99,7 @@ class ShardServiceMachine(RuleBasedStateMachine):
         self.old: list[Held] = []  # leases that may have gone stale
         self.snapshots: dict[int, Model] = {}
         self.committed_model: Model = {}  # the snapshot the committed cursor stands for
+        self.durable_model: Model = {}  # the newest snapshot storage holds (a memory restore keeps it)
         self.committed_cuts: list[int] = []
         self.prepared: list[int] = []  # memory snapshots: prepared, not committed
         self.stream_ends: dict[str, int] = {}  # what the stream's source holds (its partitions' ends)
@@ -324,7 +329,7 @@ class ShardServiceMachine(RuleBasedStateMachine):
             assert (self.committed_cuts and cut_id < max(self.committed_cuts)) or cut_id not in self.core.cuts
             return
         self.committed_cuts.append(cut_id)
-        self.committed_model = self.snapshots[cut_id]
+        self.committed_model = self.durable_model = self.snapshots[cut_id]
         self.answers += 1
         assert self.core.committed == DataCursor.from_dict(self.core.cuts[cut_id].cursor.to_dict())
 
@@ -333,20 +338,27 @@ class ShardServiceMachine(RuleBasedStateMachine):
     def restore(self, i: int, memory: bool, by_cursor: bool) -> None:
         """Back to a durable checkpoint's cut, or to a memory snapshot's (prepared, never committed: the trainer
         restarted on a live node and found its shared-memory snapshot newer than storage)."""
-        pool = self.prepared if (memory and self.prepared) or not self.committed_cuts else self.committed_cuts
+        memory = (memory and bool(self.prepared)) or not self.committed_cuts
+        pool = self.prepared if memory else self.committed_cuts
         cut_id = pool[i % len(pool)]
         snapshot = self.snapshots[cut_id]
+        discard = not snapshot and bool(self.core.committed.keys())
+        if discard:  # a reset to nothing throws committed progress away: refused unless the caller says so
+            with pytest.raises(FailedPreconditionError, match="empty cursor"):
+                self.core.restore(cursor=DataCursor(), from_memory=memory)
         if by_cursor:
-            self.core.restore(cursor=cursor_of(snapshot))
+            self.core.restore(cursor=cursor_of(snapshot), discard_committed=discard, from_memory=memory)
         else:
             try:
-                self.core.restore(cut_id=cut_id)
+                self.core.restore(cut_id=cut_id, discard_committed=discard, from_memory=memory)
             except NotFoundError:  # only cuts the service may forget: committed ones replaced, old prepared ones
                 newer = sum(1 for c in self.prepared if c > cut_id)
-                assert pool is self.committed_cuts or newer >= MAX_PREPARED_CUTS, f"cut {cut_id} was forgotten"
-                self.core.restore(cursor=cursor_of(snapshot))
+                assert not memory or newer >= MAX_PREPARED_CUTS, f"cut {cut_id} was forgotten"
+                self.core.restore(cursor=cursor_of(snapshot), discard_committed=discard, from_memory=memory)
         self.applied = dict(snapshot)
         self.committed_model = dict(snapshot)
+        if not memory:  # storage holds this checkpoint: the broker may be told about it
+            self.durable_model = dict(snapshot)
         self.old.extend(self.held)
         self.held = []
         self.prepared = []
@@ -379,6 +391,17 @@ class ShardServiceMachine(RuleBasedStateMachine):
     @invariant()
     def committed_is_the_committed_snapshot(self) -> None:
         assert self.core.committed == cursor_of(self.committed_model)
+
+    @invariant()
+    def upstream_commits_never_ahead_of_storage(self) -> None:
+        """What the broker is told is committed stays inside the newest checkpoint storage can restore."""
+        durable = cursor_of(self.durable_model)
+        for ds in DATASETS:
+            if ds in self.core.datasets and self.core.datasets[ds].kind is SourceKind.STREAM:
+                plans = {p.id: p for p in self.core.datasets[ds].partitions}
+                for pid, end in self.core.committed_positions(self.core.datasets[ds]).items():
+                    limit = durable.get(PartitionKey(ds, 0, pid)).prefix_end(plans[pid].start)
+                    assert end <= limit, f"{ds}/{pid}: upstream commit {end} beyond the durable checkpoint's {limit}"
 
     @invariant()
     def state_counts_are_exact(self) -> None:
