@@ -330,6 +330,8 @@ class ShardServiceMachine(RuleBasedStateMachine):
             return
         self.committed_cuts.append(cut_id)
         self.committed_model = self.durable_model = self.snapshots[cut_id]
+        # memory snapshots older than a durable checkpoint are never restored (the newest state wins)
+        self.prepared = [c for c in self.prepared if c >= cut_id]
         self.answers += 1
         assert self.core.committed == DataCursor.from_dict(self.core.cuts[cut_id].cursor.to_dict())
 

@@ -10,6 +10,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from streamrover.cursor import PartitionKey
 from tests.shard_service.statemachine import ShardServiceMachine
 
 TestShardServiceMachine = ShardServiceMachine.TestCase
@@ -48,4 +49,17 @@ def test_step_cuts_are_checked_against_the_steps() -> None:
     m.applied_step = dict.fromkeys(m.applied_step, 0)  # a model that forgot the steps: the same cut is wrong
     with pytest.raises(AssertionError, match="step 0"):
         m._take_cut(0)
+    m.core.journal.close()
+
+
+def test_a_memory_snapshot_restore_tells_the_broker_nothing_new() -> None:
+    """Restoring a shared-memory snapshot (never persisted) must not move offsets committed upstream past storage."""
+    m = _machine()
+    m.stream_grows(p=0, n=20, force=True)  # t-0 holds [5, 29)
+    m.lease(w=0, n=1, ds="s")
+    m.ack(i=0, frac=1.0)  # the first shard of t-0, from its start
+    m.cut_prepare()  # a memory snapshot: prepared, its persist never finished
+    m.restore(i=0, memory=True, by_cursor=True)
+    assert m.core.committed.get(PartitionKey("s", 0, "t-0")).size() > 0, "the memory snapshot holds records"
+    m.upstream_commits_never_ahead_of_storage()
     m.core.journal.close()
