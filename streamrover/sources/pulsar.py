@@ -245,7 +245,7 @@ class PulsarSource(Source):
             try:
                 msg = walker.read_next(200)
             except pulsar.Timeout:
-                return False
+                continue  # the entries exist (a later ledger holds the last message): a slow broker, wait on
             except pulsar.PulsarException as exc:
                 self._walkers.pop(pid).close()
                 raise SourceUnavailableError(f"Pulsar at {self.service_url}: reading {pid}: {exc!r}") from exc

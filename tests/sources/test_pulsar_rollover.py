@@ -63,7 +63,7 @@ def test_rollovers_train_once_and_count_records(tmp_path: Path, standalone: Puls
     rng = random.Random()
     total, topic = 3_000, f"r-{uuid.uuid4().hex[:8]}"
     standalone.create_partitioned_topic(topic, 2)
-    opts = {"sr.format": "json", "sr.schema": "id:int64", "sr.max_delay_ms": "200"}
+    opts = {"sr.format": "json", "sr.schema": "id:int64", "sr.max_delay_ms": "200", "operation_timeout_seconds": "30"}
     job = StreamJob(tmp_path, f"{standalone.service_url}/{topic}", opts, records_per_shard=SHARD)
     source = PulsarSource(job.uri, "", opts)
     try:
