@@ -94,6 +94,9 @@ class JobController:
         launch = MasterLaunch(self.spec.name, self.state_dir, token, self.spec.master.host, self.spec.master.port,
                               self.spec.master.lease_ttl)  # fmt: skip
         self._write({"job": self.spec.name, "phase": "starting", "platform": self.platform.name, "nodes": []})
+        reaped = getattr(self.platform, "reaped", [])
+        if reaped:
+            log.warning("ended what the job's previous controller left running: pids %s", reaped)
         master = self.platform.launch_master(launch)
         client = ShardClient(master.address, token=token, name=f"controller:{self.spec.name}", heartbeat=False,
                              timeout=60.0)  # fmt: skip
@@ -105,6 +108,9 @@ class JobController:
                 self.spec, self.platform, run_id=self.run_id, master_address=master.address, token=token,
                 ckpt_url=self.ckpt_url, health=self._health(client),
             )  # fmt: skip
+            reaped = getattr(self.platform, "reaped", [])
+            if reaped:
+                sup.event("reaped", "", f"ended pids {reaped}: the master and nodes the previous controller left")
             sup.start()
             self._write(self._status())
             while not sup.phase.ended:

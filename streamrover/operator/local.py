@@ -57,10 +57,13 @@ class LocalPlatform(Platform):
     name = "local"
 
     def __init__(self, workdir: str | Path, cgroups: bool = True, watch_interval: float = 0.25,
-                 preexec: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 preexec: Callable[[], None] | None = None, reap: bool = True) -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self._preexec = preexec  # run in each child before exec (the ray platform: die with the actor)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # what this platform started, so a successor on the same workdir can end what a killed controller left
+        self._pids: Path | None = self.workdir / "pids" if reap else None
+        self.reaped = _reap(self._pids) if self._pids else []
         self._cgroups: CgroupRoot | None = memory_cgroups() if cgroups else None
         self._nodes: dict[str, _Node] = {}
         self._master: subprocess.Popen[bytes] | None = None
@@ -96,6 +99,8 @@ class LocalPlatform(Platform):
         address = line.split("listening on ", 1)[1].split(";", 1)[0].strip()
         self._port = int(address.rsplit(":", 1)[1])
         self._master, self._master_launch = proc, launch
+        if self._pids:
+            _record(self._pids, "master", proc.pid)
         return MasterInfo(address=address, pid=proc.pid)
 
     def observe_master(self) -> NodeStatus:
@@ -111,6 +116,8 @@ class LocalPlatform(Platform):
             except subprocess.TimeoutExpired:
                 self._master.kill()
                 self._master.wait()
+        if self._pids:
+            (self._pids / "master").unlink(missing_ok=True)
 
     # -- nodes ----------------------------------------------------------------------------
     def launch_node(self, launch: NodeLaunch) -> NodeStatus:
@@ -139,6 +146,8 @@ class LocalPlatform(Platform):
             raise LaunchError(f"node {launch.node_id}: cannot run {launch.command[0]!r}: {exc}") from exc
         with self._lock:
             self._nodes[launch.node_id] = _Node(launch, proc, cgroup)
+        if self._pids:
+            _record(self._pids, f"node-{launch.node_id}", proc.pid, cgroup.path if cgroup else None)
         if cgroup is None and launch.memory is not None:
             self._start_watchdog()
         return self.observe(launch.node_id)
@@ -155,6 +164,8 @@ class LocalPlatform(Platform):
         kills = node.watchdog_kills + (node.cgroup.oom_kills() if node.cgroup is not None else 0)
         status = _status(node_id, node.proc, kills, node.stopped)
         if status.exit_code is not None:  # the agent is gone: its children (standbys, workers) go with it
+            if self._pids:
+                (self._pids / f"node-{node_id}").unlink(missing_ok=True)
             if node.cgroup is not None:
                 node.cgroup.kill_all()
                 node.cgroup.remove()
@@ -263,6 +274,43 @@ def _status(node_id: str, proc: subprocess.Popen[bytes], oom_kills: int, stopped
         state = NodeState.FAILED
     detail = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else ""
     return NodeStatus(node_id, state, code, oom_kills, pid=proc.pid, detail=detail)
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (field 22 of /proc/PID/stat): tells a pid reused from the original."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _record(directory: Path, name: str, pid: int, cgroup: Path | None = None) -> None:
+    directory.mkdir(exist_ok=True)
+    (directory / name).write_text(f"{pid} {_start_time(pid)} {cgroup or ''}\n")
+
+
+def _reap(directory: Path) -> list[int]:
+    """End what a previous platform on this workdir started and left running (its controller was killed).
+
+    A job master left running on the same journal as a new one, or agents still in the old rendezvous, would
+    compete with the new run. Each recorded process group (and its cgroup) is killed if its leader is still the
+    process recorded (same start time); returns the pids killed.
+    """
+    killed = []
+    for entry in sorted(directory.glob("*")) if directory.is_dir() else []:
+        pid_text, start, *rest = [*entry.read_text().split(), "", ""][:3]
+        pid = int(pid_text) if pid_text.isdigit() else 0
+        if pid and _start_time(pid) == start:
+            _killpg(pid)
+            killed.append(pid)
+        if rest and rest[0]:
+            cg = NodeCgroup(Path(rest[0]), 2 if (Path(rest[0]) / "memory.max").exists() else 1)
+            cg.kill_all()
+            cg.remove()
+        entry.unlink(missing_ok=True)
+    if killed:
+        log.warning("ended %d processes a previous run left behind: %s", len(killed), killed)
+    return killed
 
 
 def _killpg(pid: int) -> None:

@@ -53,7 +53,7 @@ class _Host:
     """Inside a Ray actor: a local platform on this Ray node, serving one master or one trainer node."""
 
     def __init__(self, workdir: str) -> None:
-        self.local = LocalPlatform(workdir, preexec=_die_with_parent)
+        self.local = LocalPlatform(workdir, preexec=_die_with_parent, reap=False)  # hosts share the workdir
 
     def node_ip(self) -> str:
         import ray

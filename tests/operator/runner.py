@@ -17,6 +17,7 @@ import yaml
 from streamrover.operator.jobs import JobDir
 from streamrover.shard_service import ShardClient
 from streamrover.testing.procs import python_env
+from tests.helpers import wait_until
 from tests.trainers.cluster import records_table
 
 HERE = Path(__file__).resolve().parent
@@ -137,6 +138,8 @@ class RunningJob:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.dir.path.is_dir() and self.dir.request_stop():  # a detached controller
+            wait_until(lambda: self.dir.controller_pid() is None, 90, "the detached controller to stop")
 
     def logs(self) -> str:
         files = sorted([self.tmp / "run.log", *(self.dir.path / "logs").glob("*.log")])

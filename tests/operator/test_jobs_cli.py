@@ -63,20 +63,25 @@ def test_scale_out_and_in_through_the_cli_keeps_the_ledger_exact(tmp_path: Path,
         job.stop()
 
 
-def test_stop_ends_the_nodes_and_the_master(tmp_path: Path, kafka_broker: Any) -> None:
+def test_a_detached_job_stops_with_its_nodes_and_master(tmp_path: Path, kafka_broker: Any) -> None:
     topic = kafka_topic(kafka_broker, 2_000)
     # it would train until 20,000 records: the stream has 2,000, so only `stop` ends it
     spec = ledger_spec("stopped", f"kafka://{kafka_broker.bootstrap}/{topic}", 20_000, tmp_path / "out", nodes=1)
     job = RunningJob(tmp_path, spec)
     try:
-        job.start()
+        detached = _cli(job, "run", str(job.spec_path), "--detach")
+        assert detached.returncode == 0 and "started in the background" in detached.stdout, detached
         wait_until(lambda: job.running("n0"), 180, "the node training")
+        controller = job.dir.controller_pid()
+        assert controller is not None
+        again = _cli(job, "run", str(job.spec_path))
+        assert again.returncode == 2 and f"already running (controller pid {controller})" in again.stdout, again
         agent = psutil.Process(job.node("n0")["pid"])  # type: ignore[index]
         procs = [agent, *agent.children(recursive=True)]
         master = json.loads(_cli(job, "status", "stopped", "--json").stdout)["master"]
         stopped = _cli(job, "stop", "stopped")
         assert stopped.returncode == 0 and "stopping job 'stopped'" in stopped.stdout, stopped
-        assert job.wait(timeout=120) == 0, job.logs()
+        wait_until(lambda: job.dir.controller_pid() is None, 120, "the controller to exit")
         doc = job.status()
         assert doc["phase"] == "stopped" and doc["reason"] == "stopped on request", doc
         assert doc["controller"] == "exited"

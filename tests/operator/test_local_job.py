@@ -91,6 +91,37 @@ def test_an_oom_killed_node_is_relaunched_with_more_memory(tmp_path: Path, kafka
         job.stop()
 
 
+def test_a_job_whose_controller_was_killed_resumes_when_run_again(tmp_path: Path, kafka_broker: Any) -> None:
+    """SIGKILL of ``streamrover run`` itself leaves its master and nodes running; running the spec again ends
+    them first (never two masters on one journal), then resumes from the newest checkpoint: ledger exact."""
+    import psutil
+
+    topic = kafka_topic(kafka_broker, RECORDS)
+    spec = ledger_spec("rerun", f"kafka://{kafka_broker.bootstrap}/{topic}", RECORDS, tmp_path / "out", nodes=1)
+    job = RunningJob(tmp_path, spec)
+    try:
+        job.start()
+        wait_until(lambda: job.running("n0"), 180, "the node training")
+        wait_until(lambda: job.acked() >= 0.3 * RECORDS, 240, "30% of the records acked")
+        agent = job.node("n0")["pid"]  # type: ignore[index]
+        assert job.proc is not None
+        job.proc.kill()
+        job.proc.wait()
+        assert psutil.pid_exists(agent), "the killed controller's node runs on (its own session)"
+        job.start()
+        assert job.wait(timeout=400) == 0, job.logs()
+        assert not psutil.pid_exists(agent) or psutil.Process(agent).status() == psutil.STATUS_ZOMBIE
+        doc = job.status()
+        assert doc["phase"] == "succeeded", job.logs()
+        reaped = [e for e in doc["events"] if e["kind"] == "reaped"]
+        assert reaped and str(agent) in reaped[0]["message"], doc["events"]
+        attempts = [line for line in (job.out / "loss.txt").read_text().splitlines() if line.startswith("# attempt")]
+        assert "from None" in attempts[0] and "from None" not in attempts[-1], f"the rerun resumed: {attempts}"
+        _assert_exact(job)
+    finally:
+        job.stop()
+
+
 def test_a_lost_node_with_no_relaunch_left_fails_the_job(tmp_path: Path) -> None:
     from tests.trainers.test_single_node import _parquet
 
