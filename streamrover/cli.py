@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     _client_args(add)
     lst = dsub.add_parser("list", help="list datasets")
     _client_args(lst)
+    res = dsub.add_parser("resume", help="resume a failed dataset once its cause is fixed")
+    res.add_argument("name")
+    _client_args(res)
     desc = dsub.add_parser("describe", help="show one dataset")
     desc.add_argument("name")
     desc.add_argument("--json", action="store_true")
@@ -252,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
                 verb = "registered" if resp.created else "already registered (same spec)"
                 console.print(f"dataset {args.name!r} {verb}")
                 console.print(_dataset_table([resp.dataset]))
+            elif args.dataset_command == "resume":
+                resumed = client.resume_dataset(args.name)
+                verb = "resumed" if resumed.resumed else "was not failed (nothing to resume)"
+                console.print(f"dataset {args.name!r} {verb}")
+                console.print(_dataset_table([resumed.dataset]))
             elif args.dataset_command == "list":
                 console.print(_dataset_table(client.list_datasets()))
             elif args.dataset_command == "describe":

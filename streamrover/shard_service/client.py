@@ -185,6 +185,10 @@ class ShardClient:
     def list_datasets(self) -> list[pb.DatasetInfo]:
         return list(self._call(self._stub.ListDatasets, pb.ListDatasetsRequest()).datasets)
 
+    def resume_dataset(self, name: str) -> pb.ResumeDatasetResponse:
+        """Resume a FAILED dataset (once its cause is fixed); ``resumed`` is False if it was not failed."""
+        return self._call(self._stub.ResumeDataset, pb.ResumeDatasetRequest(name=name))
+
     def status(self) -> pb.StatusResponse:
         return self._call(self._stub.Status, pb.StatusRequest())
 

@@ -1,8 +1,18 @@
 """The master's side of a stream dataset: poll end positions, plan shards, commit offsets upstream.
 
 One thread per stream dataset. Source I/O happens outside the service lock; only
-planning takes it. An unreachable source is retried with exponential backoff and
-its error shown in status; a deleted one fails the dataset with a clear error.
+planning takes it.
+
+- An unreachable source is retried with exponential backoff and its error shown in status.
+- A topic (or a planned partition) that the source says does not exist fails the dataset
+  only once it has stayed missing for ``sr.missing_grace_ms`` (default two minutes): a
+  broker restarting looks the same for a while (a RocketMQ name server answers "topic does
+  not exist" until the broker has registered its routes again). Status shows the wait.
+- Anything else the poller raises fails the dataset with the reason in status (a poller
+  never dies silently, and a bad dataset never keeps the master from starting).
+
+A failed dataset is resumed with ``ResumeDataset`` (``streamrover dataset resume NAME``),
+which starts a new poller.
 """
 
 from __future__ import annotations
@@ -14,27 +24,30 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from streamrover.shard_service.streams import stream_option
-from streamrover.sources.api import Source, SourceError, SourceGoneError, open_source
+from streamrover.sources.api import Partition, Source, SourceError, SourceGoneError, open_source
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamrover.shard_service.server import ShardServicer
 
 log = logging.getLogger(__name__)
 DEFAULT_POLL_INTERVAL_MS = 100
+DEFAULT_MISSING_GRACE_MS = 120_000
 MAX_BACKOFF = 5.0
+
+
+class _Missing(Exception):
+    """The topic or a planned partition is missing now (it may come back within the grace period)."""
 
 
 class StreamPoller:
     def __init__(self, servicer: ShardServicer, name: str) -> None:
         self.servicer = servicer
         self.name = name
-        ds = servicer.core.dataset(name)
-        self.spec = ds.spec
-        self.interval = stream_option(ds, "sr.poll_interval_ms", DEFAULT_POLL_INTERVAL_MS) / 1000.0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._commit_lock = threading.Lock()
         self._to_commit: dict[str, int] = {}
+        self._missing_since: float | None = None  # monotonic time the topic or a partition went missing
         self._thread = threading.Thread(target=self._run, name=f"poll-{name}", daemon=True)
 
     def start(self) -> None:
@@ -51,44 +64,90 @@ class StreamPoller:
             self._to_commit.update(positions)
         self._wake.set()
 
+    def _fail(self, reason: str) -> None:
+        log.error("dataset %s failed: %s", self.name, reason)
+        with self.servicer.cond:
+            if self.name in self.servicer.core.datasets:  # (not if it was removed meanwhile)
+                self.servicer.core.fail_dataset(self.name, reason)
+            self.servicer.cond.notify_all()
+
     def _run(self) -> None:
         source: Source | None = None
-        backoff = 0.0
+        try:
+            with self.servicer.cond:
+                ds = self.servicer.core.dataset(self.name)
+                spec = ds.spec
+                interval = stream_option(ds, "sr.poll_interval_ms", DEFAULT_POLL_INTERVAL_MS) / 1000.0
+                grace = stream_option(ds, "sr.missing_grace_ms", DEFAULT_MISSING_GRACE_MS) / 1000.0
+            backoff = 0.0
+            while not self._stop.is_set():
+                try:
+                    if source is None:
+                        source = open_source(spec.uri, spec.format, spec.options)
+                    self._poll_once(source)
+                    backoff, wait = 0.0, interval
+                except (SourceGoneError, _Missing) as exc:
+                    if self._missing(str(exc), grace):
+                        return
+                    backoff = min(max(backoff * 2, interval, 0.1), MAX_BACKOFF)
+                    wait = backoff
+                except SourceError as exc:
+                    backoff = min(max(backoff * 2, 0.1), MAX_BACKOFF)
+                    self._report(f"{exc} (retrying every {backoff:.1f}s)")
+                    log.warning("dataset %s: %s; retrying in %.1fs", self.name, exc, backoff)
+                    wait = backoff
+                self._wake.wait(wait)
+                self._wake.clear()
+        except Exception as exc:  # whatever stops the poller fails its dataset, said in status
+            log.exception("the poller of dataset %s stopped", self.name)
+            self._fail(f"the master's poller of this dataset stopped: {type(exc).__name__}: {exc}")
+        finally:
+            if source is not None:
+                source.close()
+
+    def _poll_once(self, source: Source) -> None:
+        polled = source.poll()
         core, cond = self.servicer.core, self.servicer.cond
-        while not self._stop.is_set():
+        with cond:
+            if core.extend_stream(self.name, polled):
+                cond.notify_all()
+            planned = [p.id for p in core.dataset(self.name).partitions]
+        gone = sorted(set(planned) - {p.id for p in polled})
+        if gone:
+            raise _Missing(f"planned partition(s) {', '.join(gone)} missing from the source")
+        self._missing_since = None
+        with cond:
+            core.source_errors.pop(self.name, None)
+        self._commit(source, polled)
+
+    def _commit(self, source: Source, polled: list[Partition]) -> None:
+        with self._commit_lock:
+            pending, self._to_commit = self._to_commit, {}
+        if pending:
             try:
-                if source is None:
-                    source = open_source(self.spec.uri, self.spec.format, self.spec.options)
-                polled = source.poll()
-                with cond:
-                    if core.extend_stream(self.name, polled):
-                        cond.notify_all()
-                    core.source_errors.pop(self.name, None)
-                with self._commit_lock:
-                    pending, self._to_commit = self._to_commit, {}
-                if pending:
-                    try:
-                        source.commit(pending)
-                    except SourceError:
-                        with self._commit_lock:  # keep the newest positions for the next round
-                            self._to_commit = {**pending, **self._to_commit}
-                        raise
-                backoff = 0.0
-                wait = self.interval
-            except SourceGoneError as exc:
-                log.error("dataset %s failed: %s", self.name, exc)
-                with cond:
-                    core.fail_dataset(self.name, str(exc))
-                    cond.notify_all()
-                break
-            except SourceError as exc:
-                backoff = min(max(backoff * 2, 0.1), MAX_BACKOFF)
-                with cond:
-                    since = core.source_errors.get(self.name, ("", time.time()))[1]
-                    core.source_errors[self.name] = (f"{exc} (retrying every {backoff:.1f}s)", since)
-                log.warning("dataset %s: %s; retrying in %.1fs", self.name, exc, backoff)
-                wait = backoff
-            self._wake.wait(wait)
-            self._wake.clear()
-        if source is not None:
-            source.close()
+                source.commit(pending)
+            except SourceError:
+                with self._commit_lock:  # keep the newest positions for the next round
+                    self._to_commit = {**pending, **self._to_commit}
+                raise
+
+    def _missing(self, what: str, grace: float) -> bool:
+        """Note that the topic or a partition is missing; fail the dataset once it stayed so for ``grace`` s."""
+        now = time.monotonic()
+        if self._missing_since is None:
+            self._missing_since = now
+        waited = now - self._missing_since
+        if waited >= grace:
+            self._fail(f"{what}, for {waited:.1f}s (sr.missing_grace_ms={grace * 1000:.0f})")
+            return True
+        self._report(
+            f"{what}: missing for {waited:.1f}s; the dataset fails if it stays missing for {grace:.0f}s "
+            "(sr.missing_grace_ms; a restarting broker looks like this for a while)"
+        )
+        log.warning("dataset %s: %s; missing for %.1fs of a %.0fs grace", self.name, what, waited, grace)
+        return False
+
+    def _report(self, message: str) -> None:
+        with self.servicer.cond:
+            since = self.servicer.core.source_errors.get(self.name, ("", time.time()))[1]
+            self.servicer.core.source_errors[self.name] = (message, since)

@@ -180,6 +180,20 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             return pb.RegisterDatasetResponse(dataset=self._info(ds), created=created)
 
     @_rpc
+    def ResumeDataset(self, request: pb.ResumeDatasetRequest, context: Any) -> pb.ResumeDatasetResponse:
+        with self.cond:
+            resumed = self.core.resume_dataset(request.name)
+            ds = self.core.dataset(request.name)
+            old = self.pollers.get(ds.name) if resumed and ds.kind is SourceKind.STREAM else None
+        if old is not None:
+            old.stop()  # it ended when it failed the dataset (outside the lock: it takes the lock to end)
+        with self.cond:
+            if resumed and ds.kind is SourceKind.STREAM and self.pollers.get(ds.name) is old:
+                self._start_poller(ds.name)
+            self.cond.notify_all()
+            return pb.ResumeDatasetResponse(dataset=self._info(ds), resumed=resumed)
+
+    @_rpc
     def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: Any) -> pb.DatasetInfo:
         with self.cond:
             ds = self.core.dataset(request.name)

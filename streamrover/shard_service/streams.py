@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from streamrover.cursor import PartitionKey
-from streamrover.shard_service.api import FailedPreconditionError, PartitionPlan, ShardState
+from streamrover.shard_service.api import FailedPreconditionError, InvalidArgumentError, PartitionPlan, ShardState
 from streamrover.shard_service.planner import PlannedShard
 from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.state import CoreState
@@ -26,8 +26,16 @@ DEFAULT_MAX_PENDING_SHARDS = 64
 
 
 def stream_option(ds: DatasetRecord, key: str, default: int) -> int:
+    """The integer option ``key`` of a stream dataset (``default`` if unset); a bad value names the option."""
     value = ds.spec.options.get(key)
-    return default if value is None else int(value)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"dataset {ds.name!r}: option {key}={value!r} must be an integer (default {default})"
+        ) from None
 
 
 def full_shards(
@@ -118,6 +126,17 @@ class StreamOps(CoreState):
         ds.failed = reason
         with self.journal.transaction():
             self.journal.put_dataset(ds)
+
+    def resume_dataset(self, name: str) -> bool:
+        """Clear a dataset's failure (its cause was fixed): leases are granted again. False if it had not failed."""
+        ds = self.dataset(name)
+        if not ds.failed:
+            return False
+        ds.failed = ""
+        with self.journal.transaction():
+            self.journal.put_dataset(ds)
+        self.source_errors.pop(name, None)
+        return True
 
     def check_usable(self, ds: DatasetRecord) -> None:
         if ds.failed:

@@ -213,31 +213,6 @@ def test_poison_records_go_to_the_dead_letter_dataset(tmp_path: Path, tansu_brok
         job.stop()
 
 
-def test_deleted_topic_fails_the_dataset_clearly(tmp_path: Path, kafka_broker: Any) -> None:
-    from confluent_kafka.admin import AdminClient
-
-    from streamrover.shard_service import FailedPreconditionError
-
-    topic = _create_topic(kafka_broker, 2)
-    _produce(kafka_broker, topic, range(100), 2)
-    job = _job(tmp_path, kafka_broker, topic)
-    job.workers = 0
-    try:
-        job.start()
-        kafka_admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
-        for f in kafka_admin.delete_topics([topic]).values():
-            f.result(30)
-        with job.admin() as admin:
-            wait_until(lambda: admin.describe_dataset("stream").failed, 60, "the dataset to fail")
-            info = admin.describe_dataset("stream")
-            assert topic in info.error and "does not exist" in info.error
-            admin.join()
-            with pytest.raises(FailedPreconditionError, match="does not exist"):
-                admin.lease("stream")
-    finally:
-        job.stop()
-
-
 def test_poison_records_to_a_dead_letter_topic(tmp_path: Path, kafka_broker: Any) -> None:
     from confluent_kafka import Consumer, TopicPartition
 

@@ -141,3 +141,42 @@ def test_rocketmq_source_binary_bodies_dead_letters_and_start_positions(
         latest.close()
     with pytest.raises(SourceGoneError, match="does not exist"):
         open_source(f"rocketmq://{rocketmq_broker.namesrv_address}/no-such-{topic}").poll()
+
+
+@pytest.mark.parametrize("with_namesrv", [False, True], ids=["broker", "broker+namesrv"])
+def test_rocketmq_broker_restart_is_not_a_topic_deletion(
+    tmp_path: Path, rocketmq_broker: RocketMQBroker, with_namesrv: bool
+) -> None:
+    """SIGKILL the broker (and its name server) mid-stream and start it again: until the broker has registered its
+    routes the name server says the topic does not exist; the dataset waits (status says so) and goes on."""
+    rng = random.Random()
+    total, queues = 3_000, 2
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    rocketmq_broker.create_topic(topic, queues)
+    _produce(rocketmq_broker, topic, range(0, total // 2))
+    # workers retry a pull for as long as the restart takes on a loaded machine
+    options = {"sr.format": "json", "sr.schema": "id:int64", "sr.max_delay_ms": "200", "sr.read_timeout_ms": "240000"}
+    job = StreamJob(tmp_path, f"rocketmq://{rocketmq_broker.namesrv_address}/{topic}", options,
+                    records_per_shard=300, batch_size=100)
+    try:
+        job.start()
+        moment = rng.uniform(0.1, 0.4)
+        wait_until(lambda: job.applied() >= moment * total, 180, f"{moment:.0%} of the records applied")
+        with job.admin() as admin:
+            try:
+                if with_namesrv:
+                    rocketmq_broker.kill()
+                else:
+                    rocketmq_broker.kill_broker()
+                job.events.append("SIGKILL broker" + (" and name server" if with_namesrv else ""))
+                wait_until(lambda: admin.describe_dataset("stream").error != "", 60, "status to show the outage")
+            finally:
+                rocketmq_broker.start()  # also when the check failed: the broker is shared with later tests
+            info = admin.describe_dataset("stream")
+            assert not info.failed, f"a broker restart failed the dataset: {info.error}"
+        _produce(rocketmq_broker, topic, range(total // 2, total))
+        report, _, info = job.finish(total)
+        assert report.exact, f"{job.events}: {report}\n{job.logs()}"
+        assert not info.failed and info.error == "", info.error
+    finally:
+        job.stop()

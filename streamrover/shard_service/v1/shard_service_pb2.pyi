@@ -354,6 +354,46 @@ class ListDatasetsResponse(google.protobuf.message.Message):
 global___ListDatasetsResponse = ListDatasetsResponse
 
 @typing.final
+class ResumeDatasetRequest(google.protobuf.message.Message):
+    """Resume a FAILED dataset once its cause is fixed (a topic recreated, a broker back): leases are
+    granted again and a stream's master poller starts anew (it fails the dataset again if the cause remains).
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: builtins.int
+    name: builtins.str
+    def __init__(
+        self,
+        *,
+        name: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["name", b"name"]) -> None: ...
+
+global___ResumeDatasetRequest = ResumeDatasetRequest
+
+@typing.final
+class ResumeDatasetResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    DATASET_FIELD_NUMBER: builtins.int
+    RESUMED_FIELD_NUMBER: builtins.int
+    resumed: builtins.bool
+    """false: the dataset was not failed (nothing changed)"""
+    @property
+    def dataset(self) -> global___DatasetInfo: ...
+    def __init__(
+        self,
+        *,
+        dataset: global___DatasetInfo | None = ...,
+        resumed: builtins.bool = ...,
+    ) -> None: ...
+    def HasField(self, field_name: typing.Literal["dataset", b"dataset"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "resumed", b"resumed"]) -> None: ...
+
+global___ResumeDatasetResponse = ResumeDatasetResponse
+
+@typing.final
 class JoinRequest(google.protobuf.message.Message):
     """------------------------------------------------------------------ workers"""
 

@@ -49,6 +49,11 @@ class ShardServiceStub(object):
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ListDatasetsRequest.SerializeToString,
                 response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ListDatasetsResponse.FromString,
                 _registered_method=True)
+        self.ResumeDataset = channel.unary_unary(
+                '/streamrover.v1.ShardService/ResumeDataset',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetResponse.FromString,
+                _registered_method=True)
         self.Join = channel.unary_unary(
                 '/streamrover.v1.ShardService/Join',
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.JoinRequest.SerializeToString,
@@ -132,6 +137,12 @@ class ShardServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ListDatasets(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeDataset(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -232,6 +243,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.ListDatasets,
                     request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ListDatasetsRequest.FromString,
                     response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ListDatasetsResponse.SerializeToString,
+            ),
+            'ResumeDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeDataset,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetResponse.SerializeToString,
             ),
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
@@ -380,6 +396,33 @@ class ShardService(object):
             '/streamrover.v1.ShardService/ListDatasets',
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ListDatasetsRequest.SerializeToString,
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ListDatasetsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrover.v1.ShardService/ResumeDataset',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,11 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.ListDatasetsResponse,
     ]
 
+    ResumeDataset: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetRequest,
+        streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetResponse,
+    ]
+
     Join: grpc.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.JoinRequest,
         streamrover.shard_service.v1.shard_service_pb2.JoinResponse,
@@ -124,6 +129,11 @@ class ShardServiceAsyncStub:
     ListDatasets: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.ListDatasetsRequest,
         streamrover.shard_service.v1.shard_service_pb2.ListDatasetsResponse,
+    ]
+
+    ResumeDataset: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetRequest,
+        streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetResponse,
     ]
 
     Join: grpc.aio.UnaryUnaryMultiCallable[
@@ -212,6 +222,13 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.ListDatasetsRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.ListDatasetsResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.ListDatasetsResponse]]: ...
+
+    @abc.abstractmethod
+    def ResumeDataset(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetResponse]]: ...
 
     @abc.abstractmethod
     def Join(
