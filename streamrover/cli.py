@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     _client_args(lst)
     res = dsub.add_parser("resume", help="resume a failed dataset once its cause is fixed")
     res.add_argument("name")
+    res.add_argument("--skip-lost", action="store_true",
+                     help="account records deleted upstream before they were trained as lost, and go on")
     _client_args(res)
     desc = dsub.add_parser("describe", help="show one dataset")
     desc.add_argument("name")
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"dataset {args.name!r} {verb}")
                 console.print(_dataset_table([resp.dataset]))
             elif args.dataset_command == "resume":
-                resumed = client.resume_dataset(args.name)
+                resumed = client.resume_dataset(args.name, skip_lost=args.skip_lost)
                 verb = "resumed" if resumed.resumed else "was not failed (nothing to resume)"
                 console.print(f"dataset {args.name!r} {verb}")
                 console.print(_dataset_table([resumed.dataset]))

@@ -10,6 +10,17 @@ This module depends on nothing but the standard library, so that checkpoints
 (``streamrover.ckpt``) can store and load cursors without importing the shard
 service. The JSON form (:meth:`DataCursor.to_json`) is what checkpoint
 manifests hold; it is versioned and stable.
+
+Besides the positions whose effect is in the model, a cursor can account for positions
+that are **lost**: deleted upstream (retention, ``delete_records``) before anything
+trained them, and skipped because the dataset says ``sr.on_data_loss=skip``. Lost
+positions are not trained: :meth:`DataCursor.items`, :meth:`DataCursor.get` and
+:meth:`DataCursor.size` never include them, so the exactly-once contract reads "the
+records whose effect is in the model are exactly those in the cursor's trained
+intervals", and a ledger of such a run equals the produced records minus the lost
+ones. They travel with the cursor (:meth:`DataCursor.lost_items`, the JSON's
+``"lost"`` object, present only when something was lost, which readers of older
+builds ignore) so every checkpoint's lineage says what its model never saw.
 """
 
 from __future__ import annotations
@@ -172,11 +183,19 @@ class PartitionKey:
 class DataCursor:
     """Per (dataset, epoch, partition), the positions whose effect is in a model state."""
 
-    def __init__(self, entries: Mapping[PartitionKey, IntervalSet] | None = None) -> None:
+    def __init__(
+        self,
+        entries: Mapping[PartitionKey, IntervalSet] | None = None,
+        lost: Mapping[PartitionKey, IntervalSet] | None = None,
+    ) -> None:
         self._entries: dict[PartitionKey, IntervalSet] = {}
+        self._lost: dict[PartitionKey, IntervalSet] = {}  # positions deleted upstream before they were trained
         for key, ivs in (entries or {}).items():
             if ivs:
                 self._entries[key] = ivs.copy()
+        for key, ivs in (lost or {}).items():
+            if ivs:
+                self._lost[key] = ivs.copy()
 
     def keys(self) -> list[PartitionKey]:
         return sorted(self._entries)
@@ -197,36 +216,63 @@ class DataCursor:
     def update(self, other: DataCursor) -> None:
         for key, ivs in other._entries.items():
             self._entries.setdefault(key, IntervalSet()).update(ivs)
+        for key, ivs in other._lost.items():
+            self._lost.setdefault(key, IntervalSet()).update(ivs)
+
+    # -- lost positions (see the module docstring) ---------------------------
+    def lost_items(self) -> list[tuple[PartitionKey, IntervalSet]]:
+        """Per partition, the positions accounted as lost (deleted upstream before they were trained)."""
+        return [(k, self._lost[k]) for k in sorted(self._lost)]
+
+    def get_lost(self, key: PartitionKey) -> IntervalSet:
+        """The lost intervals of ``key`` (a copy; empty if none)."""
+        ivs = self._lost.get(key)
+        return ivs.copy() if ivs is not None else IntervalSet()
+
+    def add_lost(self, key: PartitionKey, start: int, end: int) -> None:
+        if end > start:
+            self._lost.setdefault(key, IntervalSet()).add(start, end)
+
+    def lost_size(self) -> int:
+        """Number of positions accounted as lost."""
+        return sum(ivs.size() for ivs in self._lost.values())
 
     def datasets(self) -> list[str]:
         return sorted({k.dataset for k in self._entries})
 
     def only(self, dataset: str) -> DataCursor:
         """The part of this cursor that belongs to ``dataset``."""
-        return DataCursor({k: v for k, v in self._entries.items() if k.dataset == dataset})
+        return DataCursor(
+            {k: v for k, v in self._entries.items() if k.dataset == dataset},
+            {k: v for k, v in self._lost.items() if k.dataset == dataset},
+        )
 
     def size(self) -> int:
         return sum(ivs.size() for ivs in self._entries.values())
 
     def copy(self) -> DataCursor:
-        return DataCursor(self._entries)
+        return DataCursor(self._entries, self._lost)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DataCursor):
             return NotImplemented
-        return self.items() == other.items()
+        return self.items() == other.items() and self.lost_items() == other.lost_items()
 
     def __repr__(self) -> str:
         parts = "; ".join(f"{k}: {v.to_list()}" for k, v in self.items())
-        return f"DataCursor({parts})"
+        lost = "; ".join(f"{k}: {v.to_list()}" for k, v in self.lost_items())
+        return f"DataCursor({parts}{'; lost ' + lost if lost else ''})"
 
     # -- serialisation -------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form: ``{"version": 1, "datasets": {name: {epoch: {partition: [[s, e], ...]}}}}``."""
-        datasets: dict[str, dict[str, dict[str, list[list[int]]]]] = {}
-        for key, ivs in self.items():
-            datasets.setdefault(key.dataset, {}).setdefault(str(key.epoch), {})[key.partition] = ivs.to_list()
-        return {"version": CURSOR_FORMAT_VERSION, "datasets": datasets}
+        """JSON-able form: ``{"version": 1, "datasets": {name: {epoch: {partition: [[s, e], ...]}}}}``.
+
+        Lost positions, if any, are under ``"lost"`` in the same shape as ``"datasets"``.
+        """
+        out: dict[str, Any] = {"version": CURSOR_FORMAT_VERSION, "datasets": _nest(self.items())}
+        if self._lost:
+            out["lost"] = _nest(self.lost_items())
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -241,24 +287,8 @@ class DataCursor:
                 f"unsupported cursor format version {version!r} (this build reads {CURSOR_FORMAT_VERSION})"
             )
         out = cls()
-        datasets = data.get("datasets", {})
-        if not isinstance(datasets, Mapping):
-            raise CursorError("cursor 'datasets' must be an object")
-        for name, epochs in datasets.items():
-            if not isinstance(epochs, Mapping):
-                raise CursorError(f"cursor entry for dataset {name!r} must be an object of epochs")
-            for epoch, partitions in epochs.items():
-                try:
-                    epoch_no = int(epoch)
-                except ValueError as exc:
-                    raise CursorError(f"dataset {name!r}: epoch {epoch!r} is not an integer") from exc
-                if not isinstance(partitions, Mapping):
-                    raise CursorError(f"dataset {name!r} epoch {epoch}: partitions must be an object")
-                for partition, ivs in partitions.items():
-                    key = PartitionKey(str(name), epoch_no, str(partition))
-                    parsed = IntervalSet.from_list(ivs)
-                    if parsed:
-                        out._entries.setdefault(key, IntervalSet()).update(parsed)
+        for section, target in (("datasets", out._entries), ("lost", out._lost)):
+            _unnest(data.get(section, {}), section, target)
         return out
 
     @classmethod
@@ -268,3 +298,30 @@ class DataCursor:
         except json.JSONDecodeError as exc:
             raise CursorError(f"cursor is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
+
+
+def _nest(items: Iterable[tuple[PartitionKey, IntervalSet]]) -> dict[str, dict[str, dict[str, list[list[int]]]]]:
+    nested: dict[str, dict[str, dict[str, list[list[int]]]]] = {}
+    for key, ivs in items:
+        nested.setdefault(key.dataset, {}).setdefault(str(key.epoch), {})[key.partition] = ivs.to_list()
+    return nested
+
+
+def _unnest(datasets: Any, section: str, target: dict[PartitionKey, IntervalSet]) -> None:
+    if not isinstance(datasets, Mapping):
+        raise CursorError(f"cursor {section!r} must be an object")
+    for name, epochs in datasets.items():
+        if not isinstance(epochs, Mapping):
+            raise CursorError(f"cursor entry for dataset {name!r} must be an object of epochs")
+        for epoch, partitions in epochs.items():
+            try:
+                epoch_no = int(epoch)
+            except ValueError as exc:
+                raise CursorError(f"dataset {name!r}: epoch {epoch!r} is not an integer") from exc
+            if not isinstance(partitions, Mapping):
+                raise CursorError(f"dataset {name!r} epoch {epoch}: partitions must be an object")
+            for partition, ivs in partitions.items():
+                key = PartitionKey(str(name), epoch_no, str(partition))
+                parsed = IntervalSet.from_list(ivs)
+                if parsed:
+                    target.setdefault(key, IntervalSet()).update(parsed)

@@ -185,9 +185,12 @@ class ShardClient:
     def list_datasets(self) -> list[pb.DatasetInfo]:
         return list(self._call(self._stub.ListDatasets, pb.ListDatasetsRequest()).datasets)
 
-    def resume_dataset(self, name: str) -> pb.ResumeDatasetResponse:
-        """Resume a FAILED dataset (once its cause is fixed); ``resumed`` is False if it was not failed."""
-        return self._call(self._stub.ResumeDataset, pb.ResumeDatasetRequest(name=name))
+    def resume_dataset(self, name: str, skip_lost: bool = False) -> pb.ResumeDatasetResponse:
+        """Resume a FAILED dataset (once its cause is fixed); ``resumed`` is False if it was not failed.
+
+        ``skip_lost``: records deleted upstream so far are accounted as lost (as ``sr.on_data_loss=skip`` does).
+        """
+        return self._call(self._stub.ResumeDataset, pb.ResumeDatasetRequest(name=name, skip_lost=skip_lost))
 
     def status(self) -> pb.StatusResponse:
         return self._call(self._stub.Status, pb.StatusRequest())

@@ -2,33 +2,41 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, LeaseGrant, PartitionPlan
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 
 
-def cursor_to_pb(cursor: DataCursor) -> pb.Cursor:
-    return pb.Cursor(
-        partitions=[
-            pb.PartitionCursor(
-                dataset=k.dataset,
-                epoch=k.epoch,
-                partition=k.partition,
-                intervals=[pb.Interval(start=s, end=e) for s, e in ivs],
-            )
-            for k, ivs in cursor.items()
-        ]
-    )
+def _partition_cursors(items: list[tuple[PartitionKey, IntervalSet]]) -> list[pb.PartitionCursor]:
+    return [
+        pb.PartitionCursor(
+            dataset=k.dataset,
+            epoch=k.epoch,
+            partition=k.partition,
+            intervals=[pb.Interval(start=s, end=e) for s, e in ivs],
+        )
+        for k, ivs in items
+    ]
 
 
-def cursor_from_pb(msg: pb.Cursor) -> DataCursor:
+def _interval_sets(msgs: Iterable[pb.PartitionCursor]) -> dict[PartitionKey, IntervalSet]:
     entries: dict[PartitionKey, IntervalSet] = {}
-    for pc in msg.partitions:
+    for pc in msgs:
         key = PartitionKey(pc.dataset, pc.epoch, pc.partition)
         ivs = entries.setdefault(key, IntervalSet())
         for iv in pc.intervals:
             ivs.add(iv.start, iv.end)
-    return DataCursor(entries)
+    return entries
+
+
+def cursor_to_pb(cursor: DataCursor) -> pb.Cursor:
+    return pb.Cursor(partitions=_partition_cursors(cursor.items()), lost=_partition_cursors(cursor.lost_items()))
+
+
+def cursor_from_pb(msg: pb.Cursor) -> DataCursor:
+    return DataCursor(_interval_sets(msg.partitions), _interval_sets(msg.lost))
 
 
 def spec_to_pb(spec: DatasetSpec) -> pb.DatasetSpec:

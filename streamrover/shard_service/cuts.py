@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from streamrover.cursor import DataCursor
+from streamrover.cursor import DataCursor, IntervalSet
 from streamrover.shard_service import acks as ackrules
 from streamrover.shard_service.api import FailedPreconditionError, NotFoundError, ShardState
 from streamrover.shard_service.planner import plan_epoch
@@ -43,6 +43,7 @@ class CutOps(CoreState):
                 pos = ack_pos
             if pos > s.start:
                 cursor.add(self._key(s), s.start, pos)
+        cursor.update(self.lost)  # positions skipped as deleted upstream: in the cursor's lost part (upstream.py)
         return cursor
 
     def cut_prepare(self, step: int | None = None, persisting: bool = False) -> CutRecord:
@@ -196,6 +197,7 @@ class CutOps(CoreState):
                 "(`streamrover restore --empty --discard-committed`)"
             )
         ackrules.check_restorable(cursor, self.datasets)
+        self.lost.update(DataCursor(lost=dict(cursor.lost_items())))  # (a checkpoint taken on another master's state)
         revoked = 0
         requeued = 0
         with self.journal.transaction():
@@ -211,6 +213,7 @@ class CutOps(CoreState):
                 requeued += self._replan(ds, cursor.only(ds.name))
             self.committed = cursor.copy()
             self.journal.put_cursor(self.committed)
+            self.journal.put_meta("lost_cursor", self.lost.to_json())
             if not from_memory:
                 self._set_durable(cursor)
             for cid in [c.id for c in self.cuts.values() if c.state in PENDING]:
@@ -230,7 +233,9 @@ class CutOps(CoreState):
             self._drop_shard(sid)
         self._new_dataset_indexes(ds.name)
         self.journal.delete_shards_of(ds.name)
-        done = {(k.epoch, k.partition): ivs for k, ivs in cursor.items()}
+        done = {(k.epoch, k.partition): ivs.copy() for k, ivs in cursor.items()}
+        for k, ivs in self.lost.only(ds.name).lost_items():  # deleted upstream: never planned again
+            done.setdefault((k.epoch, k.partition), IntervalSet()).update(ivs)
         if ds.kind is SourceKind.BATCH:
             ds.epochs_planned = max([k.epoch + 1 for k in cursor.keys()] + [1])
         planned = list(

@@ -35,6 +35,10 @@ DEFAULT_MISSING_GRACE_MS = 120_000
 MAX_BACKOFF = 5.0
 
 
+class _DataLost(Exception):
+    """Records were deleted upstream before they were trained (and the dataset does not skip them)."""
+
+
 class _Missing(Exception):
     """The topic or a planned partition is missing now (it may come back within the grace period)."""
 
@@ -86,6 +90,9 @@ class StreamPoller:
                         source = open_source(spec.uri, spec.format, spec.options)
                     self._poll_once(source)
                     backoff, wait = 0.0, interval
+                except _DataLost as exc:
+                    self._fail(str(exc))
+                    return
                 except (SourceGoneError, _Missing) as exc:
                     if self._missing(str(exc), grace):
                         return
@@ -109,6 +116,9 @@ class StreamPoller:
         polled = source.poll()
         core, cond = self.servicer.core, self.servicer.cond
         with cond:
+            lost = core.check_upstream(self.name, polled)  # records deleted upstream, ends gone back
+            if lost:
+                raise _DataLost(lost)
             if core.extend_stream(self.name, polled):
                 cond.notify_all()
             planned = [p.id for p in core.dataset(self.name).partitions]

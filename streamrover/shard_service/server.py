@@ -136,7 +136,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             for msg, (avail, committed_end, part_lag) in zip(partitions, self.core.lag(ds)):
                 msg.available_end, msg.committed_end, msg.lag = avail, committed_end, part_lag
                 lag += part_lag
-        error = ds.failed or self.core.source_errors.get(ds.name, ("", 0.0))[0]
+        error = ds.failed or self.core.source_errors.get(ds.name, ("", 0.0))[0] or self.core.upstream_note(ds)
         return pb.DatasetInfo(
             spec=convert.spec_to_pb(ds.spec),
             kind=kind,
@@ -154,6 +154,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             schema_json=ds.schema_json,
             records_acked=counts.records_acked,
             records_committed=counts.records_committed,
+            lost_positions=self.core.lost.only(ds.name).lost_size(),
         )
 
     @_rpc
@@ -182,7 +183,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     @_rpc
     def ResumeDataset(self, request: pb.ResumeDatasetRequest, context: Any) -> pb.ResumeDatasetResponse:
         with self.cond:
-            resumed = self.core.resume_dataset(request.name)
+            resumed = self.core.resume_dataset(request.name, skip_lost=request.skip_lost)
             ds = self.core.dataset(request.name)
             old = self.pollers.get(ds.name) if resumed and ds.kind is SourceKind.STREAM else None
         if old is not None:

@@ -44,6 +44,12 @@ class CoreState:
         self.available: dict[tuple[str, int], int] = {}  # streams: (dataset, partition index) -> end at last poll
         self.pending_since: dict[tuple[str, int], float] = {}  # streams: since when unplanned records wait
         self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)
+        # streams, data deleted upstream and ends that go back (upstream.py)
+        lost = journal.get_meta("lost_cursor")
+        self.lost = DataCursor.from_json(lost) if lost else DataCursor()  # its lost part: positions skipped as lost
+        self.end_warnings: dict[str, str] = {}  # dataset -> the last end that went back (memory only)
+        self.earliest_seen: dict[tuple[str, int], tuple[int, int]] = {}  # (dataset, pindex) -> (earliest, cut seq)
+        self.skip_lost_once: set[str] = set()  # datasets resumed with skip_lost (memory only)
         self.started = clock()
         self._lease_seq = int(journal.get_meta("lease_seq") or 0)
         self._cut_seq = int(journal.get_meta("cut_seq") or 0)

@@ -17,7 +17,7 @@ from streamrover.cursor import PartitionKey
 from streamrover.shard_service.api import FailedPreconditionError, InvalidArgumentError, PartitionPlan, ShardState
 from streamrover.shard_service.planner import PlannedShard
 from streamrover.shard_service.records import DatasetRecord
-from streamrover.shard_service.state import CoreState
+from streamrover.shard_service.upstream import UpstreamOps
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.positions import RecordRuns
 
@@ -65,7 +65,7 @@ def full_shards(
     return shards, start
 
 
-class StreamOps(CoreState):
+class StreamOps(UpstreamOps):
     def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
         """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
         ds = self.dataset(name)
@@ -127,11 +127,17 @@ class StreamOps(CoreState):
         with self.journal.transaction():
             self.journal.put_dataset(ds)
 
-    def resume_dataset(self, name: str) -> bool:
-        """Clear a dataset's failure (its cause was fixed): leases are granted again. False if it had not failed."""
+    def resume_dataset(self, name: str, skip_lost: bool = False) -> bool:
+        """Clear a dataset's failure (its cause was fixed): leases are granted again. False if it had not failed.
+
+        ``skip_lost``: records deleted upstream so far are accounted as lost, as ``sr.on_data_loss=skip`` does.
+        """
         ds = self.dataset(name)
         if not ds.failed:
             return False
+        self.end_warnings.pop(name, None)
+        if skip_lost:
+            self.skip_lost_once.add(name)
         ds.failed = ""
         with self.journal.transaction():
             self.journal.put_dataset(ds)
@@ -146,17 +152,25 @@ class StreamOps(CoreState):
         """Per partition: (available end, committed end, lag in records between them)."""
         out = []
         for plan in ds.partitions:
-            committed_end = self.committed.get(PartitionKey(ds.name, 0, plan.id)).prefix_end(plan.start)
+            committed_end = self.done_positions(ds, plan).prefix_end(plan.start)
             avail = self.available.get((ds.name, plan.index), plan.end)
             out.append((avail, committed_end, ds.records_in(plan.index, committed_end, avail)))
         return out
 
     def committed_positions(self, ds: DatasetRecord) -> dict[str, int]:
         """Per partition id: the end of the committed run from the partition's start (what to commit upstream),
-        never beyond the newest durable checkpoint's cursor (a restore from shared memory commits nothing more)."""
-        return {
-            plan.id: min(
-                c.get(PartitionKey(ds.name, 0, plan.id)).prefix_end(plan.start) for c in (self.committed, self.durable)
-            )
-            for plan in ds.partitions
-        }
+        never beyond the newest durable checkpoint's cursor (a restore from shared memory commits nothing more).
+
+        Positions accounted as lost count as done: they were deleted upstream and are never read.
+        """
+        out: dict[str, int] = {}
+        for plan in ds.partitions:
+            key = PartitionKey(ds.name, 0, plan.id)
+            lost = self.lost.get_lost(key)
+            ends = []
+            for cursor in (self.committed, self.durable):
+                done = cursor.get(key)
+                done.update(lost)
+                ends.append(done.prefix_end(plan.start))
+            out[plan.id] = min(ends)
+        return out

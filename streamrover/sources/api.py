@@ -43,6 +43,10 @@ class SourceGoneError(SourceError):
     """What the dataset reads was deleted (a topic, a bucket): the dataset cannot go on."""
 
 
+class SourceDataLostError(SourceError):
+    """Records a read needs were deleted upstream (retention, ``delete_records``): they cannot be read again."""
+
+
 class SourceUnavailableError(SourceError):
     """The source cannot be reached now (broker down or restarting): retry with backoff."""
 
@@ -72,6 +76,9 @@ class Partition:
     #: and rates (sources/positions.py). Runs never bound what a shard covers, so a run the source
     #: missed costs count accuracy, never a record.
     segments: tuple[tuple[int, int], ...] | None = None
+    #: Stream sources that can say so: the first position the source still holds (records before it were
+    #: deleted upstream: retention, ``delete_records``). None: the source does not say.
+    earliest: int | None = None
 
 
 @dataclass(frozen=True)

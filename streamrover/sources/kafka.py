@@ -56,6 +56,7 @@ from streamrover.sources.api import (
     Partition,
     ReadBatch,
     Source,
+    SourceDataLostError,
     SourceError,
     SourceGoneError,
     SourceKind,
@@ -253,7 +254,7 @@ class KafkaSource(Source):
         numbers = self._partition_numbers()
         ends = self._offsets(numbers, OffsetSpec.latest())
         earliest = self._offsets(numbers, OffsetSpec.earliest())
-        return [Partition(f"{self.topic}-{n}", earliest[n], ends[n]) for n in numbers]
+        return [Partition(f"{self.topic}-{n}", earliest[n], ends[n], earliest=earliest[n]) for n in numbers]
 
     def commit(self, positions: Mapping[str, int]) -> None:
         offsets = [TopicPartition(self.topic, self._pid(pid), pos) for pid, pos in sorted(positions.items())]
@@ -345,9 +346,11 @@ class KafkaSource(Source):
                         eof = max(eof, msg.offset())
                         done = done or eof >= end
                         continue
-                    if err.code() == KafkaError.OFFSET_OUT_OF_RANGE:
-                        raise SourceError(
-                            f"{partition.id} positions from {start} are gone from Kafka (retention or deletion)"
+                    if err.code() in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
+                        # (with auto.offset.reset=error librdkafka reports an offset out of range as the latter)
+                        raise SourceDataLostError(
+                            f"{partition.id} positions from {expected} are gone from Kafka (retention or deletion): "
+                            f"{err}"
                         )
                     if err.fatal():
                         raise SourceError(f"Kafka consumer failed on {partition.id}: {err}")

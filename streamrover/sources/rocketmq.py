@@ -16,7 +16,8 @@ settings named as RocketMQ's Java client names them: ``consumerGroup`` (default
 
 Partitions are message queues, named ``TOPIC@BROKER-QUEUEID``. Positions are queue offsets:
 dense (every offset below a queue's max offset holds one message), so a shard ``[start, end)``
-holds ``end - start`` records. ``poll()`` returns each queue's max offset as its end.
+holds ``end - start`` records. ``poll()`` returns each queue's max offset as its end and its min
+offset (read at most every second) as ``earliest``.
 
 Why the 4.x client: the 5.x client (``rocketmq-python-client``) reads through the proxy's
 gRPC API, whose PullMessage/QueryOffset/GetOffset answer UNIMPLEMENTED in 5.5, so it cannot
@@ -40,6 +41,7 @@ from streamrover.sources.api import (
     Partition,
     ReadBatch,
     Source,
+    SourceDataLostError,
     SourceError,
     SourceGoneError,
     SourceKind,
@@ -59,6 +61,7 @@ RAW_SCHEMA = pa.schema([("body", pa.binary()), ("offset", pa.int64())])
 CLIENT_OPTIONS = ("consumerGroup",)
 DEFAULT_READ_TIMEOUT_MS = 60_000
 MAX_BACKOFF = 2.0
+MINS_EVERY = 1.0  # seconds between polls of the queues' min offsets (to see records deleted upstream)
 _TOPIC_RE = re.compile(r"^[%|A-Za-z0-9_-]{1,127}$")
 # librocketmq's CPullStatus
 _FOUND, _NO_NEW_MSG, _NO_MATCHED_MSG, _OFFSET_ILLEGAL, _BROKER_TIMEOUT = range(5)
@@ -101,6 +104,8 @@ class RocketMQSource(Source):
         self._remoting: RemotingClient | None = None
         self._routes: dict[str, QueueRoute] = {}
         self._starts: dict[str, int] = {}  # queue min offsets seen by poll(): only new queues need one
+        self._mins: dict[str, int] = {}  # queue min offsets now (records before them were deleted upstream)
+        self._mins_at = -MINS_EVERY  # monotonic time of the last refresh of _mins
         self._group_registered = False
         self._puller: _Puller | None = None
 
@@ -169,8 +174,13 @@ class RocketMQSource(Source):
         queues = self._queues()
         ends = self._offsets(queues, "max")
         new = [q for q in queues if self._pid(q) not in self._starts]
-        self._starts.update(self._offsets(new, "min"))
-        return [Partition(pid, self._starts[pid], ends[pid]) for pid in (self._pid(q) for q in queues)]
+        if new or time.monotonic() - self._mins_at >= MINS_EVERY:  # (one request per queue: not every poll)
+            self._mins.update(self._offsets(queues, "min"))
+            self._mins_at = time.monotonic()
+        for q in new:
+            self._starts[self._pid(q)] = self._mins[self._pid(q)]
+        pids = [self._pid(q) for q in queues]
+        return [Partition(pid, self._starts[pid], ends[pid], earliest=self._mins.get(pid)) for pid in pids]
 
     def commit(self, positions: Mapping[str, int]) -> None:
         for pid, offset in sorted(positions.items()):
@@ -284,7 +294,7 @@ class _Puller:
                     return [m for m in msgs if offset <= m[0] < end], max(int(res.nextBeginOffset), offset + 1)
                 if status == _OFFSET_ILLEGAL and res.minOffset > offset:
                     gone = f"{pid} offsets from {offset} are gone from RocketMQ (min offset {res.minOffset})"
-                    raise SourceError(gone)
+                    raise SourceDataLostError(gone)
                 what = f"pull status {status} at {pid} offset {offset} (queue max offset {res.maxOffset})"
             finally:
                 self._dll.ReleasePullResult(res)

@@ -188,3 +188,20 @@ def test_cut_prepare_is_idempotent_per_step_until_a_commit_or_restore(tmp_path: 
     assert core.cut_prepare(step=1).id == first.id  # the committed cut of that step, committing it is a no-op
     core.restore(DataCursor(), discard_committed=True)
     assert core.cut_prepare(step=1).id != first.id  # a new timeline: a new cut
+
+
+def test_lost_positions_travel_with_the_cursor_apart_from_the_trained_ones() -> None:
+    key = PartitionKey("s", 0, "t-0")
+    cursor = DataCursor()
+    cursor.add(key, 300, 1000)
+    cursor.add_lost(key, 0, 300)
+    text = cursor.to_json()
+    back = DataCursor.from_json(text)
+    assert back == cursor
+    assert back.get(key) == IntervalSet([(300, 1000)]) and back.get_lost(key) == IntervalSet([(0, 300)])
+    assert back.size() == 700 and back.lost_size() == 300  # lost is never counted as trained
+    assert back != DataCursor({key: IntervalSet([(300, 1000)])})
+    merged = DataCursor()
+    merged.update(back.only("s"))
+    assert merged.lost_items() == [(key, IntervalSet([(0, 300)]))]
+    assert "lost" not in DataCursor({key: IntervalSet([(0, 1)])}).to_json()  # unchanged format without losses

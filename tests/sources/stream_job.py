@@ -91,27 +91,40 @@ class StreamJob:
             wait_until(lambda m=moment: self.applied() >= m * total, 180, f"{moment:.0%} of {total} records applied")
             action()
 
-    def finish(self, total: int, timeout: float = 180) -> tuple[LedgerReport, DataCursor, object]:
-        """Wait for every record, take a final cut, stop everything; returns (ledger report, cursor, dataset info)."""
+    def finish(
+        self, total: int, timeout: float = 180, ids: np.ndarray | None = None
+    ) -> tuple[LedgerReport, DataCursor, object]:
+        """Wait for every record, take a final cut, stop everything; returns (ledger report, cursor, dataset info).
+
+        ``ids``: the records expected in the ledger (default ``range(total)``; ``total`` of them).
+        """
         wait_until(lambda: self.applied() >= total, timeout, f"all {total} records applied")
         with self.admin() as admin:
             # Applied is not yet acked: workers send queued acks a little later (progress acks linger). The final
-            # cut is taken once the master has recorded an ack for every position the source reports.
+            # cut is taken once the master has recorded an ack for every position the source reports (or
+            # accounted it as lost: deleted upstream before it was trained, sr.on_data_loss=skip).
             # Counted in records (status never counts position differences: Pulsar's jump at ledger rollovers).
             def all_acked() -> bool:
                 info = admin.describe_dataset("stream")
                 planned = all(p.end == p.available_end for p in info.partitions)
-                return planned and info.records_acked >= info.total_records
+                return planned and info.records_acked + info.lost_positions >= info.total_records
 
             wait_until(all_acked, timeout, "every applied record's ack recorded by the master")
+        cursor = self.finish_cut()
+        with self.admin() as admin:
+            info = admin.describe_dataset("stream")
+        expected = np.arange(total) if ids is None else ids
+        return Ledger(self.ledger_path).verify(expected), cursor, info
+
+    def finish_cut(self) -> DataCursor:
+        """Stop taking cuts, then take and commit a final one; returns its cursor."""
         self._stop_cuts.set()
         if self._cutter is not None:
             self._cutter.join(timeout=60)
         with self.admin() as admin:
             cut_id, cursor = admin.prepare_cut()
             admin.commit_cut(cut_id)
-            info = admin.describe_dataset("stream")
-        return Ledger(self.ledger_path).verify(np.arange(total)), cursor, info
+        return cursor
 
     def stop(self) -> None:
         self._stop_cuts.set()

@@ -222,6 +222,7 @@ class DatasetInfo(google.protobuf.message.Message):
     ERROR_FIELD_NUMBER: builtins.int
     FAILED_FIELD_NUMBER: builtins.int
     DEAD_LETTERS_FIELD_NUMBER: builtins.int
+    LOST_POSITIONS_FIELD_NUMBER: builtins.int
     kind: global___DatasetKind.ValueType
     total_records: builtins.int
     """batch: records per epoch; stream: records planned so far"""
@@ -241,6 +242,10 @@ class DatasetInfo(google.protobuf.message.Message):
     """the dataset cannot go on (see error); leases are refused"""
     dead_letters: builtins.int
     """records that failed to decode, sent to the dead-letter dataset"""
+    lost_positions: builtins.int
+    """streams: positions deleted upstream before they were trained and skipped (sr.on_data_loss=skip); they are
+    in the lost part of every cut's cursor, never in its trained part. Dense sources (RocketMQ): records.
+    """
     @property
     def spec(self) -> global___DatasetSpec: ...
     @property
@@ -264,9 +269,10 @@ class DatasetInfo(google.protobuf.message.Message):
         error: builtins.str = ...,
         failed: builtins.bool = ...,
         dead_letters: builtins.int = ...,
+        lost_positions: builtins.int = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["shards", b"shards", "spec", b"spec"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "total_records", b"total_records"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "lost_positions", b"lost_positions", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "total_records", b"total_records"]) -> None: ...
 
 global___DatasetInfo = DatasetInfo
 
@@ -362,13 +368,17 @@ class ResumeDatasetRequest(google.protobuf.message.Message):
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
     NAME_FIELD_NUMBER: builtins.int
+    SKIP_LOST_FIELD_NUMBER: builtins.int
     name: builtins.str
+    skip_lost: builtins.bool
+    """records deleted upstream so far are accounted as lost (as sr.on_data_loss=skip does)"""
     def __init__(
         self,
         *,
         name: builtins.str = ...,
+        skip_lost: builtins.bool = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["name", b"name"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["name", b"name", "skip_lost", b"skip_lost"]) -> None: ...
 
 global___ResumeDatasetRequest = ResumeDatasetRequest
 
@@ -840,14 +850,22 @@ class Cursor(google.protobuf.message.Message):
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
     PARTITIONS_FIELD_NUMBER: builtins.int
+    LOST_FIELD_NUMBER: builtins.int
     @property
-    def partitions(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___PartitionCursor]: ...
+    def partitions(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___PartitionCursor]:
+        """the positions whose effect is in the model state"""
+
+    @property
+    def lost(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___PartitionCursor]:
+        """positions deleted upstream before they were trained (never trained)"""
+
     def __init__(
         self,
         *,
         partitions: collections.abc.Iterable[global___PartitionCursor] | None = ...,
+        lost: collections.abc.Iterable[global___PartitionCursor] | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["partitions", b"partitions"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["lost", b"lost", "partitions", b"partitions"]) -> None: ...
 
 global___Cursor = Cursor
 

@@ -1,0 +1,165 @@
+"""What a stream's poll says about data the plan relies on: records deleted upstream, ends that go back.
+
+The master compares every poll with its plan before planning from it:
+
+- **Deleted upstream.** A source that knows its first retained position (``Partition.earliest``:
+  Kafka's log start offset, a RocketMQ queue's min offset) shows retention or ``delete_records``
+  removing records. Positions below it that nothing trained (neither acked nor already accounted
+  as lost) and that no lease holds are *lost*. By default (``sr.on_data_loss=fail``) the dataset
+  fails, naming the partition and positions: trainers get FAILED_PRECONDITION instead of reading a
+  shard that is gone and restarting until they run out of restarts. With ``sr.on_data_loss=skip``
+  (or once a failed dataset is resumed with ``skip_lost``) the positions are accounted as lost:
+  kept in the journal, in status, and in the lost part of every cut's cursor from then on (so in
+  each checkpoint's lineage, apart from what was trained: see :mod:`streamrover.cursor`); the
+  shards that covered them are re-planned from the earliest position, and lag and the offsets
+  committed upstream count them as done. The exactly-once contract then covers the records the
+  cursor says were trained; a ledger equals the produced records minus the lost ones.
+  Positions that a lease holds are decided when the lease ends (its worker may have read them
+  before they were deleted; if its read fails, the lease returns and the next poll decides), and
+  a shard with acks not yet in a committed cut is re-planned once they are.
+- **An end that goes back** (a topic deleted and created again, an unclean leader election) is
+  reported in status: the positions planned past the new end were planned from records that are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
+from streamrover.shard_service.api import InvalidArgumentError, PartitionPlan, ShardState
+from streamrover.shard_service.planner import PlannedShard
+from streamrover.shard_service.records import DatasetRecord
+from streamrover.shard_service.state import CoreState
+from streamrover.sources.api import Partition, SourceKind
+
+log = logging.getLogger(__name__)
+ON_DATA_LOSS = ("fail", "skip")
+LOST_META = "lost_cursor"  # journal meta key: the lost positions of every dataset (a cursor's lost part; state.py)
+
+
+def _ranges(ivs: list[tuple[int, int]], limit: int = 3) -> str:
+    shown = ", ".join(f"[{a}, {b})" for a, b in ivs[:limit])
+    return shown + (f" and {len(ivs) - limit} more" if len(ivs) > limit else "")
+
+
+class UpstreamOps(CoreState):
+    def acked_cursor(self, step: int | None = None) -> DataCursor:
+        """The committed cursor plus acks (cuts.py's CutOps provides it in ShardCore)."""
+        raise NotImplementedError
+
+    def check_upstream(self, name: str, polled: list[Partition]) -> str:
+        """Compare a poll with the plan (before planning from it); returns why the dataset must fail, or ''."""
+        ds = self.dataset(name)
+        if ds.kind is not SourceKind.STREAM or ds.failed:
+            return ""
+        policy = ds.spec.options.get("sr.on_data_loss", "fail")
+        if policy not in ON_DATA_LOSS:
+            raise InvalidArgumentError(f"dataset {name!r}: sr.on_data_loss must be fail or skip, got {policy!r}")
+        skip = policy == "skip" or name in self.skip_lost_once
+        known = ds.partition_by_id()
+        trained: DataCursor | None = None
+        failures: list[str] = []
+        pending = False
+        for p in polled:
+            plan = known.get(p.id)
+            if plan is None:
+                continue
+            self._check_end(ds, plan, p)
+            if p.earliest is None or p.earliest <= plan.start:
+                continue
+            mark = (p.earliest, self._cut_seq)
+            if self.earliest_seen.get((name, plan.index)) == mark:
+                continue
+            if trained is None:
+                trained = self.acked_cursor()
+            key = PartitionKey(name, 0, p.id)
+            covered = trained.get(key)
+            covered.update(self.lost.get_lost(key))
+            holes = covered.missing(plan.start, p.earliest)
+            blocked = self._blocked(ds, plan.index, skip)
+            lost = [piece for a, b in holes for piece in blocked.missing(a, b)]
+            waiting = any(blocked.overlaps(a, b) for a, b in holes)
+            pending = pending or waiting
+            if lost and not skip:
+                failures.append(f"{p.id} positions {_ranges(lost)}")
+                continue
+            if lost:
+                self._skip_lost(ds, plan, p.earliest, lost)
+            if not waiting:
+                self.earliest_seen[(name, plan.index)] = mark
+        if failures:
+            return (
+                f"records were deleted upstream (retention or deletion) before they were trained: "
+                f"{'; '.join(failures)}. Keep retention longer than training lags, or accept the loss: "
+                f"'streamrover dataset resume {name} --skip-lost' (or register with sr.on_data_loss=skip)"
+            )
+        if not pending:
+            self.skip_lost_once.discard(name)
+        return ""
+
+    def _blocked(self, ds: DatasetRecord, pindex: int, skip: bool) -> IntervalSet:
+        """Unread positions not to decide on now: of leased shards, and (to skip) of shards with unfolded acks."""
+        blocked = IntervalSet()
+        for sid in self.by_dataset[ds.name]:
+            s = self.shards[sid]
+            if s.pindex == pindex and (s.state is ShardState.LEASED or (skip and s.acks and s.acked_to < s.end)):
+                blocked.add(s.acked_to, s.end)
+        return blocked
+
+    def _skip_lost(self, ds: DatasetRecord, plan: PartitionPlan, earliest: int, lost: list[tuple[int, int]]) -> None:
+        key = PartitionKey(ds.name, 0, plan.id)
+        log.error("dataset %s: skipping %s positions %s, deleted upstream before they were trained",
+                  ds.name, plan.id, _ranges(lost))  # fmt: skip
+        with self.journal.transaction():
+            for a, b in lost:
+                self.lost.add_lost(key, a, b)
+            for sid in sorted(self.by_dataset[ds.name]):
+                s = self.shards[sid]
+                if s.pindex != plan.index or s.state is not ShardState.TODO or s.acks or s.acked_to >= earliest:
+                    continue
+                # what it acked is committed (no unfolded acks); the rest from ``earliest`` is read anew
+                self._drop_shard(sid)
+                self.journal.delete_shard(sid)
+                rest = max(s.acked_to, earliest)
+                if rest < s.end:
+                    part = ds.partitions[plan.index]
+                    self._add_planned(ds, [PlannedShard(0, part, rest, s.end, ds.records_in(plan.index, rest, s.end))])
+            current = ds.partitions[plan.index]
+            if current.end < earliest:
+                ds.partitions[plan.index] = replace(current, end=earliest)
+                self.available[(ds.name, plan.index)] = max(self.available.get((ds.name, plan.index), 0), earliest)
+            self.journal.put_dataset(ds)
+            self.journal.put_meta(LOST_META, self.lost.to_json())
+            self._save_counters()
+
+    def _check_end(self, ds: DatasetRecord, plan: PartitionPlan, p: Partition) -> None:
+        before = max(self.available.get((ds.name, plan.index), plan.end), plan.end)
+        if p.end >= before:
+            return
+        msg = (
+            f"the end of {p.id} went back from {before} to {p.end} (the topic deleted and created again, or an "
+            f"unclean leader election?): positions up to {before} were planned from records that are gone, and "
+            "records that arrive at those positions again are not planned anew"
+        )
+        if self.end_warnings.get(ds.name) != msg:
+            log.error("dataset %s: %s", ds.name, msg)
+        self.end_warnings[ds.name] = msg
+
+    def done_positions(self, ds: DatasetRecord, plan: PartitionPlan) -> IntervalSet:
+        """A partition's positions that need no reading: committed, or accounted as lost."""
+        key = PartitionKey(ds.name, 0, plan.id)
+        done = self.committed.get(key)
+        done.update(self.lost.get_lost(key))
+        return done
+
+    def upstream_note(self, ds: DatasetRecord) -> str:
+        """For status: an end that went back, or the positions skipped as lost ('' if neither)."""
+        if ds.name in self.end_warnings:
+            return self.end_warnings[ds.name]
+        lost = self.lost.only(ds.name).lost_items()
+        if not lost:
+            return ""
+        parts = "; ".join(f"{k.partition} {_ranges(ivs.intervals())}" for k, ivs in lost)
+        total = sum(ivs.size() for _, ivs in lost)
+        return f"skipped {total} positions deleted upstream before they were trained (sr.on_data_loss=skip): {parts}"
