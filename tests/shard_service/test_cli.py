@@ -44,6 +44,8 @@ def test_cli_errors_are_clear(tmp_path: Path, master: MasterProcess) -> None:
     assert denied.returncode == 2 and "token" in denied.stdout
     unknown = _cli(master, "dataset", "describe", "ghost")
     assert unknown.returncode == 2 and "not registered" in unknown.stdout
+    not_there = _cli(master, "dataset", "resume", "ghost")
+    assert not_there.returncode == 2 and "'ghost' is not registered" in not_there.stdout
 
 
 def test_master_creates_a_private_token_file(tmp_path: Path) -> None:
