@@ -155,6 +155,7 @@ class PSTrainer:
         self._on_result: Callable[[int, Any], None] | None = None
         self._resumed_pending = False
         self._step_failed: str | None = None
+        self._unacked: dict[str, tuple[LeasedShard, int, int]] = {}  # coalesced progress: shard -> (shard, end, step)
 
     # -- failure detection ----------------------------------------------------------------
     def _hook_reruns(self) -> None:
@@ -192,6 +193,7 @@ class PSTrainer:
         """
         started = time.monotonic()
         self._state = state
+        self._resumed_pending = True
         try:
             loaded = self.checkpointer.load(restore=True)
         except NoCheckpointError:
@@ -202,7 +204,6 @@ class PSTrainer:
             return None
         load_variables_state(loaded.state["vars"], state)
         self._binder.last_cursor = loaded.cursor
-        self._resumed_pending = True
         self.step = self._last_ckpt_step = loaded.step
         self.restored_from = f"{loaded.source.value}:{loaded.step}"
         self.timings["restore"] = time.monotonic() - started
@@ -219,6 +220,7 @@ class PSTrainer:
         self._reruns.clear()  # a closure put back from now on makes the next loop roll back again
         self._join(attempts=3)
         self._inflight.clear()
+        self._unacked.clear()  # the restore resets the cursor: these positions are read again
         self._lease_lost, self._step_failed = False, None
         try:
             self.restore(self._state)
@@ -258,6 +260,7 @@ class PSTrainer:
             return False
         while self._inflight:
             self._retire(self._inflight.popleft(), self._on_result)
+        self._send_acks()
         why = self._rollback_reason()
         if why:
             self._rollback(why)
@@ -281,10 +284,7 @@ class PSTrainer:
             self._resumed_pending = False
             self._event("resumed", step=done.step)  # the first step completed after a (re)start or rollback
         for shard, end in done.acks:
-            try:
-                shard.ack(end, step=done.step, wait=False)
-            except LeaseLostError:
-                self._lease_lost = True
+            self._ack(shard, end, done.step)
         if on_result is not None and not self._reruns.is_set():
             on_result(done.step, value)
 
@@ -395,11 +395,24 @@ class PSTrainer:
     def _reached(self, stop_at_records: int | None) -> bool:
         return stop_at_records is not None and self._binder.last_cursor.size() >= stop_at_records
 
+    def _ack(self, shard: LeasedShard, end: int, step: int) -> None:
+        """Ack ``end`` of ``shard`` (applied at ``step``). Progress inside a shard is coalesced until the next
+        checkpoint (every cut follows a drain, so only the newest position per shard matters); the end of a
+        shard is acked at once (the master then hands its lease on)."""
+        self._unacked[shard.shard_id] = (shard, end, step)
+        if end >= shard.lease.end:
+            self._send_acks([shard.shard_id])
+
+    def _send_acks(self, shard_ids: list[str] | None = None) -> None:
+        for shard_id in list(self._unacked) if shard_ids is None else shard_ids:
+            shard, end, step = self._unacked.pop(shard_id)
+            try:
+                shard.ack(end, step=step, wait=False)
+            except LeaseLostError:
+                self._lease_lost = True
+
     def _ack_now(self, item: Batch) -> None:
-        try:
-            item.shard.ack(item.end, step=self.step, wait=False)
-        except LeaseLostError:
-            self._lease_lost = True
+        self._ack(item.shard, item.end, self.step)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._stop_requested = True
