@@ -74,7 +74,7 @@ class LaunchConfig:
     events: str | None = None
     host: str = "127.0.0.1"
     max_restarts: int = 100
-    ready_timeout: float = 180.0
+    ready_timeout: float = 600.0  # a server imports TensorFlow first: minutes on a loaded 2-core machine
     standby: int = 2  # warm interpreters (TensorFlow imported) for restarted tasks; 0: always start fresh
     env: dict[str, str] = field(default_factory=dict)
 
