@@ -217,11 +217,28 @@ class PulsarSource(Source):
                 finally:
                     reader.close()
                 self._ledgers.see(pid, *self.codec.decode(self._first[pid]))
-                self._walked[pid] = self.codec.decode(self._first[pid])
+                self._walked[pid] = self._walk_start(pid, name)
             if self._walk(pid, name, ledger, deadline):
                 self._walked[pid] = (ledger, entry)
             first_ledger, first_entry = self.codec.decode(self._first[pid])
             self._ledgers.see(pid, ledger, first_entry if ledger == first_ledger else 0, entry)  # entries are dense
+
+    def _walk_start(self, pid: str, name: str) -> tuple[int, int]:
+        """Where learning ledgers starts: just before the subscription's first unacknowledged message.
+
+        What lies before it was committed, so the master knows its runs from its journal (a restarted
+        master's source need not walk the retained history again). A fresh subscription starts at
+        the first message; one with nothing to deliver within 5 s starts at the first message too.
+        """
+        first = self.codec.decode(self._first[pid])
+        try:
+            msg = self._consumer(name).receive(5000)  # not acknowledged: delivered again to the next consumer
+        except pulsar.Timeout:
+            return first
+        except pulsar.PulsarException as exc:
+            raise SourceUnavailableError(f"Pulsar at {self.service_url}: receiving from {pid}: {exc!r}") from exc
+        ledger, entry = self.codec.decode(self._position(msg)[0])
+        return max(first, (ledger, entry - 1))
 
     def _walk(self, pid: str, name: str, ledger: int, deadline: float) -> bool:
         """Learn the ledgers before ``ledger`` not seen whole yet. Returns whether every one is known now.

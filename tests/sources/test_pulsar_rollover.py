@@ -111,3 +111,32 @@ def test_rollovers_train_once_and_count_records(tmp_path: Path, standalone: Puls
         assert info.shards.todo == expected, f"{info.shards.todo} shards re-planned, {expected} expected"
     finally:
         job.stop()
+
+
+def test_a_restarted_masters_source_learns_ledgers_from_the_committed_point(standalone: PulsarStandalone) -> None:
+    """A fresh source (a restarted master's) walks the ledgers from the subscription's committed point on.
+
+    The runs before it are the master's already (journalled); walking the retained history again
+    would cost a read of all of it.
+    """
+    topic = f"w-{uuid.uuid4().hex[:8]}"
+    uri, opts = f"{standalone.service_url}/{topic}", {"operation_timeout_seconds": "30"}
+    first = PulsarSource(uri, "", opts)
+    try:
+        assert first.partitions() == []  # creates the subscription; no message yet
+        _produce(standalone, topic, range(20 * ENTRIES_PER_LEDGER))
+        [part] = first.partitions()
+        runs = list(part.segments or ())
+        assert len(runs) == 20 and sum(b - a for a, b in runs) == 20 * ENTRIES_PER_LEDGER
+        committed = runs[12][0] + 10  # inside the 13th ledger
+        first.commit({part.id: committed})
+    finally:
+        first.close()
+    again = PulsarSource(uri, "", opts)
+    try:
+        [part] = again.partitions()
+    finally:
+        again.close()
+    known = list(part.segments or ())
+    assert [r for r in known if r[1] > committed] == [(committed, runs[12][1]), *runs[13:]]
+    assert not set(runs[1:12]) & set(known), f"walked the committed ledgers again: {known}"
