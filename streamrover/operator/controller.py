@@ -97,7 +97,14 @@ class JobController:
         reaped = getattr(self.platform, "reaped", [])
         if reaped:
             log.warning("ended what the job's previous controller left running: pids %s", reaped)
-        master = self.platform.launch_master(launch)
+        try:
+            master = self.platform.launch_master(launch)
+        except Exception as exc:  # the reason goes to status, then up to the CLI
+            self._write({"job": self.spec.name, "phase": "failed", "reason": f"the master did not start: {exc}",
+                         "platform": self.platform.name, "nodes": []})  # fmt: skip
+            self.platform.close()
+            self.job.pid_path.unlink(missing_ok=True)
+            raise
         client = ShardClient(master.address, token=token, name=f"controller:{self.spec.name}", heartbeat=False,
                              timeout=60.0)  # fmt: skip
         try:

@@ -68,6 +68,7 @@ class LocalPlatform(Platform):
         self._nodes: dict[str, _Node] = {}
         self._master: subprocess.Popen[bytes] | None = None
         self._master_launch: MasterLaunch | None = None
+        self._master_stopped = False
         self._port = 0
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -79,11 +80,12 @@ class LocalPlatform(Platform):
         port = self._port or launch.port
         cmd = [
             sys.executable, "-m", "streamrover.cli", "master", "--state-dir", str(launch.state_dir),
-            "--host", launch.host, "--port", str(port), "--token", launch.token, "--lease-ttl", str(launch.lease_ttl),
-        ]  # fmt: skip
+            "--host", launch.host, "--port", str(port), "--lease-ttl", str(launch.lease_ttl),
+        ]  # fmt: skip  (the token goes in the environment: not in ps, and a token may start with "-")
         launch.state_dir.mkdir(parents=True, exist_ok=True)
         with open(self.workdir / "master.log", "ab") as logf:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, env=_env({}), start_new_session=True,
+            env = _env({"STREAMROVER_TOKEN": launch.token})
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, env=env, start_new_session=True,
                                     preexec_fn=self._preexec)  # fmt: skip
         assert proc.stdout is not None
         with selectors.DefaultSelector() as sel:  # the master prints its address once it listens
@@ -98,7 +100,7 @@ class LocalPlatform(Platform):
         proc.stdout.close()
         address = line.split("listening on ", 1)[1].split(";", 1)[0].strip()
         self._port = int(address.rsplit(":", 1)[1])
-        self._master, self._master_launch = proc, launch
+        self._master, self._master_launch, self._master_stopped = proc, launch, False
         if self._pids:
             _record(self._pids, "master", proc.pid)
         return MasterInfo(address=address, pid=proc.pid)
@@ -106,9 +108,10 @@ class LocalPlatform(Platform):
     def observe_master(self) -> NodeStatus:
         if self._master is None:
             return NodeStatus("master", NodeState.PENDING)
-        return _status("master", self._master, oom_kills=0, stopped=False)
+        return _status("master", self._master, oom_kills=0, stopped=self._master_stopped)
 
     def stop_master(self, grace: float = 10.0) -> None:
+        self._master_stopped = True
         if self._master is not None and self._master.poll() is None:
             self._master.terminate()
             try:
