@@ -154,7 +154,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             schema_json=ds.schema_json,
             records_acked=counts.records_acked,
             records_committed=counts.records_committed,
-            lost_positions=self.core.lost.only(ds.name).lost_size(),
+            lost_records=self.core.lost_records(ds),
         )
 
     @_rpc

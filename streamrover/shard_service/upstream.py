@@ -160,6 +160,14 @@ class UpstreamOps(CoreState):
         lost = self.lost.only(ds.name).lost_items()
         if not lost:
             return ""
-        parts = "; ".join(f"{k.partition} {_ranges(ivs.intervals())}" for k, ivs in lost)
-        total = sum(ivs.size() for _, ivs in lost)
-        return f"skipped {total} positions deleted upstream before they were trained (sr.on_data_loss=skip): {parts}"
+        parts = "; ".join(f"{k.partition} positions {_ranges(ivs.intervals())}" for k, ivs in lost)
+        total = self.lost_records(ds)
+        return f"skipped {total:,} records deleted upstream before they were trained (sr.on_data_loss=skip): {parts}"
+
+    def lost_records(self, ds: DatasetRecord) -> int:
+        """Records accounted as lost (positions for sources that do not say where their records are: Kafka)."""
+        index = {p.id: p.index for p in ds.partitions}
+        return sum(
+            ds.records_in_set(index[k.partition], ivs) for k, ivs in self.lost.only(ds.name).lost_items()
+            if k.partition in index
+        )

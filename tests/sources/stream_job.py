@@ -107,7 +107,7 @@ class StreamJob:
             def all_acked() -> bool:
                 info = admin.describe_dataset("stream")
                 planned = all(p.end == p.available_end for p in info.partitions)
-                return planned and info.records_acked + info.lost_positions >= info.total_records
+                return planned and info.records_acked + info.lost_records >= info.total_records
 
             wait_until(all_acked, timeout, "every applied record's ack recorded by the master")
         cursor = self.finish_cut()

@@ -191,8 +191,9 @@ def test_records_deleted_upstream_fail_the_dataset_then_resume_skipping_them(tmp
 
             resumed = _cli(job.master, "dataset", "resume", "stream", "--skip-lost")
             assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stdout + resumed.stderr
-            wait_until(lambda: admin.describe_dataset("stream").lost_positions == 300, 60, "the loss to be recorded")
-            wait_until(lambda: f"{pid} [0, 300)" in admin.describe_dataset("stream").error, 60, "status: lost")
+            wait_until(lambda: admin.describe_dataset("stream").lost_records == 300, 60, "the loss to be recorded")
+            noted = f"{pid} positions [0, 300)"
+            wait_until(lambda: noted in admin.describe_dataset("stream").error, 60, "status to show the lost range")
             assert not admin.describe_dataset("stream").failed
         job.start_worker("w0")
         report, cursor, info = job.finish(total - 300, ids=np.arange(300, total))
@@ -227,13 +228,14 @@ def test_records_deleted_under_a_lease_are_skipped_with_on_data_loss_skip(tmp_pa
             assert [(s.lease.start, s.lease.end) for s in leased] == [(0, 200)]
             _delete_records(kafka_broker, topic, 300)
             # [200, 300) is lost at once; [0, 200) waits for its lease
-            wait_until(lambda: reader.describe_dataset("stream").lost_positions == 100, 60, "[200, 300) lost")
+            wait_until(lambda: reader.describe_dataset("stream").lost_records == 100, 60, "[200, 300) lost")
             with pytest.raises(SourceDataLostError, match="gone from Kafka"):
                 list(leased[0].batches(50))
             reader.leave()
-            wait_until(lambda: reader.describe_dataset("stream").lost_positions == 300, 60, "[0, 300) lost")
+            wait_until(lambda: reader.describe_dataset("stream").lost_records == 300, 60, "[0, 300) lost")
             # status keeps the lost range (once no transient source error, such as a group commit's, is shown)
-            wait_until(lambda: f"{pid} [0, 300)" in reader.describe_dataset("stream").error, 60, "status: lost")
+            noted = f"{pid} positions [0, 300)"
+            wait_until(lambda: noted in reader.describe_dataset("stream").error, 60, "status to show the lost range")
             assert not reader.describe_dataset("stream").failed
         job.start_worker("w0")
         job.start_worker("w1")

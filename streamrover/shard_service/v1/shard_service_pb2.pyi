@@ -222,7 +222,7 @@ class DatasetInfo(google.protobuf.message.Message):
     ERROR_FIELD_NUMBER: builtins.int
     FAILED_FIELD_NUMBER: builtins.int
     DEAD_LETTERS_FIELD_NUMBER: builtins.int
-    LOST_POSITIONS_FIELD_NUMBER: builtins.int
+    LOST_RECORDS_FIELD_NUMBER: builtins.int
     kind: global___DatasetKind.ValueType
     total_records: builtins.int
     """batch: records per epoch; stream: records planned so far"""
@@ -242,9 +242,11 @@ class DatasetInfo(google.protobuf.message.Message):
     """the dataset cannot go on (see error); leases are refused"""
     dead_letters: builtins.int
     """records that failed to decode, sent to the dead-letter dataset"""
-    lost_positions: builtins.int
-    """streams: positions deleted upstream before they were trained and skipped (sr.on_data_loss=skip); they are
-    in the lost part of every cut's cursor, never in its trained part. Dense sources (RocketMQ): records.
+    lost_records: builtins.int
+    """streams: records deleted upstream before they were trained and skipped (sr.on_data_loss=skip); their
+    positions are in the lost part of every cut's cursor, never in its trained part. Counted in records where
+    the source says where its records are (RocketMQ's dense offsets, Pulsar's runs); for Kafka, positions
+    (records that were deleted cannot be counted: offsets have gaps).
     """
     @property
     def spec(self) -> global___DatasetSpec: ...
@@ -269,10 +271,10 @@ class DatasetInfo(google.protobuf.message.Message):
         error: builtins.str = ...,
         failed: builtins.bool = ...,
         dead_letters: builtins.int = ...,
-        lost_positions: builtins.int = ...,
+        lost_records: builtins.int = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["shards", b"shards", "spec", b"spec"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "lost_positions", b"lost_positions", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "total_records", b"total_records"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "lost_records", b"lost_records", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "total_records", b"total_records"]) -> None: ...
 
 global___DatasetInfo = DatasetInfo
 
