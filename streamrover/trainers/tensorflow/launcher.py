@@ -109,6 +109,7 @@ class PSJob:
         self._booting: dict[tuple[str, Any], subprocess.Popen[bytes]] = {}
         self._chief_due = False  # a chief is to start once the parameter servers listen
         self._ready_pipes: dict[int, IO[bytes]] = {}
+        self._standby_ready = 0  # warm standbys, as last written to the status file
         self._pool: StandbyPool | None = None
         if cfg.standby > 0:
             os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # what the standbys import TensorFlow with
@@ -226,6 +227,7 @@ class PSJob:
             "workers": [self.workers[a].pid if a in self.workers else None for a in self.worker_addrs],
             "cluster": self.spec().as_tf(),
             "restarts": self.restarts,
+            "standby_ready": self._standby_ready,
             "log_dir": str(self.log_dir),
         }
         tmp = f"{self.cfg.status_file}.tmp"
@@ -308,7 +310,14 @@ class PSJob:
         """Supervise until the chief finishes (0) or gives up; stop every process; return the exit code."""
         try:
             while True:
-                event = self._events.get()
+                try:
+                    event = self._events.get(timeout=1.0)
+                except queue.Empty:  # a quiet second: the status file shows how many standbys are warm
+                    ready = self._pool.ready() if self._pool is not None else 0
+                    if ready != self._standby_ready:
+                        self._standby_ready = ready
+                        self._write_status()
+                    continue
                 if event[0] == "request":
                     self._on_request(event[1])
                     continue
