@@ -214,8 +214,9 @@ class CutOps(CoreState):
             self.committed = cursor.copy()
             self.journal.put_cursor(self.committed)
             self.journal.put_meta("lost_cursor", self.lost.to_json())
-            if not from_memory:
-                self._set_durable(cursor)
+            # A memory snapshot is not on storage: the limit stays where it was, and is journalled even before
+            # any cut committed (a restart would otherwise take the restored cursor for durable).
+            self._set_durable(self.durable if from_memory else cursor)
             for cid in [c.id for c in self.cuts.values() if c.state in PENDING]:
                 self._forget_cut(cid, f"discarded by a restore (cut {self._cut_seq + 1})")
             self._cut_seq += 1
