@@ -33,7 +33,9 @@ import ctypes
 import os
 import re
 import time
+import weakref
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pyarrow as pa
 
@@ -278,6 +280,10 @@ class _Puller:
         dll.SetPullConsumerNameServerAddress(self._handle, ";".join(namesrvs).encode())
         if dll.StartPullConsumer(self._handle) != 0:
             raise SourceUnavailableError(f"librocketmq pull consumer did not start: {dll.GetLatestErrorMessage()!r}")
+        # A started pull consumer's native threads keep the process from exiting until it is shut down: a
+        # worker whose loop raised (never closing its source) hung at exit and was never restarted. Shut it
+        # down at close() or, failing that, when the object goes or the interpreter exits.
+        self._shutdown = weakref.finalize(self, _shutdown_consumer, dll, self._handle)
 
     def pull(
         self, pid: str, broker: str, queue_id: int, offset: int, end: int, timeout: float
@@ -315,8 +321,12 @@ class _Puller:
         return int(self._dll.GetMessageQueueOffset(handle)), body
 
     def close(self) -> None:
-        self._dll.ShutdownPullConsumer(self._handle)
-        self._dll.DestroyPullConsumer(self._handle)
+        self._shutdown()  # (once: later calls do nothing)
+
+
+def _shutdown_consumer(dll: Any, handle: Any) -> None:
+    dll.ShutdownPullConsumer(handle)
+    dll.DestroyPullConsumer(handle)
 
 
 def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:

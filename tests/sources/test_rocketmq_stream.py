@@ -180,3 +180,25 @@ def test_rocketmq_broker_restart_is_not_a_topic_deletion(
         assert not info.failed and info.error == "", info.error
     finally:
         job.stop()
+
+
+def test_a_process_that_read_a_rocketmq_source_exits_without_close(rocketmq_broker: RocketMQBroker) -> None:
+    """A worker whose loop raises must end (its agent restarts it): librocketmq's pull consumer kept it alive."""
+    import subprocess
+    import sys
+
+    from streamrover.testing.procs import python_env
+
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    rocketmq_broker.create_topic(topic, 1)
+    _produce(rocketmq_broker, topic, range(10))
+    script = (
+        "from streamrover.sources.api import open_source\n"
+        f"src = open_source('rocketmq://{rocketmq_broker.namesrv_address}/{topic}')\n"
+        "p = src.partitions()[0]\n"
+        "assert sum(b.num_records for b in src.read(p, 0, p.end, 100)) == 10\n"
+        "raise RuntimeError('the worker loop failed')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=python_env(), capture_output=True, text=True,
+                          timeout=90)  # fmt: skip
+    assert done.returncode == 1 and "the worker loop failed" in done.stderr, done.stderr[-2000:]
