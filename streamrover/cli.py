@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("--seed", type=int, default=0)
     add.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="source option (repeatable)")
     _client_args(add)
+    rm = dsub.add_parser("remove", help="remove a dataset (revokes its leases, forgets its shards and progress)")
+    rm.add_argument("name")
+    _client_args(rm)
     lst = dsub.add_parser("list", help="list datasets")
     _client_args(lst)
     res = dsub.add_parser("resume", help="resume a failed dataset once its cause is fixed")
@@ -93,6 +96,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     _client_args(rs)
     return parser
+
+
+def _options(pairs: list[str]) -> dict[str, str]:
+    """``--option KEY=VALUE`` arguments as a dict; a malformed one is an error naming it."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SourceError(f"--option {pair!r}: write it as KEY=VALUE, e.g. sr.max_delay_ms=500")
+        options[key] = value
+    return options
 
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -242,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "restore":
                 return _restore(console, client, args)
             if args.dataset_command == "add":
-                options = dict(kv.split("=", 1) for kv in args.option)
+                options = _options(args.option)
                 spec = DatasetSpec(
                     args.name,
                     args.uri,
@@ -262,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
                 verb = "resumed" if resumed.resumed else "was not failed (nothing to resume)"
                 console.print(f"dataset {args.name!r} {verb}")
                 console.print(_dataset_table([resumed.dataset]))
+            elif args.dataset_command == "remove":
+                removed = client.remove_dataset(args.name)
+                console.print(
+                    f"dataset {args.name!r} removed ({removed.shards_removed} shards, "
+                    f"{removed.leases_revoked} leases revoked)"
+                )
             elif args.dataset_command == "list":
                 console.print(_dataset_table(client.list_datasets()))
             elif args.dataset_command == "describe":

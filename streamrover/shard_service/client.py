@@ -182,6 +182,10 @@ class ShardClient:
         """The dataset's spec, partitions and counts; ``spec_only``: its spec, kind and schema only (cheaper)."""
         return self._call(self._stub.DescribeDataset, pb.DescribeDatasetRequest(name=name, spec_only=spec_only))
 
+    def remove_dataset(self, name: str) -> pb.RemoveDatasetResponse:
+        """Remove a dataset (its leases are revoked, its shards and cursor entries deleted)."""
+        return self._call(self._stub.RemoveDataset, pb.RemoveDatasetRequest(name=name))
+
     def list_datasets(self) -> list[pb.DatasetInfo]:
         return list(self._call(self._stub.ListDatasets, pb.ListDatasetsRequest()).datasets)
 

@@ -19,22 +19,20 @@ from streamrover.cursor import PartitionKey
 from streamrover.shard_service import acks as ackrules
 from streamrover.shard_service.api import (
     AckResult,
-    AlreadyExistsError,
-    DatasetSpec,
     FailedPreconditionError,
     InvalidArgumentError,
     LeaseGrant,
     LeaseStatus,
     NotFoundError,
-    PartitionPlan,
     ShardServiceError,
     ShardState,
 )
 from streamrover.shard_service.cuts import CutOps
-from streamrover.shard_service.planner import grid_cells_covered, plan_epoch
+from streamrover.shard_service.datasets import DatasetOps
+from streamrover.shard_service.planner import grid_cells_covered
 from streamrover.shard_service.records import DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.shard_service.streams import StreamOps
-from streamrover.sources.api import Partition, SourceKind
+from streamrover.sources.api import SourceKind
 
 # how many queued shards a lease looks past for one of a partition no other worker reads
 AFFINITY_SCAN = 64
@@ -70,51 +68,8 @@ class DatasetCounts:
     finished: bool
 
 
-class ShardCore(CutOps, StreamOps):
+class ShardCore(DatasetOps, CutOps, StreamOps):
     """The service's state machine over a :class:`Journal`."""
-
-    # ----------------------------------------------------------------- datasets
-    def register_dataset(
-        self, spec: DatasetSpec, kind: SourceKind, partitions: list[Partition], schema_json: str
-    ) -> tuple[DatasetRecord, bool]:
-        spec = spec.normalized()
-        existing = self.datasets.get(spec.name)
-        if existing is not None:
-            if existing.spec == spec:
-                return existing, False
-            raise AlreadyExistsError(
-                f"dataset {spec.name!r} is already registered with a different spec "
-                f"({existing.spec.uri!r}); choose another name"
-            )
-        if kind is SourceKind.STREAM and (spec.epochs > 1 or spec.shuffle):
-            raise InvalidArgumentError(
-                f"dataset {spec.name!r} is a stream: epochs and shuffle apply to batch data only"
-            )
-        if kind is SourceKind.BATCH:
-            plans = [PartitionPlan(i, p.id, p.start, p.end) for i, p in enumerate(partitions)]
-        else:  # a stream's planned extent starts empty; the first poll plans what is there
-            plans = [PartitionPlan(i, p.id, p.start, p.start) for i, p in enumerate(partitions)]
-        ds = DatasetRecord(spec, kind, plans, schema_json, epochs_planned=0)
-        self.datasets[ds.name] = ds
-        self._new_dataset_indexes(ds.name)
-        with self.journal.transaction():
-            self.journal.delete_runs_of(ds.name)  # left by a removed dataset of that name, if any
-            if kind is SourceKind.BATCH:
-                self._plan_next_epoch(ds)
-            else:
-                ds.epochs_planned = 1
-            self.journal.put_dataset(ds)
-            self._save_counters()
-        if kind is SourceKind.STREAM:
-            self.extend_stream(ds.name, partitions)
-        return ds, True
-
-    def _plan_next_epoch(self, ds: DatasetRecord) -> None:
-        epoch = ds.epochs_planned
-        ds.epochs_planned += 1
-        spec = ds.spec
-        self._add_planned(ds, plan_epoch(ds.partitions, epoch, ds.shard_size, spec.shuffle, spec.seed))
-        self.journal.put_dataset(ds)
 
     # ------------------------------------------------------------------ workers
     def join(self, name: str, worker_id: str = "") -> WorkerRecord:

@@ -165,6 +165,9 @@ class Journal:
         """Forget a dataset's runs (a new dataset of that name starts without)."""
         self._db.execute("DELETE FROM runs WHERE dataset = ?", (dataset,))
 
+    def delete_dataset(self, name: str) -> None:
+        self._db.execute("DELETE FROM datasets WHERE name = ?", (name,))
+
     # -- shards --------------------------------------------------------------
     def put_shard(self, s: ShardRecord) -> None:
         self._db.execute(

@@ -23,15 +23,14 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from streamrover.shard_service.streams import stream_option
+from streamrover.shard_service.journal import JournalWriteError
+from streamrover.shard_service.streams import stream_planning
 from streamrover.sources.api import Partition, Source, SourceError, SourceGoneError, open_source
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamrover.shard_service.server import ShardServicer
 
 log = logging.getLogger(__name__)
-DEFAULT_POLL_INTERVAL_MS = 100
-DEFAULT_MISSING_GRACE_MS = 120_000
 MAX_BACKOFF = 5.0
 
 
@@ -47,6 +46,7 @@ class StreamPoller:
     def __init__(self, servicer: ShardServicer, name: str) -> None:
         self.servicer = servicer
         self.name = name
+        stream_planning(servicer.core.dataset(name))  # options journalled by an older build: OptionError here
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._commit_lock = threading.Lock()
@@ -57,10 +57,15 @@ class StreamPoller:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Make the thread end at its next step (it plans nothing after this if called with the lock held)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=10)
+
+    def stop(self) -> None:
+        self.request_stop()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     def commit_later(self, positions: Mapping[str, int]) -> None:
         """Commit these positions upstream on the next round (after a cut was committed)."""
@@ -81,8 +86,8 @@ class StreamPoller:
             with self.servicer.cond:
                 ds = self.servicer.core.dataset(self.name)
                 spec = ds.spec
-                interval = stream_option(ds, "sr.poll_interval_ms", DEFAULT_POLL_INTERVAL_MS) / 1000.0
-                grace = stream_option(ds, "sr.missing_grace_ms", DEFAULT_MISSING_GRACE_MS) / 1000.0
+                planning = stream_planning(ds)
+                interval, grace = planning.poll_interval_ms / 1000.0, planning.missing_grace_ms / 1000.0
             backoff = 0.0
             while not self._stop.is_set():
                 try:
@@ -105,6 +110,8 @@ class StreamPoller:
                     wait = backoff
                 self._wake.wait(wait)
                 self._wake.clear()
+        except JournalWriteError as exc:  # not the dataset's fault: the master stops (fail-stop)
+            self.servicer.fail_stop(str(exc))
         except Exception as exc:  # whatever stops the poller fails its dataset, said in status
             log.exception("the poller of dataset %s stopped", self.name)
             self._fail(f"the master's poller of this dataset stopped: {type(exc).__name__}: {exc}")
@@ -116,6 +123,8 @@ class StreamPoller:
         polled = source.poll()
         core, cond = self.servicer.core, self.servicer.cond
         with cond:
+            if self._stop.is_set():  # removed (or resumed anew) while polling: plan nothing
+                return
             lost = core.check_upstream(self.name, polled)  # records deleted upstream, ends gone back
             if lost:
                 raise _DataLost(lost)

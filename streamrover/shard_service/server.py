@@ -36,6 +36,7 @@ from streamrover.sources.api import (
     open_source,
     validate_dataset_name,
 )
+from streamrover.sources.options import OptionError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,7 +100,12 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 self._start_poller(name)
 
     def _start_poller(self, name: str) -> None:
-        poller = StreamPoller(self, name)
+        try:
+            poller = StreamPoller(self, name)
+        except OptionError as exc:  # journalled before options were validated: fail it, serve the rest
+            log.error("dataset %s failed: %s", name, exc)
+            self.core.fail_dataset(name, f"invalid options: {exc}")
+            return
         self.pollers[name] = poller
         poller.start()
 
@@ -202,6 +208,19 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 kind = pb.DATASET_KIND_BATCH if ds.kind is SourceKind.BATCH else pb.DATASET_KIND_STREAM
                 return pb.DatasetInfo(spec=convert.spec_to_pb(ds.spec), kind=kind, schema_json=ds.schema_json)
             return self._info(ds)
+
+    @_rpc
+    def RemoveDataset(self, request: pb.RemoveDatasetRequest, context: Any) -> pb.RemoveDatasetResponse:
+        with self.cond:
+            revoked, removed = self.core.remove_dataset(request.name)
+            poller = self.pollers.pop(request.name, None)
+            if poller is not None:
+                poller.request_stop()  # under the lock: it plans nothing for the removed dataset after this
+            self.cond.notify_all()
+        if poller is not None:
+            poller.stop()
+        log.info("dataset %s removed (%d leases revoked, %d shards)", request.name, revoked, removed)
+        return pb.RemoveDatasetResponse(leases_revoked=revoked, shards_removed=removed)
 
     @_rpc
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: Any) -> pb.ListDatasetsResponse:

@@ -14,28 +14,18 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from streamrover.cursor import PartitionKey
-from streamrover.shard_service.api import FailedPreconditionError, InvalidArgumentError, PartitionPlan, ShardState
+from streamrover.shard_service.api import FailedPreconditionError, PartitionPlan, ShardState
 from streamrover.shard_service.planner import PlannedShard
 from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.upstream import UpstreamOps
 from streamrover.sources.api import Partition, SourceKind
+from streamrover.sources.options import StreamPlanning, planning_options
 from streamrover.sources.positions import RecordRuns
 
-DEFAULT_MAX_DELAY_MS = 500
-DEFAULT_MAX_PENDING_SHARDS = 64
 
-
-def stream_option(ds: DatasetRecord, key: str, default: int) -> int:
-    """The integer option ``key`` of a stream dataset (``default`` if unset); a bad value names the option."""
-    value = ds.spec.options.get(key)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidArgumentError(
-            f"dataset {ds.name!r}: option {key}={value!r} must be an integer (default {default})"
-        ) from None
+def stream_planning(ds: DatasetRecord) -> StreamPlanning:
+    """The dataset's planning options (``sr.max_delay_ms``...), typed; raises OptionError when they are bad."""
+    return planning_options(ds.spec.options)
 
 
 def full_shards(
@@ -73,8 +63,8 @@ class StreamOps(UpstreamOps):
             return 0
         now = self.clock()
         size = ds.shard_size
-        max_delay = stream_option(ds, "sr.max_delay_ms", DEFAULT_MAX_DELAY_MS) / 1000.0
-        max_pending = stream_option(ds, "sr.max_pending_shards", DEFAULT_MAX_PENDING_SHARDS)
+        planning = stream_planning(ds)
+        max_delay, max_pending = planning.max_delay_ms / 1000.0, planning.max_pending_shards
         known = ds.partition_by_id()
         changed = False
         for p in polled:

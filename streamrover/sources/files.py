@@ -36,6 +36,7 @@ from streamrover.sources.api import (
     SourceUnreadableError,
     register_source,
 )
+from streamrover.sources.options import FileOptions
 
 FORMATS_BY_SUFFIX = {
     ".parquet": "parquet",
@@ -80,6 +81,7 @@ class FileSource(Source):
     def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
         self.uri = uri
         self.options = dict(options or {})
+        self.parsed = FileOptions.parse(self.options)  # before the files are scanned
         self._fs, self._paths = self._resolve(uri)
         formats = {_format_of(p, format) for p in self._paths}
         if len(formats) > 1:
@@ -89,7 +91,7 @@ class FileSource(Source):
         self._by_id: dict[str, _FilePart] = {}
         self._schema: pa.Schema | None = None
         self._cache: OrderedDict[tuple[str, int | None], pa.Table] = OrderedDict()
-        self._cache_size = int(self.options.get("cache_partitions", "2"))
+        self._cache_size = self.parsed.cache_partitions
         self._files: dict[str, pq.ParquetFile] = {}
         self._metadata: dict[str, pq.FileMetaData] = {}  # footers parsed at open
         protocol = self._fs.protocol if isinstance(self._fs.protocol, str) else self._fs.protocol[0]

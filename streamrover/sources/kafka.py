@@ -63,6 +63,7 @@ from streamrover.sources.api import (
     SourceUnavailableError,
     register_source,
 )
+from streamrover.sources.options import KafkaOptions, client_options
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
 RAW_SCHEMA = pa.schema(
@@ -165,19 +166,15 @@ class KafkaSource(Source):
         opts = dict(options or {})
         self.uri = uri
         self.bootstrap, self.topic = parse_uri(uri)
-        self.sr = {k: v for k, v in opts.items() if k.startswith("sr.")}
-        self.rdkafka: dict[str, Any] = {k: v for k, v in opts.items() if not k.startswith("sr.")}
+        self.options = KafkaOptions.parse(opts, "Kafka", **{"sr.format": format})  # before any I/O
+        self.rdkafka: dict[str, Any] = client_options(opts)
         self.rdkafka.setdefault("bootstrap.servers", self.bootstrap)
         self.rdkafka.setdefault("group.id", f"streamrover-{self.topic}")
         self.read_committed = self.rdkafka.get("isolation.level", "read_committed") == "read_committed"
-        self.format = self.sr.get("sr.format", format or "raw")
-        if self.format not in ("raw", "json"):
-            raise SourceError(f"sr.format must be raw or json, got {self.format!r}")
-        self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.sr.get("sr.schema", ""))
-        topic = self.sr.get("sr.dead_letter_topic", "")
-        self._dead = (
-            _TopicDeadLetters(self.rdkafka, topic) if topic else DeadLetters(self.sr.get("sr.dead_letter_dir", ""))
-        )
+        self.format = self.options.format
+        self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.options.record_schema)
+        topic = self.options.dead_letter_topic
+        self._dead = _TopicDeadLetters(self.rdkafka, topic) if topic else DeadLetters(self.options.dead_letter_dir)
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
         self._resume: _Resume | None = None  # where the consumer is after a finished read
@@ -227,7 +224,7 @@ class KafkaSource(Source):
             raise SourceUnavailableError(f"cannot list offsets of {self.topic!r} at {self.bootstrap}: {exc}") from exc
 
     def _starts(self, numbers: list[int]) -> dict[int, int]:
-        start = self.sr.get("sr.start", "earliest")
+        start = self.options.start
         earliest = self._offsets(numbers, OffsetSpec.earliest())
         if start == "earliest":
             return earliest

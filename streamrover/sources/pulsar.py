@@ -75,12 +75,12 @@ from streamrover.sources.api import (
     Partition,
     ReadBatch,
     Source,
-    SourceError,
     SourceGoneError,
     SourceKind,
     SourceUnavailableError,
     register_source,
 )
+from streamrover.sources.options import PulsarOptions, client_options
 from streamrover.sources.pulsar_client import client_logger, parse_uri
 from streamrover.sources.pulsar_client import client_value as _client_value
 from streamrover.sources.pulsar_client import partition_index as _index
@@ -112,25 +112,19 @@ class PulsarSource(Source):
         self.uri = uri
         self.service_url, self.topic = parse_uri(uri)
         self.prefix = self.topic.rsplit("/", 1)[0] + "/"
-        self.sr = {k: v for k, v in opts.items() if k.startswith("sr.")}
-        self.client_options = {k: _client_value(v) for k, v in opts.items() if not k.startswith("sr.")}
+        o = self.options = PulsarOptions.parse(opts, "Pulsar", **{"sr.format": format})  # before any I/O
+        self.client_options = {k: _client_value(v) for k, v in client_options(opts).items()}
         self.client_options.setdefault("operation_timeout_seconds", 10)
-        self.subscription = self.sr.get("sr.subscription", f"streamrover-{self.topic.rsplit('/', 1)[1]}")
-        self.codec = PositionCodec(int(self.sr.get("sr.entry_bits", "24")))
-        self.read_timeout = int(self.sr.get("sr.read_timeout_ms", "60000")) / 1000.0
-        self.reopen_after = int(self.sr.get("sr.reopen_ms", "500")) / 1000.0
-        self.receiver_queue = int(self.sr.get("sr.receiver_queue_size", "1000"))
-        self.mode = self.sr.get("sr.partition_reads", "auto")
-        if self.mode not in ("auto", "direct", "routed"):
-            raise SourceError(f"sr.partition_reads must be auto, direct or routed, got {self.mode!r}")
-        self.start_mode = self.sr.get("sr.start", "earliest")
-        if self.start_mode not in ("earliest", "latest"):
-            raise SourceError(f"sr.start must be earliest or latest, got {self.start_mode!r}")
-        self.format = self.sr.get("sr.format", format or "raw")
-        if self.format not in ("raw", "json"):
-            raise SourceError(f"sr.format must be raw or json, got {self.format!r}")
-        self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.sr.get("sr.schema", ""))
-        self._dead = DeadLetters(self.sr.get("sr.dead_letter_dir", ""))
+        self.subscription = o.subscription or f"streamrover-{self.topic.rsplit('/', 1)[1]}"
+        self.codec = PositionCodec(o.entry_bits)
+        self.read_timeout = o.read_timeout_ms / 1000.0
+        self.reopen_after = o.reopen_ms / 1000.0
+        self.receiver_queue = o.receiver_queue_size
+        self.mode = o.partition_reads
+        self.start_mode = o.start
+        self.format = o.format
+        self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(o.record_schema)
+        self._dead = DeadLetters(o.dead_letter_dir)
         self._client: Any = None
         self._names: list[str] = []  # full topic names of the partitions, in partition order
         self._consumers: dict[str, Any] = {}  # direct: per partition; routed: "" -> one on the topic

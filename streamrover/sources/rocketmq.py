@@ -50,6 +50,7 @@ from streamrover.sources.api import (
     SourceUnavailableError,
     register_source,
 )
+from streamrover.sources.options import OptionError, RocketMQOptions, client_options
 from streamrover.sources.rocketmq_remoting import (
     SUBSCRIPTION_GROUP_NOT_EXIST,
     QueueRoute,
@@ -88,21 +89,17 @@ class RocketMQSource(Source):
         opts = dict(options or {})
         self.uri = uri
         self.namesrvs, self.topic = parse_uri(uri)
-        self.sr = {k: v for k, v in opts.items() if k.startswith("sr.")}
-        client = {k: v for k, v in opts.items() if not k.startswith("sr.")}
+        self.options = RocketMQOptions.parse(opts, "RocketMQ", **{"sr.format": format})  # before any I/O
+        client = client_options(opts)
         unknown = sorted(set(client) - set(CLIENT_OPTIONS))
         if unknown:
-            raise SourceError(f"unknown RocketMQ option(s) {unknown}; known: {', '.join(CLIENT_OPTIONS)} and sr.*")
+            raise OptionError(f"unknown RocketMQ option(s) {unknown}; known: {', '.join(CLIENT_OPTIONS)} and sr.*")
         self.group = client.get("consumerGroup", f"streamrover-{self.topic}")
-        self.start = self.sr.get("sr.start", "earliest")
-        if self.start not in ("earliest", "latest", "group"):
-            raise SourceError(f"sr.start must be earliest, latest or group, got {self.start!r}")
-        self.format = self.sr.get("sr.format", format or "raw")
-        if self.format not in ("raw", "json"):
-            raise SourceError(f"sr.format must be raw or json, got {self.format!r}")
-        self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.sr.get("sr.schema", ""))
-        self._dead = DeadLetters(self.sr.get("sr.dead_letter_dir", ""))
-        self.read_timeout = int(self.sr.get("sr.read_timeout_ms", DEFAULT_READ_TIMEOUT_MS)) / 1000.0
+        self.start = self.options.start
+        self.format = self.options.format
+        self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.options.record_schema)
+        self._dead = DeadLetters(self.options.dead_letter_dir)
+        self.read_timeout = self.options.read_timeout_ms / 1000.0
         self._remoting: RemotingClient | None = None
         self._routes: dict[str, QueueRoute] = {}
         self._starts: dict[str, int] = {}  # queue min offsets seen by poll(): only new queues need one

@@ -346,6 +346,43 @@ class ListDatasetsRequest(google.protobuf.message.Message):
 global___ListDatasetsRequest = ListDatasetsRequest
 
 @typing.final
+class RemoveDatasetRequest(google.protobuf.message.Message):
+    """Remove a dataset: its leases are revoked, its shards, cursor entries and journal rows deleted.
+    Acks of its shards are refused afterwards; the name can be registered again (a new dataset).
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: builtins.int
+    name: builtins.str
+    def __init__(
+        self,
+        *,
+        name: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["name", b"name"]) -> None: ...
+
+global___RemoveDatasetRequest = RemoveDatasetRequest
+
+@typing.final
+class RemoveDatasetResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    LEASES_REVOKED_FIELD_NUMBER: builtins.int
+    SHARDS_REMOVED_FIELD_NUMBER: builtins.int
+    leases_revoked: builtins.int
+    shards_removed: builtins.int
+    def __init__(
+        self,
+        *,
+        leases_revoked: builtins.int = ...,
+        shards_removed: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["leases_revoked", b"leases_revoked", "shards_removed", b"shards_removed"]) -> None: ...
+
+global___RemoveDatasetResponse = RemoveDatasetResponse
+
+@typing.final
 class ListDatasetsResponse(google.protobuf.message.Message):
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
@@ -1167,18 +1204,22 @@ class KvSetRequest(google.protobuf.message.Message):
     KEY_FIELD_NUMBER: builtins.int
     VALUE_FIELD_NUMBER: builtins.int
     EXPECTED_VERSION_FIELD_NUMBER: builtins.int
+    DELETE_FIELD_NUMBER: builtins.int
     key: builtins.str
     value: builtins.bytes
     expected_version: builtins.int
     """the version the caller read; 0 = the key must not exist yet"""
+    delete: builtins.bool
+    """remove the key (compare-and-delete) instead of writing value"""
     def __init__(
         self,
         *,
         key: builtins.str = ...,
         value: builtins.bytes = ...,
         expected_version: builtins.int = ...,
+        delete: builtins.bool = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["expected_version", b"expected_version", "key", b"key", "value", b"value"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["delete", b"delete", "expected_version", b"expected_version", "key", b"key", "value", b"value"]) -> None: ...
 
 global___KvSetRequest = KvSetRequest
 

@@ -54,6 +54,11 @@ class ShardServiceStub(object):
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetRequest.SerializeToString,
                 response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetResponse.FromString,
                 _registered_method=True)
+        self.RemoveDataset = channel.unary_unary(
+                '/streamrover.v1.ShardService/RemoveDataset',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.RemoveDatasetRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.RemoveDatasetResponse.FromString,
+                _registered_method=True)
         self.Join = channel.unary_unary(
                 '/streamrover.v1.ShardService/Join',
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.JoinRequest.SerializeToString,
@@ -143,6 +148,12 @@ class ShardServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ResumeDataset(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveDataset(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,6 +259,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.ResumeDataset,
                     request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetRequest.FromString,
                     response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetResponse.SerializeToString,
+            ),
+            'RemoveDataset': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveDataset,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.RemoveDatasetRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.RemoveDatasetResponse.SerializeToString,
             ),
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
@@ -423,6 +439,33 @@ class ShardService(object):
             '/streamrover.v1.ShardService/ResumeDataset',
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetRequest.SerializeToString,
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ResumeDatasetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveDataset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrover.v1.ShardService/RemoveDataset',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.RemoveDatasetRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.RemoveDatasetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,11 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetResponse,
     ]
 
+    RemoveDataset: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.RemoveDatasetRequest,
+        streamrover.shard_service.v1.shard_service_pb2.RemoveDatasetResponse,
+    ]
+
     Join: grpc.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.JoinRequest,
         streamrover.shard_service.v1.shard_service_pb2.JoinResponse,
@@ -134,6 +139,11 @@ class ShardServiceAsyncStub:
     ResumeDataset: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetRequest,
         streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetResponse,
+    ]
+
+    RemoveDataset: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.RemoveDatasetRequest,
+        streamrover.shard_service.v1.shard_service_pb2.RemoveDatasetResponse,
     ]
 
     Join: grpc.aio.UnaryUnaryMultiCallable[
@@ -229,6 +239,13 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.ResumeDatasetResponse]]: ...
+
+    @abc.abstractmethod
+    def RemoveDataset(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.RemoveDatasetRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.RemoveDatasetResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.RemoveDatasetResponse]]: ...
 
     @abc.abstractmethod
     def Join(
