@@ -26,6 +26,7 @@ from streamrover.shard_service.core import AckItem, ShardCore
 from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.records import DatasetRecord
+from streamrover.shard_service.statelock import StateDirLock
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import (
@@ -437,9 +438,14 @@ class MasterServer:
         if not token:
             raise InvalidArgumentError("the master needs an auth token")
         self.state_dir = Path(state_dir)
-        self.journal = Journal(self.state_dir / "journal.db", durability=durability)
-        self.core = ShardCore(self.journal, lease_ttl=lease_ttl)
-        self.servicer = ShardServicer(self.core)
+        self._lock = StateDirLock(self.state_dir)  # before the journal is opened: one master per state dir
+        try:
+            self.journal = Journal(self.state_dir / "journal.db", durability=durability)
+            self.core = ShardCore(self.journal, lease_ttl=lease_ttl)
+            self.servicer = ShardServicer(self.core)
+        except BaseException:
+            self._lock.release()
+            raise
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
             interceptors=[_TokenAuth(token)],
@@ -460,6 +466,7 @@ class MasterServer:
         self._server.stop(grace).wait()
         self.servicer.close()
         self.journal.close()
+        self._lock.release()
 
 
 def load_or_create_token(state_dir: Path) -> str:
