@@ -140,6 +140,9 @@ def _run_master(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     server.wait()
+    if server.fatal:  # fail-stop: a journal write failed
+        print(f"streamrover master stopped: {server.fatal}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 

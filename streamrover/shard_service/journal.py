@@ -59,6 +59,15 @@ class JournalError(Exception):
     """The journal cannot be opened or written (wrong version, disk full...)."""
 
 
+class JournalWriteError(JournalError):
+    """A write failed (disk full, I/O error): memory may now be ahead of the journal, so the master must stop.
+
+    Once one is raised the journal refuses every further transaction: nothing may be answered from
+    state that is not durable. A restarted master replays the journal, which holds exactly the
+    transactions that committed.
+    """
+
+
 class Journal:
     """Write-through storage of the core's records. Not thread-safe: the core serialises access."""
 
@@ -73,6 +82,7 @@ class Journal:
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
         self._depth = 0
+        self.failed = ""  # why a write failed (then every later transaction is refused)
         version = self.get_meta("schema_version")
         if version is None:
             self.put_meta("schema_version", str(SCHEMA_VERSION))
@@ -92,17 +102,30 @@ class Journal:
             finally:
                 self._depth -= 1
             return
+        if self.failed:
+            raise JournalWriteError(self.failed)
         self._depth = 1
-        self._db.execute("BEGIN IMMEDIATE")
         try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        else:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._rollback()
+                raise
             self._db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            self.failed = f"journal {self.path} write failed: {exc}"
+            raise JournalWriteError(self.failed) from exc
         finally:
             self._depth = 0
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:  # SQLite rolls back by itself after some errors (disk full)
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # the write already failed; the caller reports that
 
     # -- meta ----------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:

@@ -23,7 +23,7 @@ from streamrover.shard_service.api import (
     ShardServiceError,
 )
 from streamrover.shard_service.core import AckItem, ShardCore
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.journal import Journal, JournalWriteError
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.statelock import StateDirLock
@@ -49,17 +49,26 @@ def _rpc(method: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(method)
     def wrapper(self: ShardServicer, request: Any, context: grpc.ServicerContext) -> T:
+        error: tuple[grpc.StatusCode, str] | None = None
         try:
-            return method(self, request, context)
+            result = method(self, request, context)
+        except JournalWriteError as exc:
+            error = (grpc.StatusCode.UNAVAILABLE, str(exc))
         except ShardServiceError as exc:
-            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            error = (getattr(grpc.StatusCode, exc.code), str(exc))
         except SourceNotFoundError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            error = (grpc.StatusCode.NOT_FOUND, str(exc))
         except SourceUnavailableError as exc:  # a broker down or slow: clients retry UNAVAILABLE with backoff
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            error = (grpc.StatusCode.UNAVAILABLE, str(exc))
         except SourceError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        raise AssertionError("unreachable: context.abort raises")
+            error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        failed = self.core.journal.failed  # set under the lock: a call that ran after it saw memory ahead of it
+        if failed:
+            self.fail_stop(failed)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the master is stopping: {failed}")
+        if error is not None:
+            context.abort(*error)
+        return result
 
     return wrapper
 
@@ -88,9 +97,12 @@ class _KvMethods:
 class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     """Serialises every call on one condition variable around the :class:`ShardCore`."""
 
-    def __init__(self, core: ShardCore) -> None:
+    def __init__(self, core: ShardCore, on_fatal: Callable[[str], None] | None = None) -> None:
         self.core = core
         self.cond = threading.Condition()
+        self.fatal = ""  # why the service stopped answering (a journal write failed)
+        self._on_fatal = on_fatal
+        self._fatal_lock = threading.Lock()
         self._lease_waiters = 0  # LeaseShards calls waiting on cond for a shard (or END)
         self._closed = False
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
@@ -115,6 +127,20 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
         for name, poller in self.pollers.items():
             poller.commit_later(self.core.committed_positions(self.core.datasets[name]))
 
+    def fail_stop(self, reason: str) -> None:
+        """A journal write failed: answer nothing more (memory may be ahead of the journal) and stop the master."""
+        with self._fatal_lock:
+            if self.fatal:
+                return
+            self.fatal = reason
+        log.critical(
+            "%s: the master stops, as its memory may be ahead of its journal; fix the cause (free the disk) "
+            "and start it again: the journal is replayed, and every answered call is in it",
+            reason,
+        )
+        if self._on_fatal is not None:
+            threading.Thread(target=self._on_fatal, args=(reason,), name="fail-stop", daemon=True).start()
+
     def close(self) -> None:
         with self.cond:
             self._closed = True
@@ -130,8 +156,12 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 deadline = self.core.next_deadline()
                 timeout = None if deadline is None else max(deadline - self.core.clock(), 0.0) + 0.01
                 self.cond.wait(timeout)
-                if not self._closed and self.core.expire():
-                    self.cond.notify_all()
+                try:
+                    if not self._closed and self.core.expire():
+                        self.cond.notify_all()
+                except JournalWriteError as exc:
+                    self.fail_stop(str(exc))
+                    return
 
     # ----------------------------------------------------------------- datasets
     def _info(self, ds: DatasetRecord) -> pb.DatasetInfo:
@@ -438,11 +468,13 @@ class MasterServer:
         if not token:
             raise InvalidArgumentError("the master needs an auth token")
         self.state_dir = Path(state_dir)
+        self.fatal = ""  # set when a journal write failed and the master stopped itself
+        self._stopped = threading.Event()
         self._lock = StateDirLock(self.state_dir)  # before the journal is opened: one master per state dir
         try:
             self.journal = Journal(self.state_dir / "journal.db", durability=durability)
             self.core = ShardCore(self.journal, lease_ttl=lease_ttl)
-            self.servicer = ShardServicer(self.core)
+            self.servicer = ShardServicer(self.core, on_fatal=self._fail_stop)
         except BaseException:
             self._lock.release()
             raise
@@ -459,8 +491,16 @@ class MasterServer:
         self._server.start()
         log.info("shard service listening on %s (state in %s)", self.address, self.state_dir)
 
+    def _fail_stop(self, reason: str) -> None:
+        self.fatal = reason
+        self.stop(grace=0)
+        self._stopped.set()
+
     def wait(self) -> None:
+        """Until the server stops; after a fail-stop, until it has closed everything (then ``fatal`` says why)."""
         self._server.wait_for_termination()
+        if self.servicer.fatal:
+            self._stopped.wait(30)
 
     def stop(self, grace: float = 1.0) -> None:
         self._server.stop(grace).wait()
