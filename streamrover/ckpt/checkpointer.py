@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from streamrover.ckpt.wire import namespace_for, saver_address
 from streamrover.cursor import DataCursor
 
 log = logging.getLogger(__name__)
+MAX_RESULTS = 64  # persist reports kept between two wait() calls (see Checkpointer._results)
 
 
 class CheckpointFallbackWarning(UserWarning):
@@ -96,7 +98,10 @@ class Checkpointer:
         self._busy: set[int] = set()  # buffers the saver is reading
         self._want_persist = False
         self._newest: Snapshot | None = None
-        self._results: list[PersistResult] = []
+        # reports since the last wait(): the newest MAX_RESULTS, and the first MAX_RESULTS failures (never lost to
+        # newer successes), so a loop that saves and never waits keeps constant memory
+        self._results: deque[PersistResult] = deque(maxlen=MAX_RESULTS)
+        self._failures: list[PersistResult] = []
         self._lost: str | None = None
         self._pending: SnapshotWrite | None = None
 
@@ -239,6 +244,8 @@ class Checkpointer:
         with self._cond:
             self._busy.discard(index)
             self._results.extend(results)
+            self._failures.extend(r for r in results if not r.ok)
+            del self._failures[MAX_RESULTS:]
             self._dispatch_locked()
             self._cond.notify_all()
 
@@ -261,10 +268,11 @@ class Checkpointer:
             )
             if not done:
                 raise TimeoutError(f"persists still running after {timeout} s")
-            results, self._results = self._results, []
+            results, failed = list(self._results), self._failures
+            self._results.clear()
+            self._failures = []
             if self._lost is not None:
                 raise SaverError(self._lost)
-        failed = [r for r in results if not r.ok]
         if failed:
             raise SaverError("; ".join(f"step {r.step}: {r.error}" for r in failed))
         return results

@@ -9,7 +9,7 @@ attempts and what happened to the lease.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 from streamrover.cursor import DataCursor, PartitionKey
 from streamrover.shard_service.api import (
@@ -23,7 +23,7 @@ from streamrover.shard_service.records import DatasetRecord, ShardRecord
 from streamrover.sources.api import SourceKind
 
 
-def judge(s: ShardRecord, worker_id: str, attempt: int, position: int, revoked: set[str]) -> AckResult | None:
+def judge(s: ShardRecord, worker_id: str, attempt: int, position: int, revoked: Container[str]) -> AckResult | None:
     """None when the ack must be applied; an :class:`AckResult` for a harmless repeat; raises when refused."""
     if not s.start <= position <= s.end:
         raise InvalidArgumentError(

@@ -596,3 +596,9 @@ class ShardClient:
         """Compare-and-set; returns (written, current value, current version)."""
         resp = self._call(self._stub.KvSet, pb.KvSetRequest(key=key, value=value, expected_version=expected_version))
         return resp.ok, resp.value, resp.version
+
+    def kv_delete(self, key: str, expected_version: int) -> tuple[bool, bytes, int]:
+        """Compare-and-delete; returns (deleted, current value, current version) — (True, b"", 0) once gone."""
+        request = pb.KvSetRequest(key=key, expected_version=expected_version, delete=True)
+        resp = self._call(self._stub.KvSet, request)
+        return resp.ok, resp.value, resp.version

@@ -31,6 +31,7 @@ from streamrover.shard_service.cuts import CutOps
 from streamrover.shard_service.datasets import DatasetOps
 from streamrover.shard_service.planner import grid_cells_covered
 from streamrover.shard_service.records import DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.state import RATE_WINDOW
 from streamrover.shard_service.streams import StreamOps
 from streamrover.sources.api import SourceKind
 
@@ -281,8 +282,11 @@ class ShardCore(DatasetOps, CutOps, StreamOps):
         w.last_seen = self.clock()
         records = self.datasets[s.dataset].records_in(s.pindex, s.acked_to, position)
         w.records_acked += records
-        self.ack_log.append((w.last_seen, records))
-        s.acks.append((step, position))
+        self.ack_log.add(w.last_seen, records)
+        if s.acks and s.acks[-1][0] == step:  # a cut of any step sees only the last ack of each step:
+            s.acks[-1] = (step, position)  # progress acks of one step (or of none) keep one entry, not one each
+        else:
+            s.acks.append((step, position))
         s.acked_by[attempt] = position
         s.acked_to = position
         self.unfolded.add(s.id)
@@ -394,20 +398,23 @@ class ShardCore(DatasetOps, CutOps, StreamOps):
         """Records in the dataset's planned extents (a stream's grows as it is planned)."""
         return ds.planned_records()
 
-    def rates(self, window: float = 5.0) -> tuple[float, float]:
-        """(records acked per second, acks per second) over the last ``window`` seconds."""
+    def rates(self) -> tuple[float, float]:
+        """(records acked per second, acks per second) over the last few seconds (``state.RATE_WINDOW``)."""
         now = self.clock()
-        while self.ack_log and self.ack_log[0][0] < now - window:
-            self.ack_log.popleft()
-        span = min(window, max(now - self.started, 1e-3))
-        return sum(n for _, n in self.ack_log) / span, len(self.ack_log) / span
+        records, acks = self.ack_log.totals(now)
+        span = min(RATE_WINDOW, max(now - self.started, 1e-3))
+        return records / span, acks / span
 
     # ------------------------------------------------------------------ key-value
     def kv_get(self, key: str) -> tuple[bytes, int] | None:
         return self.journal.kv_get(key)
 
     def kv_set(self, key: str, value: bytes, expected_version: int) -> tuple[bool, bytes, int]:
-        """Compare-and-set: write ``value`` if the key is at ``expected_version`` (0: absent)."""
+        """Compare-and-set: write ``value`` if the key is at ``expected_version`` (0: absent).
+
+        A key created (again) starts above every version a deleted key ever had, so a writer
+        holding the version of a deleted key can never overwrite its successor.
+        """
         if not key:
             raise InvalidArgumentError("a key is required")
         with self.journal.transaction():
@@ -415,5 +422,21 @@ class ShardCore(DatasetOps, CutOps, StreamOps):
             version = current[1] if current else 0
             if version != expected_version:
                 return False, current[0] if current else b"", version
-            self.journal.kv_put(key, value, version + 1)
-        return True, value, version + 1
+            new = version + 1 if current else int(self.journal.get_meta("kv_version_floor") or 0) + 1
+            self.journal.kv_put(key, value, new)
+        return True, value, new
+
+    def kv_delete(self, key: str, expected_version: int) -> tuple[bool, bytes, int]:
+        """Compare-and-delete: remove the key if it is at ``expected_version``; no row (tombstone) stays."""
+        if not key:
+            raise InvalidArgumentError("a key is required")
+        with self.journal.transaction():
+            current = self.journal.kv_get(key)
+            version = current[1] if current else 0
+            if version != expected_version:
+                return False, current[0] if current else b"", version
+            if current:
+                self.journal.kv_delete(key)
+                floor = int(self.journal.get_meta("kv_version_floor") or 0)
+                self.journal.put_meta("kv_version_floor", str(max(floor, version)))
+        return True, b"", 0

@@ -295,3 +295,6 @@ class Journal:
 
     def kv_put(self, key: str, value: bytes, version: int) -> None:
         self._db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?)", (key, value, version))
+
+    def kv_delete(self, key: str) -> None:
+        self._db.execute("DELETE FROM kv WHERE key = ?", (key,))

@@ -90,7 +90,10 @@ class _KvMethods:
     @_rpc
     def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
         with self.cond:
-            ok, value, version = self.core.kv_set(request.key, request.value, request.expected_version)
+            if request.delete:
+                ok, value, version = self.core.kv_delete(request.key, request.expected_version)
+            else:
+                ok, value, version = self.core.kv_set(request.key, request.value, request.expected_version)
         return pb.KvSetResponse(ok=ok, value=value, version=version)
 
 

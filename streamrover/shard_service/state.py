@@ -3,15 +3,92 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from streamrover.cursor import DataCursor, PartitionKey
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, NotFoundError, ShardState, shard_id_for
 from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.planner import PlannedShard
 from streamrover.shard_service.records import CutRecord, DatasetRecord, ShardRecord, WorkerRecord
+
+# shard ids discarded by restores that an ack is told about precisely ("revoked by a restore"); older
+# ones get the generic refusal. Memory only (a restarted master remembers none): refusals either way.
+MAX_RESTORE_REVOKED = 65_536
+RATE_WINDOW = 5.0  # seconds of acks the rates in status cover
+RATE_BUCKET = 0.1  # seconds per bucket of the ack rates: their memory is RATE_WINDOW / RATE_BUCKET buckets
+
+
+class BoundedSet:
+    """A set that forgets its oldest members beyond a size (read at each add, so tests may lower it)."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._limit = limit
+        self._items: dict[str, None] = {}
+
+    def add(self, item: str) -> None:
+        self._items.pop(item, None)
+        self._items[item] = None
+        if len(self._items) > 2 * self._limit():  # adds come in bulk, removals after them: trim lazily
+            self._trim()
+
+    def _trim(self) -> None:
+        excess = len(self._items) - self._limit()
+        if excess > 0:
+            for old in list(itertools.islice(self._items, excess)):
+                del self._items[old]
+
+    def discard(self, item: str) -> None:
+        self._items.pop(item, None)
+
+    def difference_update(self, items: Iterable[str]) -> None:
+        for item in items:
+            self._items.pop(item, None)
+        self._trim()
+
+    def __isub__(self, items: Iterable[str]) -> BoundedSet:
+        self.difference_update(items)
+        return self
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+
+class AckRates:
+    """Records and acks of the last :data:`RATE_WINDOW` seconds, summed per :data:`RATE_BUCKET`: constant memory."""
+
+    def __init__(self) -> None:
+        self._buckets: deque[list[float]] = deque()  # [bucket number, records, acks], oldest first
+
+    def add(self, now: float, records: int) -> None:
+        key = now // RATE_BUCKET
+        if self._buckets and self._buckets[-1][0] == key:
+            self._buckets[-1][1] += records
+            self._buckets[-1][2] += 1
+        else:
+            self._buckets.append([key, float(records), 1.0])
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        oldest = (now - RATE_WINDOW) // RATE_BUCKET
+        while self._buckets and self._buckets[0][0] < oldest:
+            self._buckets.popleft()
+
+    def totals(self, now: float) -> tuple[float, float]:
+        """(records, acks) in the window that ends ``now``."""
+        self._trim(now)
+        return sum(b[1] for b in self._buckets), sum(b[2] for b in self._buckets)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
 
 class CoreState:
@@ -39,8 +116,8 @@ class CoreState:
         self.cuts: dict[int, CutRecord] = {}
         self.forgotten_cuts: dict[int, str] = {}  # recently forgotten uncommitted cuts -> why (memory only, bounded)
         self.cut_commit_error = ""  # the last refused cut commit since the last successful one, and why
-        self.restore_revoked: set[str] = set()
-        self.ack_log: deque[tuple[float, int]] = deque()
+        self.restore_revoked = BoundedSet(lambda: MAX_RESTORE_REVOKED)
+        self.ack_log = AckRates()
         self.available: dict[tuple[str, int], int] = {}  # streams: (dataset, partition index) -> end at last poll
         self.pending_since: dict[tuple[str, int], float] = {}  # streams: since when unplanned records wait
         self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)

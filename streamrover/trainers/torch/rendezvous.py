@@ -36,7 +36,7 @@ from streamrover.trainers.torch import env
 
 BACKEND_NAME = "streamrover"
 _PRESENT = b"\x01"
-_DELETED = b"\x00"
+_DELETED = b"\x00"  # how older builds marked a deleted key (read as absent)
 
 
 def _kv_error(exc: ShardServiceError) -> RendezvousConnectionError:
@@ -103,9 +103,12 @@ class MasterStore(Store):
         return (value[1:] if value[:1] == _PRESENT else None), version
 
     def _cas(self, key: str, value: bytes | None, version: int) -> tuple[bool, bytes | None, int]:
-        raw = _DELETED if value is None else _PRESENT + value
+        """Compare-and-set ``value``; None deletes the key (no tombstone row stays in the master's journal)."""
         try:
-            ok, current, now = self._client.kv_set(self._key(key), raw, version)
+            if value is None:
+                ok, current, now = self._client.kv_delete(self._key(key), version)
+            else:
+                ok, current, now = self._client.kv_set(self._key(key), _PRESENT + value, version)
         except ShardServiceError as exc:
             raise _kv_error(exc) from exc
         return ok, (current[1:] if current[:1] == _PRESENT else None), now

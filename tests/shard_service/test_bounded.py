@@ -1,0 +1,86 @@
+"""Nothing the master keeps grows without bound (issue 15, item 10): ack rates, restore bookkeeping, KV tombstones."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from streamrover.shard_service import ShardClient
+from streamrover.shard_service import state as core_state
+from streamrover.shard_service.api import DatasetSpec
+from streamrover.shard_service.core import ShardCore
+from streamrover.shard_service.journal import Journal
+from streamrover.sources.api import Partition, SourceKind
+from streamrover.testing.procs import MasterProcess
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _core(path: Path, clock: Clock, size: int = 100_000, end: int = 100_000) -> ShardCore:
+    core = ShardCore(Journal(path / "j.db"), lease_ttl=1e6, clock=clock)
+    spec = DatasetSpec("d", "mem://", records_per_shard=size)
+    core.register_dataset(spec, SourceKind.BATCH, [Partition("p0", 0, end)], "[]")
+    return core
+
+
+def test_ack_rates_keep_constant_memory_without_status_calls(tmp_path: Path) -> None:
+    clock = Clock()
+    core = _core(tmp_path, clock)
+    w = core.join("w").id
+    (grant,) = core.lease(w, "d").leases
+    for position in range(1, 5001):  # 5,000 acks over 50 s, nobody asks for status
+        clock.now += 0.01
+        core.ack(w, grant.shard_id, grant.attempt, position)
+    assert len(core.ack_log) <= 64, f"the ack log holds {len(core.ack_log)} entries after 5,000 acks"
+    acks = core.shards[grant.shard_id].acks  # journalled with the shard at every ack: one entry per step
+    assert acks == [(None, 5000)], f"{len(acks)} ack entries kept for one shard"
+    records_per_second, acks_per_second = core.rates()
+    assert records_per_second == pytest.approx(100, rel=0.05) and acks_per_second == pytest.approx(100, rel=0.05)
+    clock.now += 60  # idle: the rates fall to zero
+    assert core.rates() == (0.0, 0.0)
+
+
+def test_restore_bookkeeping_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core_state, "MAX_RESTORE_REVOKED", 50, raising=False)
+    clock = Clock()
+    core = _core(tmp_path, clock, size=1000, end=5000)
+    w = core.join("w").id
+    for i in range(120):  # each restore discards a shard id that is never planned again
+        (grant,) = core.lease(w, "d").leases
+        core.ack(w, grant.shard_id, grant.attempt, grant.start + 1)
+        cut = core.cut_prepare()
+        core.cut_commit(cut.id)
+        core.restore(cut_id=cut.id)
+        assert grant.shard_id in core.restore_revoked, i  # the newest are remembered (precise ack errors)
+    assert len(core.restore_revoked) <= 50, f"{len(core.restore_revoked)} revoked shard ids remembered"
+
+
+def test_deleted_kv_keys_leave_no_rows_and_versions_are_never_reused(master: MasterProcess) -> None:
+    from streamrover.trainers.torch.rendezvous import MasterStore
+
+    client = ShardClient(master.address, token=master.token, heartbeat=False)
+    store = MasterStore(client, "rdzv/job/store")
+    for i in range(200):
+        store.set(f"k{i}", b"v")
+        assert store.delete_key(f"k{i}")
+    assert not store.check(["k0"])
+    db = sqlite3.connect(f"file:{master.state_dir / 'journal.db'}?mode=ro", uri=True)
+    rows = db.execute("SELECT COUNT(*) FROM kv").fetchone()[0]
+    db.close()
+    assert rows == 0, f"{rows} key-value rows left after every key was deleted"
+
+    assert client.kv_set("again", b"1", 0)[:2] == (True, b"1")
+    _, _, first = client.kv_set("again", b"2", client.kv_get("again")[1])  # type: ignore[index]
+    assert client.kv_delete("again", first) == (True, b"", 0)
+    ok, _, reborn = client.kv_set("again", b"3", 0)
+    assert ok and reborn > first, "a key created again must not reuse an old version (a stale CAS would win)"
+    assert client.kv_set("again", b"stale", first)[0] is False
+    client.close()
