@@ -90,6 +90,9 @@ class DatasetOps(StreamOps):
             if name in self.committed.datasets():
                 self.committed = without_dataset(self.committed, name)
                 self.journal.put_cursor(self.committed)
+            if name in self.durable.datasets():
+                self.durable = without_dataset(self.durable, name)
+                self.journal.put_meta("durable_cursor", self.durable.to_json())
             for cut in self.cuts.values():  # a cut committed later must not bring the dataset back
                 if name in cut.cursor.datasets():
                     cut.cursor = without_dataset(cut.cursor, name)

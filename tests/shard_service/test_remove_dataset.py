@@ -33,6 +33,7 @@ def test_remove_revokes_leases_forgets_shards_and_survives_a_restart(tmp_path: P
     assert (removed.leases_revoked, removed.shards_removed) == (1, 11)
     assert [d.spec.name for d in admin.list_datasets()] == ["other"]
     assert admin.get_cursor()[0].datasets() == [], "the committed cursor must forget the removed dataset"
+    assert admin.status().last_committed_cut > 0
     held = leases[1].lease
     with pytest.raises(NotFoundError):
         worker.ack(held, held.end, wait=True)
