@@ -63,7 +63,7 @@ from streamrover.sources.api import (
     SourceUnavailableError,
     register_source,
 )
-from streamrover.sources.options import KafkaOptions, client_options
+from streamrover.sources.options import KafkaOptions, OptionError, client_options
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
 RAW_SCHEMA = pa.schema(
@@ -158,6 +158,16 @@ def parse_uri(uri: str) -> tuple[str, str]:
     return bootstrap, topic
 
 
+def _check_client_options(conf: Mapping[str, Any]) -> None:
+    """librdkafka checks setting names and values when a client is made: make one that connects nowhere."""
+    probe = {k: v for k, v in conf.items() if k != "bootstrap.servers"}
+    try:
+        Consumer({**probe, "log_level": 0}).close()
+    except KafkaException as exc:
+        raise OptionError(f"Kafka client option refused: {exc.args[0].str()} (options other than sr.* are "
+                          "librdkafka configuration, see its CONFIGURATION.md)") from None  # fmt: skip
+
+
 class KafkaSource(Source):
     kind = SourceKind.STREAM
     dense_positions = False
@@ -170,6 +180,7 @@ class KafkaSource(Source):
         self.rdkafka: dict[str, Any] = client_options(opts)
         self.rdkafka.setdefault("bootstrap.servers", self.bootstrap)
         self.rdkafka.setdefault("group.id", f"streamrover-{self.topic}")
+        _check_client_options(self.rdkafka)
         self.read_committed = self.rdkafka.get("isolation.level", "read_committed") == "read_committed"
         self.format = self.options.format
         self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.options.record_schema)

@@ -63,6 +63,7 @@ standalone with 50-entry ledgers (tests/sources/test_pulsar_rollover.py: a parti
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -80,7 +81,7 @@ from streamrover.sources.api import (
     SourceUnavailableError,
     register_source,
 )
-from streamrover.sources.options import PulsarOptions, client_options
+from streamrover.sources.options import OptionError, PulsarOptions, client_options
 from streamrover.sources.pulsar_client import client_logger, parse_uri
 from streamrover.sources.pulsar_client import client_value as _client_value
 from streamrover.sources.pulsar_client import partition_index as _index
@@ -115,6 +116,11 @@ class PulsarSource(Source):
         o = self.options = PulsarOptions.parse(opts, "Pulsar", **{"sr.format": format})  # before any I/O
         self.client_options = {k: _client_value(v) for k, v in client_options(opts).items()}
         self.client_options.setdefault("operation_timeout_seconds", 10)
+        allowed = set(inspect.signature(pulsar.Client).parameters) - {"service_url", "logger"}  # those are ours
+        unknown = sorted(set(self.client_options) - allowed)
+        if unknown:
+            raise OptionError(f"unknown Pulsar client option(s) {unknown}: options other than sr.* are pulsar.Client "
+                              "arguments (operation_timeout_seconds, io_threads, ...)")  # fmt: skip
         self.subscription = o.subscription or f"streamrover-{self.topic.rsplit('/', 1)[1]}"
         self.codec = PositionCodec(o.entry_bits)
         self.read_timeout = o.read_timeout_ms / 1000.0

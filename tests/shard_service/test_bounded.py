@@ -68,7 +68,7 @@ def test_deleted_kv_keys_leave_no_rows_and_versions_are_never_reused(master: Mas
 
     client = ShardClient(master.address, token=master.token, heartbeat=False)
     store = MasterStore(client, "rdzv/job/store")
-    for i in range(200):
+    for i in range(50):
         store.set(f"k{i}", b"v")
         assert store.delete_key(f"k{i}")
     assert not store.check(["k0"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,15 @@ NO_BROKER = {
 }
 
 
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
+    """One master for the module: a refused dataset leaves nothing behind (each test checks that)."""
+    with MasterProcess(tmp_path_factory.mktemp("options") / "master") as m:
+        yield m
+
+
 @pytest.fixture
-def client(master: MasterProcess) -> ShardClient:
+def client(master: MasterProcess) -> Iterator[ShardClient]:
     c = ShardClient(master.address, token=master.token, heartbeat=False, timeout=30)
     yield c
     c.close()
@@ -62,6 +70,15 @@ def test_an_unknown_sr_option_is_refused(client: ShardClient, scheme: str) -> No
     message = str(err.value)
     assert "sr.max_dealy_ms" in message and "sr.max_delay_ms" in message, message  # names it and what is known
     assert client.list_datasets() == []
+
+
+@pytest.mark.parametrize(("scheme", "key"), [("kafka", "fetch.wait.max.ms"), ("kafka", "no.such.setting"),
+                                             ("pulsar", "no_such_argument")])  # fmt: skip
+def test_a_bad_client_option_is_refused_before_the_broker_is_contacted(
+    client: ShardClient, scheme: str, key: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=key):
+        client.register_dataset(DatasetSpec("x", NO_BROKER[scheme], options={key: "abc"}))
 
 
 def test_file_datasets_refuse_stream_options(tmp_path: Path, client: ShardClient) -> None:
