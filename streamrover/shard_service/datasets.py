@@ -103,7 +103,7 @@ class DatasetOps(StreamOps):
             index.pop(name, None)
         for key in [k for k in self.tails if k[1] == name]:
             del self.tails[key]
-        for keyed in (self.available, self.pending_since, self.segments):
+        for keyed in (self.available, self.pending_since):
             for pkey in [k for k in keyed if k[0] == name]:
                 del keyed[pkey]
         self.source_errors.pop(name, None)
