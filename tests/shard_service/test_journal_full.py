@@ -88,6 +88,7 @@ def test_a_failed_journal_write_stops_the_master_and_a_restart_replays_the_journ
 
     (small_fs / "filler").unlink()
     master.start()  # replays the journal: exactly the acks that were answered
+    admin.timeout = worker.timeout = 60.0  # the channels reconnect with backoff: give them time on a busy machine
     assert admin.get_cursor()[1].size() == answered
     assert worker.ack(lease, failed_at, wait=True).duplicate is False
     worker.close()
