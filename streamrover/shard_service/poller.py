@@ -46,7 +46,6 @@ class StreamPoller:
     def __init__(self, servicer: ShardServicer, name: str) -> None:
         self.servicer = servicer
         self.name = name
-        stream_planning(servicer.core.dataset(name))  # options journalled by an older build: OptionError here
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._commit_lock = threading.Lock()

@@ -37,7 +37,6 @@ from streamrover.sources.api import (
     open_source,
     validate_dataset_name,
 )
-from streamrover.sources.options import OptionError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -116,12 +115,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 self._start_poller(name)
 
     def _start_poller(self, name: str) -> None:
-        try:
-            poller = StreamPoller(self, name)
-        except OptionError as exc:  # journalled before options were validated: fail it, serve the rest
-            log.error("dataset %s failed: %s", name, exc)
-            self.core.fail_dataset(name, f"invalid options: {exc}")
-            return
+        poller = StreamPoller(self, name)  # options journalled by an older build fail the dataset in its thread
         self.pollers[name] = poller
         poller.start()
 
