@@ -48,6 +48,7 @@ def _fill(path: Path) -> None:
                 break
 
 
+@pytest.mark.slow
 def test_a_failed_journal_write_stops_the_master_and_a_restart_replays_the_journal(
     tmp_path: Path, small_fs: Path
 ) -> None:
