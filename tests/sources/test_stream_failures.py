@@ -91,9 +91,12 @@ def test_a_poller_that_raises_fails_its_dataset_and_the_master_still_starts(tmp_
     journal = Journal(state / "journal.db")
     core = ShardCore(journal)
     parts = [Partition(f"{topic}-0", 0, 0)]
-    # raises when its poller starts (master start) ...
-    core.register_dataset(DatasetSpec("at-start", uri, options={"sr.poll_interval_ms": "abc"}), SourceKind.STREAM,
-                          parts, "[]")  # fmt: skip
+    # raises when its poller starts (master start) ... (options are validated at registration now: written as
+    # an older build would have journalled them)
+    early, _ = core.register_dataset(DatasetSpec("at-start", uri), SourceKind.STREAM, parts, "[]")
+    early.spec = replace(early.spec, options={"sr.poll_interval_ms": "abc"})
+    with journal.transaction():
+        journal.put_dataset(early)
     # ... and when its poller plans the first records it polled (mid-run)
     ds, _ = core.register_dataset(DatasetSpec("mid-run", uri), SourceKind.STREAM, parts, "[]")
     ds.spec = replace(ds.spec, options={"sr.max_delay_ms": "soon"})
