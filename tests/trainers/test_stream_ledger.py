@@ -49,9 +49,7 @@ _TOPICS: dict[str, Callable[[Any], BrokerTopic]] = {
     "pulsar": PulsarTopic,
     "rocketmq": RocketMQTopic,
 }
-# RocketMQ runs when a broker restart no longer fails the dataset (issue 15 item 11): today the name server answers
-# "topic does not exist" until the restarted broker re-registers its routes, and the master fails the dataset for good.
-_RUN = ["kafka", "pulsar"]
+_RUN = ["kafka", "pulsar", "rocketmq"]
 
 
 @pytest.fixture(params=_RUN)
