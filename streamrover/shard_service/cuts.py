@@ -133,15 +133,24 @@ class CutOps(CoreState):
             self.last_committed_cut = cut_id
             self.committed = cut.cursor.copy()
             self.journal.put_cursor(self.committed)
-            self._set_durable(self.committed)
+            self._set_durable(self.committed, previous=self.durable)
             self._fold_committed()
             self._forget_cuts(keep_after=cut_id)
             self._save_counters()
         return self.committed.copy()
 
-    def _set_durable(self, cursor: DataCursor) -> None:
+    def _set_durable(self, cursor: DataCursor, previous: DataCursor | None = None) -> None:
+        """``cursor`` is the newest durable checkpoint's; ``previous`` the one before it (None: ``cursor`` was
+        just loaded whole from storage, so it is both).
+
+        The upstream limit is the previous durable checkpoint's cursor: upstream commits lag durable storage by
+        one checkpoint, so a fallback from a corrupt newest checkpoint to the one before it (which retention
+        keeps: ``RetentionPolicy.keep_last`` >= 2) never needs records a broker may have deleted.
+        """
         self.durable = cursor.copy()
+        self.upstream = (cursor if previous is None else previous).copy()
         self.journal.put_meta("durable_cursor", self.durable.to_json())
+        self.journal.put_meta("upstream_cursor", self.upstream.to_json())
 
     def persisting_cuts(self) -> int:
         """Prepared cuts whose checkpoints are being persisted."""

@@ -136,6 +136,8 @@ class CoreState:
         self._load()
         durable = journal.get_meta("durable_cursor")  # the newest checkpoint storage holds: the upstream limit
         self.durable = DataCursor.from_json(durable) if durable else self.committed.copy()
+        upstream = journal.get_meta("upstream_cursor")  # the durable checkpoint before it: what upstream may hold
+        self.upstream = DataCursor.from_json(upstream) if upstream else self.durable.copy()
 
     # ------------------------------------------------------------------ loading
     def _load(self) -> None:

@@ -149,7 +149,13 @@ class StreamOps(UpstreamOps):
 
     def committed_positions(self, ds: DatasetRecord) -> dict[str, int]:
         """Per partition id: the end of the committed run from the partition's start (what to commit upstream),
-        never beyond the newest durable checkpoint's cursor (a restore from shared memory commits nothing more).
+        never beyond the *previous* durable checkpoint's cursor: upstream commits lag durable storage by one
+        checkpoint, for every broker. When cut K commits, the broker is committed up to checkpoint K-1's cursor
+        (which retention keeps), so a fallback from a corrupt K to K-1 never needs records the broker may have
+        deleted (Pulsar's commit is a cumulative ack that cannot be undone). A restore from shared memory does
+        not move the limit; a restore from storage sets it to the loaded cursor (just read whole). The broker
+        reaches a run's final cursor once two durable checkpoints hold it (a second checkpoint taken after the
+        last record's, with nothing new acked in between).
 
         Positions accounted as lost count as done: they were deleted upstream and are never read.
         """
@@ -158,7 +164,7 @@ class StreamOps(UpstreamOps):
             key = PartitionKey(ds.name, 0, plan.id)
             lost = self.lost.get_lost(key)
             ends = []
-            for cursor in (self.committed, self.durable):
+            for cursor in (self.committed, self.durable, self.upstream):
                 done = cursor.get(key)
                 done.update(lost)
                 ends.append(done.prefix_end(plan.start))

@@ -1,10 +1,13 @@
 """Upstream commits never run ahead of durable storage (a real master and a real Kafka-protocol broker).
 
-Checkpoint 1 is persisted (its cut commits the group offset to 100); the trainer goes on and takes a
-memory-only snapshot at step 2 (offset 200), then restarts on the same node and restores that snapshot
-from shared memory. The broker's committed offset must stay at checkpoint 1's: storage cannot restore
-step 2, and a broker may delete (Pulsar) or age out (Kafka retention) what is committed; also after the
-master is SIGKILLed and restarted. A durable checkpoint taken afterwards moves it on.
+Upstream commits lag durable storage by one checkpoint: when checkpoint K's cut commits, the broker is
+committed to checkpoint K-1's cursor, so a fallback from a corrupt K to K-1 finds every record after K-1
+still uncommitted upstream (Pulsar's commit is a cumulative ack that lets the broker delete data).
+
+Checkpoints 1 and 2 are persisted (the group offset goes to 100); the trainer goes on and takes a
+memory-only snapshot at step 3 (offset 300), then restarts on the same node and restores that snapshot
+from shared memory. The broker's committed offset must not move: storage cannot restore step 3, also
+after the master is SIGKILLed and restarted. Durable checkpoints taken afterwards move it on.
 """
 
 from __future__ import annotations
@@ -96,36 +99,44 @@ def test_a_restore_from_shared_memory_commits_nothing_upstream_beyond_storage(
     client, topic = _stream(master, tansu_broker)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), binder=client, saver="thread")
     try:
-        assert _ack_one_shard(client, step=1) == 100
-        ckpt.save(1, {"w": np.full(4, 1.0)})
-        ckpt.wait(timeout=60)
+        for step in (1, 2):  # upstream lags durable storage by one checkpoint: 2's commit takes it to 1's
+            assert _ack_one_shard(client, step=step) == 100 * step
+            ckpt.save(step, {"w": np.full(4, float(step))})
+            ckpt.wait(timeout=60)
         wait_until(lambda: _group_offset(tansu_broker, topic) == 100, 60, "checkpoint 1's offset upstream")
 
-        assert _ack_one_shard(client, step=2) == 200
-        ckpt.save(2, {"w": np.full(4, 2.0)}, persist=False)  # in shared memory only
+        assert _ack_one_shard(client, step=3) == 300
+        ckpt.save(3, {"w": np.full(4, 3.0)}, persist=False)  # in shared memory only
         loaded = ckpt.load()  # the trainer restarts on this node: the memory snapshot is the newest
-        assert loaded.source == Source.MEMORY and loaded.step == 2
-        assert client.get_cursor()[0].size() == 200, "the master resumes from the memory snapshot's cursor"
+        assert loaded.source == Source.MEMORY and loaded.step == 3
+        assert client.get_cursor()[0].size() == 300, "the master resumes from the memory snapshot's cursor"
         next_id = _poller_rounds_done(client, tansu_broker, topic, 300)
         assert _group_offset(tansu_broker, topic) == 100, "committed upstream beyond what storage can restore"
-        master.restart()  # SIGKILL: the durable limit is in the journal, not only in memory
+        master.restart()  # SIGKILL: the upstream limit is in the journal, not only in memory
         client.commit_cut(client.status().last_committed_cut)  # a repeated commit: hands positions to the poller
         next_id = _poller_rounds_done(client, tansu_broker, topic, next_id)
         assert _group_offset(tansu_broker, topic) == 100, "after a master restart, upstream ran ahead of storage"
 
-        assert _ack_one_shard(client, step=3) == 300
-        ckpt.save(3, {"w": np.full(4, 3.0)})
+        ckpt.save(4, {"w": np.full(4, 4.0)})  # durable, cursor 300: upstream moves to checkpoint 2's
+        ckpt.wait(timeout=60)
+        next_id = _poller_rounds_done(client, tansu_broker, topic, next_id)
+        assert _group_offset(tansu_broker, topic) == 200, "upstream is at the previous durable checkpoint's"
+        ckpt.save(5, {"w": np.full(4, 4.0)})  # a second durable checkpoint of the same cursor: the run's end
         ckpt.wait(timeout=60)
         _poller_rounds_done(client, tansu_broker, topic, next_id)
-        assert _group_offset(tansu_broker, topic) == 300, "a durable checkpoint moves the upstream offset on"
+        assert _group_offset(tansu_broker, topic) == 300, "two durable checkpoints of a cursor commit it upstream"
     finally:
         ckpt.close(unlink=True)
         client.close()
 
 
-def test_a_fallback_from_a_corrupt_checkpoint_takes_the_upstream_offset_back(
+def test_a_fallback_from_a_corrupt_checkpoint_finds_its_records_still_uncommitted_upstream(
     tmp_path: Path, master: MasterProcess, tansu_broker: Any
 ) -> None:
+    """Checkpoint 2's cut commits; the broker is committed only to checkpoint 1's cursor (upstream commits lag
+    durable storage by one checkpoint). Checkpoint 2 then rots on storage and the trainer falls back to 1:
+    every record in (100, 200] was never committed upstream, so a Pulsar broker (whose commit is a
+    cumulative ack that lets it delete data, and cannot go back) still holds them."""
     client, topic = _stream(master, tansu_broker)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), binder=client, saver="thread")
     try:
@@ -133,14 +144,16 @@ def test_a_fallback_from_a_corrupt_checkpoint_takes_the_upstream_offset_back(
             _ack_one_shard(client, step)
             ckpt.save(step, {"w": np.full(4, float(step))})
             ckpt.wait(timeout=60)
-        wait_until(lambda: _group_offset(tansu_broker, topic) == 200, 60, "checkpoint 2's offset upstream")
+        assert client.status().last_committed_cut, "checkpoint 2's cut committed"
+        next_id = _poller_rounds_done(client, tansu_broker, topic, 300)
+        assert _group_offset(tansu_broker, topic) == 100, "upstream commit ran ahead of the previous checkpoint"
         tensors = Path(ckpt.storage.join(step_dir(2), part_names(0)[0]))
         tensors.write_bytes(b"\0" * tensors.stat().st_size)  # checkpoint 2 rots on storage
         with pytest.warns(CheckpointFallbackWarning):
             loaded = ckpt.load(memory=False)  # a new node: storage only, and checkpoint 2 is unreadable
-        assert loaded.step == 1
-        _poller_rounds_done(client, tansu_broker, topic, 300)
-        assert _group_offset(tansu_broker, topic) == 100, "the group offset is back at checkpoint 1's"
+        assert loaded.step == 1 and client.get_cursor()[0].size() == 100
+        _poller_rounds_done(client, tansu_broker, topic, next_id)
+        assert _group_offset(tansu_broker, topic) == 100, "the records after checkpoint 1 are uncommitted upstream"
     finally:
         ckpt.close(unlink=True)
         client.close()

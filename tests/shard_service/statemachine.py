@@ -100,6 +100,7 @@ class ShardServiceMachine(RuleBasedStateMachine):
         self.snapshots: dict[int, Model] = {}
         self.committed_model: Model = {}  # the snapshot the committed cursor stands for
         self.durable_model: Model = {}  # the newest snapshot storage holds (a memory restore keeps it)
+        self.upstream_model: Model = {}  # the durable snapshot before it: upstream commits lag storage by one
         self.committed_cuts: list[int] = []
         self.prepared: list[int] = []  # memory snapshots: prepared, not committed
         self.stream_ends: dict[str, int] = {}  # what the stream's source holds (its partitions' ends)
@@ -329,6 +330,7 @@ class ShardServiceMachine(RuleBasedStateMachine):
             assert (self.committed_cuts and cut_id < max(self.committed_cuts)) or cut_id not in self.core.cuts
             return
         self.committed_cuts.append(cut_id)
+        self.upstream_model = self.durable_model
         self.committed_model = self.durable_model = self.snapshots[cut_id]
         # memory snapshots older than a durable checkpoint are never restored (the newest state wins)
         self.prepared = [c for c in self.prepared if c >= cut_id]
@@ -360,7 +362,7 @@ class ShardServiceMachine(RuleBasedStateMachine):
         self.applied = dict(snapshot)
         self.committed_model = dict(snapshot)
         if not memory:  # storage holds this checkpoint: the broker may be told about it
-            self.durable_model = dict(snapshot)
+            self.durable_model = self.upstream_model = dict(snapshot)  # just loaded whole from storage
         self.old.extend(self.held)
         self.held = []
         self.prepared = []
@@ -396,14 +398,18 @@ class ShardServiceMachine(RuleBasedStateMachine):
 
     @invariant()
     def upstream_commits_never_ahead_of_storage(self) -> None:
-        """What the broker is told is committed stays inside the newest checkpoint storage can restore."""
-        durable = cursor_of(self.durable_model)
+        """What the broker is told is committed stays inside the durable checkpoint before the newest (so a
+        fallback from a corrupt newest checkpoint finds its records still upstream), and reaches it."""
+        upstream = cursor_of(self.upstream_model)
+        committed = cursor_of(self.committed_model)
         for ds in DATASETS:
             if ds in self.core.datasets and self.core.datasets[ds].kind is SourceKind.STREAM:
                 plans = {p.id: p for p in self.core.datasets[ds].partitions}
                 for pid, end in self.core.committed_positions(self.core.datasets[ds]).items():
-                    limit = durable.get(PartitionKey(ds, 0, pid)).prefix_end(plans[pid].start)
-                    assert end <= limit, f"{ds}/{pid}: upstream commit {end} beyond the durable checkpoint's {limit}"
+                    key, start = PartitionKey(ds, 0, pid), plans[pid].start
+                    limit = upstream.get(key).prefix_end(start)
+                    assert end <= limit, f"{ds}/{pid}: upstream commit {end} beyond the previous checkpoint's {limit}"
+                    assert end >= min(limit, committed.get(key).prefix_end(start)), f"{ds}/{pid}: {end} < {limit}"
 
     @invariant()
     def state_counts_are_exact(self) -> None:

@@ -117,13 +117,21 @@ class StreamJob:
         return Ledger(self.ledger_path).verify(expected), cursor, info
 
     def finish_cut(self) -> DataCursor:
-        """Stop taking cuts, then take and commit a final one; returns its cursor."""
+        """Stop taking cuts, then take and commit a final one, twice; returns its cursor.
+
+        Upstream commits lag durable storage by one checkpoint (``committed_positions``): the broker's group
+        offsets reach the final cursor once a second cut with the same cursor commits (a second checkpoint of
+        the drained stream), as a run that ends would take it.
+        """
         self._stop_cuts.set()
         if self._cutter is not None:
             self._cutter.join(timeout=60)
         with self.admin() as admin:
             cut_id, cursor = admin.prepare_cut()
             admin.commit_cut(cut_id)
+            again, same = admin.prepare_cut()  # nothing was acked since: the same cursor
+            assert same == cursor, f"acks after the final cut: {cursor} then {same}"
+            admin.commit_cut(again)
         return cursor
 
     def stop(self) -> None:
