@@ -110,6 +110,11 @@ class RetentionPolicy:
     step is a multiple of ``keep_every`` (when set). ``keep_last`` must be at least 1:
     the newest checkpoint is never deleted. Partial checkpoints (no manifest) older than
     the newest complete one are deleted too.
+
+    The default keeps 3, and with a binder (the shard service) at least 2 are needed: upstream
+    commits lag durable storage by one checkpoint (the broker is committed to the cursor of the
+    checkpoint before the newest), so a fallback from a corrupt newest checkpoint to the one before
+    it never needs records a broker may have deleted. ``keep_last=1`` with a binder warns.
     """
 
     keep_last: int = 3

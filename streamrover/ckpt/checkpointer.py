@@ -85,6 +85,12 @@ class Checkpointer:
         self.world_size = world_size
         self.binder = binder
         self.retention = retention or RetentionPolicy()
+        if binder is not None and self.retention.keep_last < 2 and not self.retention.keep_every:
+            log.warning(
+                "RetentionPolicy(keep_last=%d) with a binder: upstream commits lag storage by one checkpoint, so a "
+                "fallback from a corrupt newest checkpoint needs the one before it; keep_last >= 2 keeps it",
+                self.retention.keep_last,
+            )
         self.namespace = namespace_for(url, job)
         self.storage = Storage(url, storage_options)
         self.engine = MemoryEngine(self.namespace, rank, num_buffers)
