@@ -223,9 +223,12 @@ class CutOps(CoreState):
             self.committed = cursor.copy()
             self.journal.put_cursor(self.committed)
             self.journal.put_meta("lost_cursor", self.lost.to_json())
-            # A memory snapshot is not on storage: the limit stays where it was, and is journalled even before
+            # A memory snapshot is not on storage: the limits stay where they were, and are journalled even before
             # any cut committed (a restart would otherwise take the restored cursor for durable).
-            self._set_durable(self.durable if from_memory else cursor)
+            if from_memory:
+                self._set_durable(self.durable, previous=self.upstream)
+            else:
+                self._set_durable(cursor)
             for cid in [c.id for c in self.cuts.values() if c.state in PENDING]:
                 self._forget_cut(cid, f"discarded by a restore (cut {self._cut_seq + 1})")
             self._cut_seq += 1
