@@ -113,7 +113,7 @@ class Journal:
                 self._rollback()
                 raise
             self._db.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # a write failed (an OSError from below SQLite, e.g. a VFS, too)
             self._rollback()
             self.failed = f"journal {self.path} write failed: {exc}"
             raise JournalWriteError(self.failed) from exc
