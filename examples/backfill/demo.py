@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             name: start_ledger_worker(master, "impressions", ledger_path, name=name, batch_size=1_000)
             for name in ("worker-a", "worker-b")
         }
-        killed = ""
+        killed, killed_at = "", 0
         columns = (
             TextColumn("{task.description}"),
             BarColumn(),
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 st = admin.status()
                 ds = st.datasets[0]
                 progress.update(task, completed=ds.records_acked, rate=f"{st.records_per_second:,.0f} rows/s")
-                if not killed and ds.records_acked >= args.rows // 2:
-                    killed = "worker-a"
+                if not killed and ds.records_acked >= args.rows // 2 and not ds.finished:
+                    killed, killed_at = "worker-a", ds.records_acked
                     workers[killed].send_signal(signal.SIGKILL)
                     progress.console.print(
                         f"[red]SIGKILL {killed}[/red] at {ds.records_acked:,} rows acked; "
@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 if ds.finished:
                     break
-                time.sleep(0.1)  # refresh rate of the progress display
+                # The refresh rate of the display; until the kill, fast enough to kill near the middle
+                # (the workers read a few hundred thousand rows a second).
+                time.sleep(0.1 if killed else 0.002)
         for proc in workers.values():
             proc.wait()
         cut_id, _ = admin.prepare_cut()
@@ -108,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     table.add_row("duplicates", str(report.duplicates))
     table.add_row("missing", str(report.missing))
     table.add_row("sum of ids", "matches" if report.id_sum_ok else "DIFFERS")
-    table.add_row("worker killed", killed or "none")
+    table.add_row("worker killed", f"{killed} at {killed_at:,} rows acked" if killed else "none")
     table.add_row("rows in the committed cursor", f"{final.records_committed:,} (cut {cut_id})")
     console.print(table)
-    ok = report.exact and final.records_committed == args.rows and bool(killed)
+    # The kill must have landed mid-run (rows still to read), or the demo proved nothing about recovery.
+    ok = report.exact and final.records_committed == args.rows and bool(killed) and killed_at < args.rows
     console.print("[bold green]every row applied exactly once[/bold green]" if ok else f"[bold red]{report}[/bold red]")
     return 0 if ok else 1
 
