@@ -119,7 +119,7 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _run_master(args: argparse.Namespace) -> int:
-    from streamrover.shard_service.server import MasterServer, load_or_create_token
+    from streamrover.shard_service.master import MasterServer, load_or_create_token
 
     state_dir = Path(args.state_dir)
     token = args.token or load_or_create_token(state_dir)

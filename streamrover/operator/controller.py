@@ -47,7 +47,7 @@ def resolve_token(spec: JobSpec, state_dir: Path) -> str:
         if not value:
             raise ValueError(f"master.token.env: the environment variable {source.env} is not set")
         return value
-    from streamrover.shard_service.server import load_or_create_token
+    from streamrover.shard_service.master import load_or_create_token
 
     state_dir.mkdir(parents=True, exist_ok=True)
     return load_or_create_token(state_dir)

@@ -20,7 +20,7 @@ from streamrover.shard_service.api import (
 from streamrover.shard_service.client import ShardClient
 from streamrover.shard_service.client_acks import AckFailedError, AckFailure
 from streamrover.shard_service.leased import LeasedShard, LeaseLostError
-from streamrover.shard_service.server import MasterServer, load_or_create_token
+from streamrover.shard_service.master import MasterServer, load_or_create_token
 
 __all__ = [
     "AckFailedError",

@@ -1,32 +1,29 @@
-"""The job master's gRPC server: auth, locking, long-poll leases and the lease reaper."""
+"""The job master's gRPC servicer: one lock around the core, long-poll leases, the lease reaper, fail-stop.
+
+The process around it (journal, auth, listening socket, state-dir lock) is in :mod:`.master`.
+"""
 
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 import logging
-import secrets
 import threading
 from collections.abc import Callable
-from concurrent import futures
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import (
-    DEFAULT_LEASE_TTL,
     InvalidArgumentError,
     LeaseStatus,
     ShardServiceError,
 )
 from streamrover.shard_service.core import AckItem, ShardCore
-from streamrover.shard_service.journal import Journal, JournalWriteError
+from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.records import DatasetRecord
-from streamrover.shard_service.statelock import StateDirLock
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import (
@@ -429,93 +426,4 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             )
 
 
-class _TokenAuth(grpc.ServerInterceptor):
-    """Refuse every call that lacks ``authorization: Bearer <token>`` metadata."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: pass the job token the master uses")
-
-        self._deny: Any = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(got, self._expected):
-                    return continuation(handler_call_details)
-        return self._deny
-
-
-class MasterServer:
-    """A running job master: journal, core, servicer and gRPC server."""
-
-    def __init__(
-        self,
-        state_dir: str | Path,
-        token: str,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        lease_ttl: float = DEFAULT_LEASE_TTL,
-        durability: str = "normal",
-        max_workers: int = 64,
-    ) -> None:
-        if not token:
-            raise InvalidArgumentError("the master needs an auth token")
-        self.state_dir = Path(state_dir)
-        self.fatal = ""  # set when a journal write failed and the master stopped itself
-        self._stopped = threading.Event()
-        self._lock = StateDirLock(self.state_dir)  # before the journal is opened: one master per state dir
-        try:
-            self.journal = Journal(self.state_dir / "journal.db", durability=durability)
-            self.core = ShardCore(self.journal, lease_ttl=lease_ttl)
-            self.servicer = ShardServicer(self.core, on_fatal=self._fail_stop)
-        except BaseException:
-            self._lock.release()
-            raise
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-            interceptors=[_TokenAuth(token)],
-            options=[("grpc.so_reuseport", 0)],
-        )
-        pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
-        self.address = f"{host}:{self.port}"
-        self._server.start()
-        log.info("shard service listening on %s (state in %s)", self.address, self.state_dir)
-
-    def _fail_stop(self, reason: str) -> None:
-        self.fatal = reason
-        self.stop(grace=0)
-        self._stopped.set()
-
-    def wait(self) -> None:
-        """Until the server stops; after a fail-stop, until it has closed everything (then ``fatal`` says why)."""
-        self._server.wait_for_termination()
-        if self.servicer.fatal:
-            self._stopped.wait(30)
-
-    def stop(self, grace: float = 1.0) -> None:
-        self._server.stop(grace).wait()
-        self.servicer.close()
-        self.journal.close()
-        self._lock.release()
-
-
-def load_or_create_token(state_dir: Path) -> str:
-    """The token in ``state_dir/token`` (mode 0600), created on first use."""
-    path = state_dir / "token"
-    if path.exists():
-        return path.read_text().strip()
-    state_dir.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(24)
-    path.touch(mode=0o600)
-    path.write_text(token + "\n")
-    return token
-
-
-__all__ = ["MasterServer", "ShardServicer", "load_or_create_token"]
+__all__ = ["ShardServicer"]

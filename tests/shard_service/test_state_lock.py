@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from streamrover.shard_service.api import FailedPreconditionError
-from streamrover.shard_service.server import MasterServer
+from streamrover.shard_service.master import MasterServer
 from streamrover.testing.procs import MasterProcess, python_env
 
 
