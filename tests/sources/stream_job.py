@@ -116,6 +116,18 @@ class StreamJob:
         expected = np.arange(total) if ids is None else ids
         return Ledger(self.ledger_path).verify(expected), cursor, info
 
+    def wait_outage_cleared(self, timeout: float = 60) -> None:
+        """Wait until the dataset's status no longer reports a source error, and check it did not fail.
+
+        Not asserted at one instant: a restarted broker answers some requests with retriable errors for a while
+        (Kafka's UNKNOWN_LEADER_EPOCH was seen in CI after every record had been planned), and the master says
+        so in status until a poll succeeds again.
+        """
+        with self.admin() as admin:
+            wait_until(lambda: admin.describe_dataset("stream").error == "", timeout, "the outage report to clear")
+            info = admin.describe_dataset("stream")
+            assert not info.failed, info.error
+
     def finish_cut(self) -> DataCursor:
         """Stop taking cuts, then take and commit a final one, twice; returns its cursor.
 
