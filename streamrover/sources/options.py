@@ -31,7 +31,7 @@ class OptionError(SourceError):
     """A dataset option is unknown or its value is not one of the accepted forms."""
 
 
-def _ms(alias: str, default: int, what: str, minimum: int = 0) -> Any:
+def _ms(alias: str, default: int | None, what: str, minimum: int = 0) -> Any:
     """An option that is an integer number of milliseconds (``minimum`` or more)."""
     return Field(
         default, ge=minimum, alias=alias, description=f"an integer number of milliseconds >= {minimum} ({what})"
@@ -148,7 +148,25 @@ class KafkaOptions(_RecordOptions):
     dead_letter_topic: str = Field("", alias="sr.dead_letter_topic", description="a topic of the same cluster")
 
 
-class PulsarOptions(_RecordOptions):
+class _BrokerReadOptions(_RecordOptions):
+    """Options of sources whose workers read from a broker that may be unreachable for a while."""
+
+    read_timeout_ms: int | None = _ms(
+        "sr.read_timeout_ms",
+        None,
+        "how long a shard read waits for an unreachable broker (default sr.missing_grace_ms)",
+        minimum=1,
+    )
+
+    @property
+    def read_timeout_s(self) -> float:
+        """How long a worker's shard read waits for an unreachable broker: by default as long as the master waits
+        for a missing topic (``sr.missing_grace_ms``), so a broker restart the master rides out does not make the
+        workers give up first."""
+        return (self.read_timeout_ms if self.read_timeout_ms is not None else self.missing_grace_ms) / 1000.0
+
+
+class PulsarOptions(_BrokerReadOptions):
     """``pulsar://`` datasets (the other options are Pulsar client arguments)."""
 
     start: Literal["earliest", "latest"] = Field("earliest", alias="sr.start", description="earliest or latest")
@@ -157,22 +175,18 @@ class PulsarOptions(_RecordOptions):
         "auto", alias="sr.partition_reads", description="auto, direct or routed"
     )
     entry_bits: int = Field(24, ge=16, le=40, alias="sr.entry_bits", description="an integer from 16 to 40")
-    read_timeout_ms: int = _ms(
-        "sr.read_timeout_ms", 60_000, "how long a shard read waits for an unreachable broker", minimum=1
-    )
     reopen_ms: int = _ms("sr.reopen_ms", 500, "a silent reader is reopened after this long", minimum=1)
     receiver_queue_size: int = Field(
         1000, ge=1, alias="sr.receiver_queue_size", description="an integer at least 1 (messages per reader)"
     )
 
 
-class RocketMQOptions(_RecordOptions):
+class RocketMQOptions(_BrokerReadOptions):
     """``rocketmq://`` datasets (the other options are client settings, see rocketmq.CLIENT_OPTIONS)."""
 
     start: Literal["earliest", "latest", "group"] = Field(
         "earliest", alias="sr.start", description="earliest, latest or group"
     )
-    read_timeout_ms: int = _ms("sr.read_timeout_ms", 60_000, "how long a read retries an unreachable broker", minimum=1)
 
 
 class FileOptions(_Options):

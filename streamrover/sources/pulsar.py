@@ -16,7 +16,7 @@ and numbers are converted): ``operation_timeout_seconds``, ``tls_trust_certs_fil
   registered, so retention keeps what is not committed yet; it is only acknowledged (cumulatively)
   in :meth:`PulsarSource.commit`, i.e. after a checkpoint's cut was committed. Reads never use it.
 - ``sr.partition_reads``: ``direct``, ``routed`` or ``auto`` (default), see below.
-- ``sr.entry_bits`` (default 24) and ``sr.read_timeout_ms`` (default 60000: a shard read that gets
+- ``sr.entry_bits`` (default 24) and ``sr.read_timeout_ms`` (default ``sr.missing_grace_ms``: a shard read that gets
   no message for this long fails with :class:`SourceUnavailableError`).
 - ``sr.reopen_ms`` (default 500): a shard read whose reader delivers nothing for this long opens a
   new reader where it stopped (the shard's messages exist: its end was polled). pulsar-lite 0.2.0's
@@ -123,7 +123,7 @@ class PulsarSource(Source):
                               "arguments (operation_timeout_seconds, io_threads, ...)")  # fmt: skip
         self.subscription = o.subscription or f"streamrover-{self.topic.rsplit('/', 1)[1]}"
         self.codec = PositionCodec(o.entry_bits)
-        self.read_timeout = o.read_timeout_ms / 1000.0
+        self.read_timeout = o.read_timeout_s
         self.reopen_after = o.reopen_ms / 1000.0
         self.receiver_queue = o.receiver_queue_size
         self.mode = o.partition_reads

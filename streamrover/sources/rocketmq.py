@@ -12,7 +12,8 @@ settings named as RocketMQ's Java client names them: ``consumerGroup`` (default
   ``sr.schema`` such as ``id:int64,x:float64`` fixes the columns).
 - ``sr.dead_letter_dir``: where records that fail to decode go, raw, one file per record
   named by partition and offset (idempotent on replay). Counts go to status.
-- ``sr.read_timeout_ms``: how long a read retries an unreachable broker (default 60000).
+- ``sr.read_timeout_ms``: how long a read retries an unreachable broker (default ``sr.missing_grace_ms``,
+  as long as the master waits for a missing topic: a restart the master rides out does not stop a worker).
 
 Partitions are message queues, named ``TOPIC@BROKER-QUEUEID``. Positions are queue offsets:
 dense (every offset below a queue's max offset holds one message), so a shard ``[start, end)``
@@ -99,7 +100,7 @@ class RocketMQSource(Source):
         self.format = self.options.format
         self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.options.record_schema)
         self._dead = DeadLetters(self.options.dead_letter_dir)
-        self.read_timeout = self.options.read_timeout_ms / 1000.0
+        self.read_timeout = self.options.read_timeout_s
         self._remoting: RemotingClient | None = None
         self._routes: dict[str, QueueRoute] = {}
         self._starts: dict[str, int] = {}  # queue min offsets seen by poll(): only new queues need one

@@ -116,3 +116,21 @@ def test_a_journalled_dataset_with_bad_options_fails_instead_of_stopping_the_mas
             return info.failed and "sr.poll_interval_ms" in info.error
 
         wait_until(failed, 30, "the dataset with bad options to show as failed")
+
+
+@pytest.mark.parametrize("scheme", ["pulsar", "rocketmq"])
+def test_a_workers_read_waits_for_a_broker_as_long_as_the_master_does(scheme: str) -> None:
+    """A shard read gives up on an unreachable broker only after the master's grace for a missing topic: with
+    the old 60 s default a broker restart of 60-120 s made every worker exit while the master waited it out."""
+    from streamrover.sources.api import open_source
+
+    def read_timeout(**options: str) -> float:
+        source = open_source(NO_BROKER[scheme], "raw", options)  # constructors do no I/O
+        try:
+            return float(source.read_timeout)  # type: ignore[attr-defined]
+        finally:
+            source.close()
+
+    assert read_timeout() == 120.0  # sr.missing_grace_ms's default
+    assert read_timeout(**{"sr.missing_grace_ms": "300000"}) == 300.0
+    assert read_timeout(**{"sr.missing_grace_ms": "300000", "sr.read_timeout_ms": "5000"}) == 5.0
