@@ -50,6 +50,7 @@ from streamrover.shard_service.api import (
     FailedPreconditionError,
     InvalidArgumentError,
     LeaseGrant,
+    LeaseStatus,
     NotFoundError,
     ShardServiceError,
     UnauthenticatedError,
@@ -255,8 +256,8 @@ class ShardClient:
             with self._lock:
                 self._revoked.update((r.shard_id, r.attempt) for r in resp.revoked)
 
-    def lease(self, dataset: str, max_shards: int = 1, wait: float = 5.0) -> tuple[int, list[LeasedShard]]:
-        """Lease up to ``max_shards``; returns (pb.LeaseStatus value, leased shards)."""
+    def lease(self, dataset: str, max_shards: int = 1, wait: float = 5.0) -> tuple[LeaseStatus, list[LeasedShard]]:
+        """Lease up to ``max_shards``; returns (the lease status, leased shards)."""
         if not self.worker_id:
             self.join()
         with self._lock:
@@ -272,11 +273,11 @@ class ShardClient:
                 raise
             self.worker_id = ""
             self.join()
-            return pb.LEASE_STATUS_WAIT, []
+            return LeaseStatus.WAIT, []
         shards: list[LeasedShard] = []
         if resp.leases:
             self._adopt(dataset, resp.leases, shards)
-        return resp.status, shards
+        return convert.lease_status_from_pb(resp.status), shards
 
     def shards(self, dataset: str, wait: float = 5.0, prefetch: int = 2) -> Iterator[LeasedShard]:
         """Yield leased shards until the dataset ends (batch) or forever (stream).
@@ -305,7 +306,7 @@ class ShardClient:
                     self._acks.wait()
                 if not queue:
                     status, leased = self.lease(dataset, self._lease_more.get(dataset, base), wait)
-                    if status == pb.LEASE_STATUS_END:
+                    if status is LeaseStatus.END:
                         return
                     queue.extend(leased)
                 while queue:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
-from streamrover.shard_service.api import DatasetSpec, LeaseGrant, PartitionPlan
+from streamrover.shard_service.api import DatasetSpec, LeaseGrant, LeaseStatus, PartitionPlan
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 
 
@@ -99,3 +99,21 @@ def lease_from_pb(msg: pb.Lease) -> LeaseGrant:
         resume=msg.resume,
         deadline=msg.deadline_unix,
     )
+
+
+_LEASE_STATUS_TO_PB = {
+    LeaseStatus.OK: pb.LEASE_STATUS_OK,
+    LeaseStatus.WAIT: pb.LEASE_STATUS_WAIT,
+    LeaseStatus.END: pb.LEASE_STATUS_END,
+}
+_LEASE_STATUS_FROM_PB: dict[int, LeaseStatus] = {int(v): k for k, v in _LEASE_STATUS_TO_PB.items()}
+
+
+def lease_status_to_pb(status: LeaseStatus) -> pb.LeaseStatus.ValueType:
+    """The wire value of a lease status."""
+    return _LEASE_STATUS_TO_PB[status]
+
+
+def lease_status_from_pb(value: int) -> LeaseStatus:
+    """The lease status a wire value stands for; an unknown value (a newer master) reads as WAIT: ask again."""
+    return _LEASE_STATUS_FROM_PB.get(value, LeaseStatus.WAIT)

@@ -285,13 +285,8 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                     self.cond.wait(min(remaining, max(outcome.retry_after, 0.01)))
                 finally:
                     self._lease_waiters -= 1
-            status = {
-                LeaseStatus.OK: pb.LEASE_STATUS_OK,
-                LeaseStatus.WAIT: pb.LEASE_STATUS_WAIT,
-                LeaseStatus.END: pb.LEASE_STATUS_END,
-            }[outcome.status]
             return pb.LeaseResponse(
-                status=status,
+                status=convert.lease_status_to_pb(outcome.status),
                 leases=[convert.lease_to_pb(g) for g in outcome.leases],
                 retry_after_seconds=outcome.retry_after,
             )

@@ -16,6 +16,7 @@ from streamrover.shard_service import (
     DatasetSpec,
     FailedPreconditionError,
     InvalidArgumentError,
+    LeaseStatus,
     NotFoundError,
     ShardClient,
     UnauthenticatedError,
@@ -114,7 +115,7 @@ def test_bad_dataset_names_and_specs(tmp_path: Path, client: ShardClient, datase
 def test_ack_fencing_statuses(client: ShardClient, dataset: str) -> None:
     client.join()
     status, (shard,) = client.lease(dataset)
-    assert status == pb.LEASE_STATUS_OK
+    assert status is LeaseStatus.OK
     lease = shard.lease
     with pytest.raises(NotFoundError, match="unknown"):
         client._call(

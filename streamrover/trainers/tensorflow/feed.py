@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from streamrover.shard_service import LeasedShard, LeaseLostError, ShardClient
-from streamrover.shard_service.v1 import shard_service_pb2 as pb
+from streamrover.shard_service import LeasedShard, LeaseLostError, LeaseStatus, ShardClient
 
 
 @dataclass
@@ -88,7 +87,7 @@ class LeaseFeed:
     def _reads(self) -> Iterator[object]:
         while not self._stop.is_set():
             status, leased = self.client.lease(self.dataset, 1, self.lease_wait)
-            if status == pb.LEASE_STATUS_END:
+            if status is LeaseStatus.END:
                 yield END
                 return
             if not leased:

@@ -48,8 +48,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from streamrover.shard_service import LeasedShard, LeaseLostError, ShardClient
-from streamrover.shard_service.v1 import shard_service_pb2 as pb
+from streamrover.shard_service import LeasedShard, LeaseLostError, LeaseStatus, ShardClient
 from streamrover.sources.api import open_source
 
 
@@ -113,7 +112,7 @@ class StreamDataset(IterableDataset):
         wait = min(self.idle_timeout, 1.0) if self.idle_timeout is not None else 5.0
         while not stop.is_set():
             status, leased = self.client.lease(self.dataset, 1, wait)
-            if status == pb.LEASE_STATUS_END:
+            if status is LeaseStatus.END:
                 self.ended = True
                 return
             for shard in leased:
