@@ -40,7 +40,7 @@ from streamrover.operator.spec import JobSpec, format_memory
 
 log = logging.getLogger(__name__)
 MAX_EVENTS = 200
-CKPT_EVERY_ENV = "STREAMROVER_CKPT_EVERY"
+CKPT_EVERY_ENV = "STREAMROVER_CKPT_EVERY"  # read by StreamSession (trainers/torch/env.py; not imported: torch)
 CKPT_KEEP_ENV = "STREAMROVER_CKPT_KEEP"
 HealthReader = Callable[[str, str], "dict[str, Any] | None"]  # (run id, node id) -> the agent's health document
 

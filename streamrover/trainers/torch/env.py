@@ -17,6 +17,8 @@ CKPT_JOB = "STREAMROVER_CKPT_JOB"  # checkpoint namespace of this node (shared m
 SAVER = "STREAMROVER_CKPT_SAVER"  # "agent" under dlrover-run, else the Checkpointer default ("auto")
 NODE_ID = "STREAMROVER_NODE_ID"
 RUN_ID = "STREAMROVER_RUN_ID"
+CKPT_EVERY = "STREAMROVER_CKPT_EVERY"  # steps between checkpoints (a job spec's checkpoint.every_steps)
+CKPT_KEEP = "STREAMROVER_CKPT_KEEP"  # checkpoints kept on storage (a job spec's checkpoint.keep_last)
 
 
 @dataclass(frozen=True)
@@ -30,13 +32,29 @@ class WorkerEnv:
     saver: str
     node_id: str
     run_id: str
+    ckpt_every: int | None = None  # None: not set (the session's default applies)
+    ckpt_keep: int | None = None
 
     @property
     def under_agent(self) -> bool:
         return self.saver == "agent"
 
 
+def _positive(env: dict[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={raw!r}: must be a whole number >= 1")
+    return value
+
+
 def from_env(environ: dict[str, str] | None = None) -> WorkerEnv:
+    """The worker's settings from ``environ`` (default ``os.environ``); a bad number raises naming the variable."""
     env = dict(os.environ) if environ is None else environ
     return WorkerEnv(
         master=env.get(MASTER) or None,
@@ -46,4 +64,6 @@ def from_env(environ: dict[str, str] | None = None) -> WorkerEnv:
         saver=env.get(SAVER, "auto"),
         node_id=env.get(NODE_ID, ""),
         run_id=env.get(RUN_ID, ""),
+        ckpt_every=_positive(env, CKPT_EVERY),
+        ckpt_keep=_positive(env, CKPT_KEEP),
     )

@@ -42,6 +42,8 @@ from streamrover.trainers.torch import env
 from streamrover.trainers.torch.dataset import StreamDataset, StreamStateLostError
 
 log = logging.getLogger(__name__)
+DEFAULT_CKPT_EVERY = 50
+DEFAULT_CKPT_KEEP = 3
 
 
 def _die_with_agent() -> None:
@@ -66,15 +68,22 @@ class StreamSession:
         master: str | None = None,
         token: str | None = None,
         ckpt_dir: str | None = None,
-        ckpt_every: int = 50,
+        ckpt_every: int | None = None,
         retention: RetentionPolicy | None = None,
     ) -> None:
+        """Join the shard service and restore (see the module docstring).
+
+        ``ckpt_every`` (steps between checkpoints) and ``retention`` default to what the launcher says
+        (``STREAMROVER_CKPT_EVERY`` / ``STREAMROVER_CKPT_KEEP``: a job spec's ``checkpoint`` section),
+        else 50 steps and the newest 3 checkpoints; an argument given here wins over the environment.
+        """
         started = time.monotonic()
         self.timings: dict[str, float] = {}  # start-up phases in seconds (for logs and benchmarks)
         cfg = env.from_env()
         self.model = model
         self.optimizer = optimizer
-        self.ckpt_every = ckpt_every
+        self.ckpt_every = ckpt_every if ckpt_every is not None else (cfg.ckpt_every or DEFAULT_CKPT_EVERY)
+        keep = cfg.ckpt_keep or DEFAULT_CKPT_KEEP
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -99,7 +108,7 @@ class StreamSession:
                 rank=0,
                 world_size=1,  # one copy: the state is the same on every rank; the cut is global
                 binder=cast(CursorBinder, self.client),  # returns values the protocol types as None
-                retention=retention or RetentionPolicy(keep_last=3),
+                retention=retention or RetentionPolicy(keep_last=keep),
                 saver=cfg.saver if cfg.ckpt_job else "auto",
                 job=cfg.ckpt_job,
             )
@@ -178,11 +187,22 @@ class StreamSession:
             ) from exc
 
     def close(self, final_checkpoint: bool = True) -> None:
-        """End of training: a last checkpoint, durable and committed; leave the shard service."""
+        """End of training: a last checkpoint, durable and committed; leave the shard service (a collective).
+
+        With ``final_checkpoint`` the run's final cursor is also committed upstream (the broker's consumer
+        group): upstream commits lag durable storage by one checkpoint, so once the final checkpoint is
+        durable rank 0 takes a second, confirming one of the same state and cursor (numbered one step on,
+        an empty step). Two durable checkpoints then hold the final cursor, and a fallback from a corrupt
+        newest one still finds everything it needs.
+        """
         if final_checkpoint:
             self.checkpoint()
         if self._ckpt is not None:
             self._ckpt.checkpointer.wait(timeout=300)
+            if final_checkpoint and self._ckpt.checkpointer.binder is not None:
+                self.step += 1  # nothing acked since the final checkpoint: its cut's cursor is the same
+                self._ckpt.save(self.step, persist=True)
+                self._ckpt.checkpointer.wait(timeout=300)
             self._ckpt.checkpointer.close()
         if self.world_size > 1:
             dist.barrier()
