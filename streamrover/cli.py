@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL, help="seconds a lease lives without heartbeat")
     m.add_argument("--durability", choices=["normal", "fsync"], default="normal")
     m.add_argument("--address-file", default=None, help="write HOST:PORT here once listening")
+    m.add_argument("--http-port", type=int, default=None,
+                   help="port of the HTTP endpoint (/metrics, the dashboard): default the gRPC port + 1 (a free"
+                   " port if that is taken or the gRPC port is 0); 0 = a free port; -1 = none"
+                   " (its URL goes to STATE_DIR/dashboard.url)")
+    m.add_argument("--http-host", default="127.0.0.1", help="interface of the HTTP endpoint (default: 127.0.0.1)")
 
     d = sub.add_parser("dataset", help="register and inspect datasets")
     dsub = d.add_subparsers(dest="dataset_command", required=True)
@@ -123,9 +128,13 @@ def _run_master(args: argparse.Namespace) -> int:
 
     state_dir = Path(args.state_dir)
     token = args.token or load_or_create_token(state_dir)
+    http_port = args.http_port
+    if http_port is None:
+        http_port = args.port + 1 if args.port else 0
     server = MasterServer(
-        state_dir, token, host=args.host, port=args.port, lease_ttl=args.lease_ttl, durability=args.durability
-    )
+        state_dir, token, host=args.host, port=args.port, lease_ttl=args.lease_ttl, durability=args.durability,
+        http_port=None if http_port < 0 else http_port, http_host=args.http_host, http_fallback=args.http_port is None,
+    )  # fmt: skip
     if args.address_file:
         tmp = Path(args.address_file + ".tmp")
         tmp.write_text(server.address + "\n")
@@ -133,6 +142,8 @@ def _run_master(args: argparse.Namespace) -> int:
     print(f"streamrover master listening on {server.address}; state in {state_dir}", flush=True)
     if not args.token:
         print(f"token: {state_dir / 'token'}", flush=True)
+    if server.dashboard is not None:  # the token is never printed: the page asks for it (or takes it after #token=)
+        print(f"dashboard: {server.dashboard.url} (Prometheus: {server.dashboard.url}metrics)", flush=True)
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         server.stop()

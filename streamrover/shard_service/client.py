@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar, overload
 
 import grpc
@@ -199,6 +199,17 @@ class ShardClient:
 
     def status(self) -> pb.StatusResponse:
         return self._call(self._stub.Status, pb.StatusRequest())
+
+    def report(self, values: Mapping[str, float], step: int | None = None, reporter: str | None = None) -> None:
+        """Report trainer metrics (``client.report({"loss": 0.41, "auc": 0.78}, step=120)``) to the master:
+        its Prometheus ``/metrics`` (``streamrover_trainer_metric``) and dashboard show them.
+
+        ``reporter`` defaults to the client's name (e.g. ``rank0@node``; a StreamSession names it so).
+        """
+        request = pb.ReportMetricsRequest(reporter=reporter or self.name, values=dict(values))
+        if step is not None:
+            request.has_step, request.step = True, step
+        self._call(self._stub.ReportMetrics, request)
 
     def _source(self, dataset: str) -> Source:
         with self._source_lock:  # the ack sender adopts leases too

@@ -79,6 +79,7 @@ class ShardCore(DatasetOps, CutOps, StreamOps):
         if w is None:
             w = WorkerRecord(worker_id, name)
             self.workers[worker_id] = w
+            self.events["joins"] += 1
             with self.journal.transaction():
                 self.journal.put_worker(w)
         w.last_seen = self.clock()
@@ -128,6 +129,7 @@ class ShardCore(DatasetOps, CutOps, StreamOps):
         if not dead and not late:
             return 0
         count = 0
+        self.events["workers_lost"] += len(dead)
         with self.journal.transaction():
             for s in late:
                 if s.state is ShardState.LEASED and s.deadline < now:
@@ -183,6 +185,7 @@ class ShardCore(DatasetOps, CutOps, StreamOps):
                 w.leases.add(s.id)
                 self.journal.put_shard(s)
                 grants.append(self._grant(ds, s))
+                self.events["leases_granted"] += 1
             if grants:
                 w.last_request_id = request_id
                 w.last_lease_ids = [g.shard_id for g in grants]

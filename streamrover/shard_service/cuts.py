@@ -131,6 +131,7 @@ class CutOps(CoreState):
             cut.state = CutState.COMMITTED
             self.journal.put_cut(cut)
             self.last_committed_cut = cut_id
+            self.last_commit_time = self.clock()
             self.committed = cut.cursor.copy()
             self.journal.put_cursor(self.committed)
             self._set_durable(self.committed, previous=self.durable)

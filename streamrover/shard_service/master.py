@@ -19,6 +19,7 @@ from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.server import ShardServicer
 from streamrover.shard_service.statelock import StateDirLock
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
+from streamrover.shard_service.web import Dashboard, write_address
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,13 @@ class MasterServer:
         lease_ttl: float = DEFAULT_LEASE_TTL,
         durability: str = "normal",
         max_workers: int = 64,
+        http_port: int | None = None,
+        http_host: str = "127.0.0.1",
+        http_fallback: bool = False,
     ) -> None:
+        """Start a master on ``host:port`` (0 = a free port); ``http_port`` (0 = a free port) also starts its
+        HTTP endpoint (``/metrics`` and the dashboard, :mod:`.web`) on ``http_host``, under the same token;
+        ``http_fallback``: if ``http_port`` is taken, a free port instead. Its URL goes to STATE_DIR/dashboard.url."""
         if not token:
             raise InvalidArgumentError("the master needs an auth token")
         self.state_dir = Path(state_dir)
@@ -79,6 +86,21 @@ class MasterServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"
+        self.dashboard: Dashboard | None = None
+        if http_port is not None:
+            try:
+                try:
+                    self.dashboard = Dashboard(self.servicer, token, http_host, http_port, durability)
+                except OSError as exc:
+                    if not http_fallback or http_port == 0:
+                        raise OSError(f"cannot serve the dashboard on {http_host}:{http_port}: {exc}") from exc
+                    log.warning("dashboard port %d is taken (%s): serving it on a free port", http_port, exc)
+                    self.dashboard = Dashboard(self.servicer, token, http_host, 0, durability)
+            except BaseException:
+                self._server.stop(0)
+                self._close_state()
+                raise
+            write_address(self.state_dir / "dashboard.url", self.dashboard.url)
         self._server.start()
         log.info("shard service listening on %s (state in %s)", self.address, self.state_dir)
 
@@ -95,6 +117,11 @@ class MasterServer:
 
     def stop(self, grace: float = 1.0) -> None:
         self._server.stop(grace).wait()
+        if self.dashboard is not None:
+            self.dashboard.stop()
+        self._close_state()
+
+    def _close_state(self) -> None:
         self.servicer.close()
         self.journal.close()
         self._lock.release()

@@ -24,6 +24,7 @@ from streamrover.shard_service.core import AckItem, ShardCore
 from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.records import DatasetRecord
+from streamrover.shard_service.reported import ReportedMetrics
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import (
@@ -99,6 +100,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     def __init__(self, core: ShardCore, on_fatal: Callable[[str], None] | None = None) -> None:
         self.core = core
         self.cond = threading.Condition()
+        self.reported = ReportedMetrics()  # what trainers report (loss, AUC...): in memory, not journalled
         self.fatal = ""  # why the service stopped answering (a journal write failed)
         self._on_fatal = on_fatal
         self._fatal_lock = threading.Lock()
@@ -419,6 +421,12 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 cut_commit_error=self.core.cut_commit_error,
                 persisting_cuts=self.core.persisting_cuts(),
             )
+
+    @_rpc
+    def ReportMetrics(self, request: pb.ReportMetricsRequest, context: Any) -> pb.ReportMetricsResponse:
+        """A trainer's measurements (loss, AUC...): kept in memory for /metrics and the dashboard."""
+        self.reported.report(request.reporter, dict(request.values), request.step if request.has_step else None)
+        return pb.ReportMetricsResponse()
 
 
 __all__ = ["ShardServicer"]

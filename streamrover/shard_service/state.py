@@ -67,9 +67,13 @@ class AckRates:
 
     def __init__(self) -> None:
         self._buckets: deque[list[float]] = deque()  # [bucket number, records, acks], oldest first
+        self.records_total = 0  # since the master started (Prometheus counters)
+        self.acks_total = 0
 
     def add(self, now: float, records: int) -> None:
         key = now // RATE_BUCKET
+        self.records_total += records
+        self.acks_total += 1
         if self._buckets and self._buckets[-1][0] == key:
             self._buckets[-1][1] += records
             self._buckets[-1][2] += 1
@@ -118,6 +122,8 @@ class CoreState:
         self.cut_commit_error = ""  # the last refused cut commit since the last successful one, and why
         self.restore_revoked = BoundedSet(lambda: MAX_RESTORE_REVOKED)
         self.ack_log = AckRates()
+        self.events: Counter[str] = Counter()  # since start, memory only (metrics): leases_granted, joins, workers_lost
+        self.last_commit_time = 0.0  # when the last cut committed (memory only)
         self.available: dict[tuple[str, int], int] = {}  # streams: (dataset, partition index) -> end at last poll
         self.pending_since: dict[tuple[str, int], float] = {}  # streams: since when unplanned records wait
         self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)

@@ -35,6 +35,11 @@ class MasterProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def dashboard_url(self) -> str:
+        """The URL of its HTTP endpoint (``/metrics``, the dashboard), as the running master wrote it."""
+        return (self.state_dir / "dashboard.url").read_text().strip()
+
     def start(self, timeout: float = 30.0) -> None:
         cmd = [
             sys.executable,

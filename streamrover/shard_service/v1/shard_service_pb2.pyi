@@ -1155,6 +1155,67 @@ class StatusResponse(google.protobuf.message.Message):
 global___StatusResponse = StatusResponse
 
 @typing.final
+class ReportMetricsRequest(google.protobuf.message.Message):
+    """---------------------------------------------------------- trainer metrics
+    What trainers measure (loss, AUC, calibration...), served by the master's HTTP endpoint (Prometheus
+    /metrics and the dashboard). Not journalled: the master keeps each reporter's newest values and a short
+    history in memory; a master restart forgets them (trainers report again at their next window).
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    @typing.final
+    class ValuesEntry(google.protobuf.message.Message):
+        DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: builtins.int
+        VALUE_FIELD_NUMBER: builtins.int
+        key: builtins.str
+        value: builtins.float
+        def __init__(
+            self,
+            *,
+            key: builtins.str = ...,
+            value: builtins.float = ...,
+        ) -> None: ...
+        def ClearField(self, field_name: typing.Literal["key", b"key", "value", b"value"]) -> None: ...
+
+    REPORTER_FIELD_NUMBER: builtins.int
+    VALUES_FIELD_NUMBER: builtins.int
+    HAS_STEP_FIELD_NUMBER: builtins.int
+    STEP_FIELD_NUMBER: builtins.int
+    reporter: builtins.str
+    """who measured: a worker id or a name such as rank0@node; [A-Za-z0-9_.:@/-]{1,128}"""
+    has_step: builtins.bool
+    step: builtins.int
+    """the optimizer step the values belong to"""
+    @property
+    def values(self) -> google.protobuf.internal.containers.ScalarMap[builtins.str, builtins.float]:
+        """metric name ([A-Za-z_][A-Za-z0-9_]{0,63}) -> value; NaN and inf are kept"""
+
+    def __init__(
+        self,
+        *,
+        reporter: builtins.str = ...,
+        values: collections.abc.Mapping[builtins.str, builtins.float] | None = ...,
+        has_step: builtins.bool = ...,
+        step: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["has_step", b"has_step", "reporter", b"reporter", "step", b"step", "values", b"values"]) -> None: ...
+
+global___ReportMetricsRequest = ReportMetricsRequest
+
+@typing.final
+class ReportMetricsResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+
+global___ReportMetricsResponse = ReportMetricsResponse
+
+@typing.final
 class KvGetRequest(google.protobuf.message.Message):
     """---------------------------------------------------------- key-value store
     A small durable compare-and-set store for coordination state, e.g. the elastic

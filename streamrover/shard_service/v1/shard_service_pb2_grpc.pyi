@@ -110,6 +110,11 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.StatusResponse,
     ]
 
+    ReportMetrics: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.ReportMetricsRequest,
+        streamrover.shard_service.v1.shard_service_pb2.ReportMetricsResponse,
+    ]
+
     KvGet: grpc.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.KvGetRequest,
         streamrover.shard_service.v1.shard_service_pb2.KvGetResponse,
@@ -199,6 +204,11 @@ class ShardServiceAsyncStub:
     Status: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.StatusRequest,
         streamrover.shard_service.v1.shard_service_pb2.StatusResponse,
+    ]
+
+    ReportMetrics: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.ReportMetricsRequest,
+        streamrover.shard_service.v1.shard_service_pb2.ReportMetricsResponse,
     ]
 
     KvGet: grpc.aio.UnaryUnaryMultiCallable[
@@ -323,6 +333,13 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.StatusRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.StatusResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.StatusResponse]]: ...
+
+    @abc.abstractmethod
+    def ReportMetrics(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.ReportMetricsRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.ReportMetricsResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.ReportMetricsResponse]]: ...
 
     @abc.abstractmethod
     def KvGet(

@@ -168,6 +168,11 @@ class StreamSession:
             self.checkpoint()
         return self.step
 
+    def report(self, **values: float) -> None:
+        """Report this rank's metrics at the current step (``session.report(loss=0.41, auc=0.78)``) to the master:
+        its Prometheus ``/metrics`` (``streamrover_trainer_metric``) and dashboard show them."""
+        self.client.report(values, step=self.step)
+
     def checkpoint(self, persist: bool = True) -> None:
         """Snapshot the model at the current step with the cut of every rank's acks (a collective)."""
         self._flush_acks()

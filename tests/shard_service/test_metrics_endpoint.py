@@ -1,0 +1,65 @@
+"""The master's HTTP endpoint (issue 13, item 4): Prometheus ``/metrics`` of a running stream job, the token."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from streamrover.shard_service import InvalidArgumentError
+from streamrover.testing.procs import MasterProcess
+from tests.brokers.tansu import TansuBroker
+from tests.helpers import wait_until
+from tests.shard_service.dashboard_job import http_status, start_stream_job
+
+
+def test_metrics_of_a_running_stream_job(tansu_broker: TansuBroker, master: MasterProcess) -> None:
+    job = start_stream_job(tansu_broker, master, (50, 30))
+    cut = job.commit()
+    job.worker.report({"auc": 0.8125, "loss": 0.4375}, step=12)
+    m = job.scrape()
+    ds = (("dataset", "clicks"),)
+    assert m[("streamrover_dataset_records", (*ds, ("state", "committed")))] == 80
+    assert m[("streamrover_dataset_lag_records", ds)] == 0
+    for p in (0, 1):
+        assert job.lag(p) == 0, "everything produced is committed"
+    assert m[("streamrover_shards", (*ds, ("state", "committed")))] == 3 + 2  # 50 = 20+20+10, 30 = 20+10
+    assert m[("streamrover_workers", ())] == 1
+    assert m[("streamrover_checkpoint_committed_cut", ())] == cut
+    assert m[("streamrover_records_acked_total", ())] == 80
+    assert m[("streamrover_events_total", (("event", "leases_granted"),))] == 5
+    assert m[("streamrover_trainer_metric", (("name", "auc"), ("reporter", "rank0@test")))] == 0.8125
+    assert m[("streamrover_trainer_metric", (("name", "loss"), ("reporter", "rank0@test")))] == 0.4375
+    assert m[("streamrover_trainer_step", (("reporter", "rank0@test"),))] == 12
+
+    job.produce((7, 3))  # lag is counted in records, per partition, and follows the broker
+    wait_until(lambda: (job.lag(0), job.lag(1)) == (7, 3), 30, "the lag of the new records on /metrics")
+    job.worker.report({"auc": float("nan")})  # a diverged trainer's NaN is shown, not refused
+    assert math.isnan(job.scrape()[("streamrover_trainer_metric", (("name", "auc"), ("reporter", "rank0@test")))])
+    job.worker.close()
+
+
+def test_the_token_is_required(master: MasterProcess) -> None:
+    url = master.dashboard_url
+    assert url.startswith("http://127.0.0.1:"), "bound to the loopback interface by default"
+    for path in ("metrics", "api/v1/metrics"):
+        assert http_status(url + path) == 401, f"/{path} without a token"
+        assert http_status(url + path, token="wrong") == 401, f"/{path} with a wrong token"
+        assert http_status(url + path, token=master.token) == 200
+    assert http_status(url) == 200, "the page itself is static (it asks for the token)"
+    assert http_status(url + "healthz") == 200
+    assert http_status(url + "nothing-here", token=master.token) == 404
+    assert http_status(url + "metrics", token=master.token, method="POST") == 405
+    assert master.token not in master.log_tail(1000), "the token must never be logged"
+
+
+def test_report_refuses_bad_names(master: MasterProcess) -> None:
+    from streamrover.shard_service import ShardClient
+
+    with ShardClient(master.address, token=master.token, heartbeat=False) as client:
+        with pytest.raises(InvalidArgumentError, match="metric name 'bad-name' must match"):
+            client.report({"bad-name": 1.0})
+        with pytest.raises(InvalidArgumentError, match="no values given"):
+            client.report({})
+        with pytest.raises(InvalidArgumentError, match="reporter 'a b' must match"):
+            client.report({"auc": 0.5}, reporter="a b")
