@@ -10,7 +10,7 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 
-.PHONY: install demo test lint bench clean proto jars
+.PHONY: install demo test lint bench clean proto jars browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,15 @@ lint: install
 jars:
 	bash scripts/fetch-jars.sh
 
-test: install lint jars
+# The dashboard's browser tests drive Debian's chromium through its chromedriver (selenium, a dev extra).
+# Idempotent: nothing is fetched once both are installed.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver; \
+	fi
+
+test: install lint jars browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: install
