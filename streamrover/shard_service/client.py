@@ -114,6 +114,7 @@ class ShardClient:
         self._want_heartbeat = heartbeat
         self._hb_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._left = False  # leave() was called (and join() not since): lease() must not join again
         self._lock = threading.Lock()
         self._source_lock = threading.Lock()
         self._request_id = 0
@@ -225,6 +226,7 @@ class ShardClient:
     def join(self) -> str:
         resp = self._call(self._stub.Join, pb.JoinRequest(name=self.name, worker_id=self.worker_id))
         self.worker_id = resp.worker_id
+        self._left = False
         self.heartbeat_interval = resp.heartbeat_interval_seconds
         if self._want_heartbeat and self._hb_thread is None:
             self._hb_thread = threading.Thread(target=self._heartbeats, name="shard-heartbeat", daemon=True)
@@ -238,6 +240,7 @@ class ShardClient:
         worker has left) if acks sent in the background were refused and not yet reported.
         """
         self._stop.set()
+        self._left = True
         self._acks.wait()
         returned = self._call(self._stub.Leave, pb.LeaveRequest(worker_id=self.worker_id)).leases_returned
         self.worker_id = ""
@@ -256,6 +259,8 @@ class ShardClient:
                     self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=self.worker_id, progress=progress)
                 )
             except NotFoundError:  # declared dead (paused too long): every lease is gone; join afresh
+                if self._stop.is_set():  # ...unless this client left meanwhile (leave() or close())
+                    return
                 with self._lock:
                     self._revoked.update((s.shard_id, s.lease.attempt) for s in self._held.values())
                     self._held.clear()
@@ -268,7 +273,13 @@ class ShardClient:
                 self._revoked.update((r.shard_id, r.attempt) for r in resp.revoked)
 
     def lease(self, dataset: str, max_shards: int = 1, wait: float = 5.0) -> tuple[LeaseStatus, list[LeasedShard]]:
-        """Lease up to ``max_shards``; returns (the lease status, leased shards)."""
+        """Lease up to ``max_shards``; returns (the lease status, leased shards).
+
+        After :meth:`leave` (until :meth:`join` is called again) nothing is leased and the client does not
+        join by itself: ``(WAIT, [])`` (a reader thread still running must not take shards back).
+        """
+        if self._left:
+            return LeaseStatus.WAIT, []
         if not self.worker_id:
             self.join()
         with self._lock:
@@ -282,6 +293,8 @@ class ShardClient:
         except NotFoundError as exc:
             if "worker" not in str(exc):
                 raise
+            if self._left:  # it left while this lease was on its way: nothing was leased
+                return LeaseStatus.WAIT, []
             self.worker_id = ""
             self.join()
             return LeaseStatus.WAIT, []

@@ -34,11 +34,12 @@ class TorchJob:
     options: dict[str, str] = field(default_factory=dict)
     records_per_shard: int = 1000
     run_id: str = "job"
+    lease_ttl: float = 10.0
     master: MasterProcess = field(init=False)
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.master = MasterProcess(self.workdir / "master", lease_ttl=10.0)
+        self.master = MasterProcess(self.workdir / "master", lease_ttl=self.lease_ttl)
         self.out = self.workdir / "out"
         self.out.mkdir(parents=True, exist_ok=True)
         self.ckpt = self.workdir / "ckpt"

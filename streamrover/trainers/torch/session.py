@@ -27,6 +27,7 @@ import ctypes
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any, cast
 
@@ -44,6 +45,7 @@ from streamrover.trainers.torch.dataset import StreamDataset, StreamStateLostErr
 log = logging.getLogger(__name__)
 DEFAULT_CKPT_EVERY = 50
 DEFAULT_CKPT_KEEP = 3
+LEAVE_FLUSH_TIMEOUT = 10.0  # seconds a leaving rank waits for its queued acks (torchelastic kills it after 30)
 
 
 def _die_with_agent() -> None:
@@ -87,6 +89,7 @@ class StreamSession:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        self._leaving: threading.Thread | None = None
         if cfg.under_agent:
             _die_with_agent()
         address = master or cfg.master
@@ -114,8 +117,42 @@ class StreamSession:
             )
             self._ckpt = TorchCheckpoint(checkpointer, model, optimizer)
         self.timings["checkpointer"] = time.monotonic() - started - self.timings["connect"]
+        if cfg.under_agent:
+            self._leave_on_sigterm()
         self.restored_from: str | None = None
         self._restore()
+
+    # -- leaving (scale-in, stop) -----------------------------------------------------------
+    def _leave_on_sigterm(self) -> None:
+        """SIGTERM (the agent stops its workers: the node leaves, or the group restarts) makes this rank leave
+        gracefully: its queued acks are flushed and its leases handed back at once, so nothing waits out a
+        lease's expiry; then the process exits. The survivors re-rendezvous and restore the newest checkpoint.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            if self._leaving is None:  # in a thread: the main thread may hold the client's locks right now
+                self._leaving = threading.Thread(target=self._leave_and_exit, name="stream-leave")
+                self._leaving.start()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _leave_and_exit(self) -> None:
+        started = time.monotonic()
+        try:
+            self.client.flush(timeout=LEAVE_FLUSH_TIMEOUT)
+        except Exception as exc:  # refused or still unanswered: those records are replayed after the restore
+            log.warning("rank %d leaving: queued acks not all recorded (%s)", self.rank, exc)
+        try:
+            returned = self.client.leave()
+            log.warning("rank %d left on SIGTERM: acks flushed, %d lease(s) handed back in %.2f s", self.rank,
+                        returned, time.monotonic() - started)  # fmt: skip
+        except Exception as exc:
+            log.warning("rank %d leaving: the shard service did not take the leases back (%s)", self.rank, exc)
+        finally:
+            logging.shutdown()
+            os._exit(128 + signal.SIGTERM)
 
     # -- restore ---------------------------------------------------------------------------
     def _restore(self) -> None:

@@ -1,0 +1,62 @@
+"""Graceful scale-in: a node that leaves hands its leases back at once; the group goes on exactly once.
+
+Two ``dlrover-run`` agents (``--nnodes 1:2``, one worker each) train the ledger job from parquet;
+the master's lease TTL is 600 s, far longer than the test. Mid-run the second node is told to leave
+as the platforms tell it (SIGTERM to its agent: torchelastic passes SIGTERM to the workers). Its
+worker flushes its queued acks, leaves the shard service (every lease it holds goes back now) and
+exits; the first node re-rendezvouses alone, restores the newest checkpoint and finishes.
+
+Observable: the leaving worker disappears from the master's status long before its leases could
+expire (a worker that just died would stay listed, holding leases, until the TTL ran out), and the
+ledger counts every record exactly once.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import wait_until
+from tests.trainers.cluster import TorchJob
+from tests.trainers.test_single_node import _parquet
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+RECORDS = 20_000
+LEASE_TTL = 600.0
+
+
+def _workers_of(job: TorchJob, node: str) -> list[tuple[str, int]]:
+    with job.admin() as admin:
+        return [(w.name, w.leases) for w in admin.status().workers if w.name.endswith(f"@{node}")]
+
+
+def test_a_leaving_node_hands_its_leases_back_and_the_ledger_is_exact(tmp_path: Path) -> None:
+    _parquet(tmp_path / "data", RECORDS)
+    job = TorchJob(tmp_path, str(tmp_path / "data"), records_per_shard=500, lease_ttl=LEASE_TTL)
+    job.start()
+    try:
+        args = ["--records", str(RECORDS), "--batch-size", "64", "--out", str(job.out)]
+        for node in ("n0", "n1"):
+            job.start_agent(node, "1:2", 1, args)
+        wait_until(lambda: len(job.workers("n0")) == 1 and len(job.workers("n1")) == 1, 240, "both nodes training")
+        wait_until(lambda: job.acked() >= RECORDS * 0.2, 240, "20% of the records acked")
+        wait_until(lambda: any(leases for _, leases in _workers_of(job, "n1")), 120, "n1's worker holding a lease")
+        signalled = time.monotonic()
+        job.agents["n1"].send_signal(signal.SIGTERM)  # the node leaves (what a platform's stop_node does)
+        wait_until(lambda: not _workers_of(job, "n1"), 120,
+                   f"n1's worker to leave the master (not wait out the {LEASE_TTL:.0f} s lease TTL)")  # fmt: skip
+        handed_back = time.monotonic() - signalled
+        print(f"\nSIGTERM -> the leaving worker's leases handed back and it left the master: {handed_back:.2f} s")
+        assert job.agents["n1"].wait(timeout=120) is not None
+        assert "left on SIGTERM: acks flushed" in (tmp_path / "agent-n1.log").read_text(errors="replace")
+        wait_until(lambda: job.agents["n0"].poll() is not None, 400, "the remaining node to finish")
+        assert job.agents["n0"].returncode == 0, job.logs()
+        ledger = job.ledger()
+        assert ledger is not None and ledger.shape == (RECORDS,), job.logs()
+        assert np.all(ledger == 1), f"{int((ledger == 0).sum())} missing, {int((ledger > 1).sum())} doubled"
+    finally:
+        job.stop()
