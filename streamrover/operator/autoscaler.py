@@ -4,8 +4,10 @@ Inputs, sampled by the controller from the master's status every few seconds:
 ``lag`` (records produced and not yet acked, summed over the job's stream datasets:
 records, never position differences) and ``consumed`` (records acked so far, a counter).
 From two samples the autoscaler knows the consumption rate ``C`` and the lag's slope,
-hence the production rate ``P = C + dlag/dt``, and the throughput of one node
-``T = C / nodes``. The nodes needed to keep up with ``P`` and drain the lag above the
+hence the production rate ``P = C + dlag/dt`` (over the newest ``rate_window`` seconds, so a
+step in the rate is seen whole at once), and the throughput of one node ``T = C / nodes``
+(over ``window``; while nothing is consumed, as in a rendezvous after a scale decision, the
+rate one node did when it was last busy). The nodes needed to keep up with ``P`` and drain the lag above the
 target within ``drain_seconds`` are::
 
     needed = ceil((P + max(0, lag - target) / drain_seconds) / T)
@@ -72,6 +74,7 @@ class Autoscaler:
     min_nodes: int
     max_nodes: int
     window: float = 20.0
+    rate_window: float = 6.0  # seconds of the newest samples the production rate is measured over
     drain_seconds: float = 60.0
     samples: list[Sample] = field(default_factory=list)
     last_decision_at: float | None = None
@@ -90,14 +93,21 @@ class Autoscaler:
         first, last = self.samples[0], self.samples[-1]
         span = last.at - first.at
         consume = max(0.0, (last.consumed - first.consumed) / span)
-        produce = max(0.0, consume + (last.lag - first.lag) / span)
         per_node = consume / nodes if nodes else 0.0
+        # production over the newest samples only: a window spanning a rate step would under-estimate it
+        recent = [s for s in self.samples if s.at >= at - self.rate_window]
+        if len(recent) < 2 or recent[-1].at - recent[0].at < self.rate_window / 2:
+            recent = self.samples[-2:]
+        r_span = recent[-1].at - recent[0].at
+        produce = max(0.0, (recent[-1].consumed - recent[0].consumed + recent[-1].lag - recent[0].lag) / r_span)
         target = float(self.spec.target_lag_records or (self.spec.target_freshness_seconds or 0.0) * produce)
         target = max(target, 1.0)
-        if per_node > 0:
-            needed = math.ceil((produce + max(0.0, lag - target) / self.drain_seconds) / per_node)
+        # nothing consumed: a rendezvous or restore pauses training; a node still does what it did while busy
+        rate = per_node if per_node > 0 else (self.capacity or 0.0)
+        if rate > 0:
+            needed = math.ceil((produce + max(0.0, lag - target) / self.drain_seconds) / rate)
         else:
-            needed = nodes + 1 if lag > target else nodes  # nothing consumed yet: only a lag says more
+            needed = nodes + 1 if lag > target else nodes  # nothing ever consumed: only a lag says more
         needed = min(max(needed, self.min_nodes), self.max_nodes)
         if lag >= target / 2 and per_node > 0:
             self.capacity = per_node

@@ -70,3 +70,17 @@ def test_decisions_stay_in_bounds_and_respect_the_cooldown(steps, lo, hi, cooldo
             nodes = decision.nodes_to
     for a, b in zip(scaler.decisions, scaler.decisions[1:]):
         assert b.nodes_to > b.nodes_from or b.at - a.at >= cooldown, "a step in waits a cooldown"
+
+
+def test_a_rate_step_goes_to_the_nodes_it_needs_in_one_decision_and_a_pause_is_not_a_slowdown() -> None:
+    """The production rate is measured over the newest samples (a 20 s window spanning the step saw a
+    fraction of it and scaled 1 -> 2, then 2 -> 3 after another rendezvous); while a rendezvous pauses
+    training after a scale-in, nothing is consumed: that is not a reason to scale out again."""
+    scaler = _scaler(target=2_000, cooldown=15.0)
+    _, _, lag = _feed(scaler, 0, 40, 1, produce=80, per_node=160, lag=0, consumed=0)
+    decisions, _, lag = _feed(scaler, 42, 30, 1, produce=320, per_node=160, lag=lag)
+    assert [(d.nodes_from, d.nodes_to) for d in decisions] == [(1, 3)], decisions
+    _feed(scaler, 74, 60, 3, produce=320, per_node=160, lag=lag)  # busy at 3 nodes: capacity 160/s per node
+    scaler.capacity = 160.0
+    paused = [scaler.observe(200 + t, 1_500 + 80 * t, 50_000, 2) for t in range(0, 31, 2)]  # 30 s, nothing acked
+    assert not [d for d in paused if d is not None], paused
