@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 import grpc
@@ -197,6 +197,17 @@ class ShardClient:
         ``skip_lost``: records deleted upstream so far are accounted as lost (as ``sr.on_data_loss=skip`` does).
         """
         return self._call(self._stub.ResumeDataset, pb.ResumeDatasetRequest(name=name, skip_lost=skip_lost))
+
+    def commit_staged(
+        self, dataset: str, producer: str, part: str, epoch: int, files: Sequence[tuple[str, int]]
+    ) -> pb.CommitStagedResponse:
+        """Commit staged Parquet files ``(uri, records)`` to a staged dataset, once per (producer, part, epoch).
+
+        A repeat of a committed key answers ``already_committed`` and adds nothing (safe to retry).
+        """
+        staged = [pb.StagedFile(uri=uri, records=records) for uri, records in files]
+        request = pb.CommitStagedRequest(dataset=dataset, producer=producer, part=part, epoch=epoch, files=staged)
+        return self._call(self._stub.CommitStaged, request)
 
     def status(self) -> pb.StatusResponse:
         return self._call(self._stub.Status, pb.StatusRequest())

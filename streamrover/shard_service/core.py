@@ -31,6 +31,7 @@ from streamrover.shard_service.cuts import CutOps
 from streamrover.shard_service.datasets import DatasetOps
 from streamrover.shard_service.planner import grid_cells_covered
 from streamrover.shard_service.records import DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.staged import StagedOps
 from streamrover.shard_service.state import RATE_WINDOW
 from streamrover.shard_service.streams import StreamOps
 from streamrover.sources.api import SourceKind
@@ -69,7 +70,7 @@ class DatasetCounts:
     finished: bool
 
 
-class ShardCore(DatasetOps, CutOps, StreamOps):
+class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
     """The service's state machine over a :class:`Journal`."""
 
     # ------------------------------------------------------------------ workers

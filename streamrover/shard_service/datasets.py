@@ -87,6 +87,7 @@ class DatasetOps(StreamOps):
             self.journal.delete_shards_of(name)
             self.journal.delete_dataset(name)
             self.journal.delete_runs_of(name)
+            self.journal.delete_staged_of(name)
             if name in self.committed.datasets():
                 self.committed = without_dataset(self.committed, name)
                 self.journal.put_cursor(self.committed)
@@ -107,5 +108,7 @@ class DatasetOps(StreamOps):
             for pkey in [k for k in keyed if k[0] == name]:
                 del keyed[pkey]
         self.source_errors.pop(name, None)
+        for staged in [k for k in self.staged_commits if k[0] == name]:
+            del self.staged_commits[staged]
         self.restore_revoked.difference_update(sids)
         return revoked, len(sids)

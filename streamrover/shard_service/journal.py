@@ -52,6 +52,9 @@ CREATE TABLE IF NOT EXISTS cuts (
 CREATE TABLE IF NOT EXISTS runs (
     dataset TEXT NOT NULL, pindex INTEGER NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
     PRIMARY KEY (dataset, pindex, start)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS staged (
+    dataset TEXT NOT NULL, producer TEXT NOT NULL, part TEXT NOT NULL, epoch INTEGER NOT NULL,
+    records INTEGER NOT NULL, files TEXT NOT NULL, PRIMARY KEY (dataset, producer, part, epoch)) WITHOUT ROWID;
 """
 
 
@@ -298,3 +301,19 @@ class Journal:
 
     def kv_delete(self, key: str) -> None:
         self._db.execute("DELETE FROM kv WHERE key = ?", (key,))
+
+    # -- staged commits (sinks) ------------------------------------------------
+    def put_staged(self, dataset: str, producer: str, part: str, epoch: int, records: int, files: list[str]) -> None:
+        self._db.execute(
+            "INSERT INTO staged VALUES (?, ?, ?, ?, ?, ?)",
+            (dataset, producer, part, epoch, records, json.dumps(files)),
+        )
+
+    def load_staged(self) -> list[tuple[str, str, str, int, int, list[str]]]:
+        return [
+            (str(d), str(p), str(k), int(e), int(r), [str(f) for f in json.loads(files)])
+            for d, p, k, e, r, files in self._db.execute("SELECT * FROM staged ORDER BY dataset, producer, part, epoch")
+        ]
+
+    def delete_staged_of(self, dataset: str) -> None:
+        self._db.execute("DELETE FROM staged WHERE dataset = ?", (dataset,))

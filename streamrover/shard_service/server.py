@@ -25,6 +25,7 @@ from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.reported import ReportedMetrics
+from streamrover.shard_service.staged_rpc import commit_staged
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import (
@@ -35,6 +36,7 @@ from streamrover.sources.api import (
     open_source,
     validate_dataset_name,
 )
+from streamrover.sources.staged import StagedSource, is_staged
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -114,6 +116,8 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 self._start_poller(name)
 
     def _start_poller(self, name: str) -> None:
+        if is_staged(self.core.datasets[name].spec.uri):
+            return  # its shards are planned when a sink commits files (CommitStaged), not polled
         poller = StreamPoller(self, name)  # options journalled by an older build fail the dataset in its thread
         self.pollers[name] = poller
         poller.start()
@@ -202,8 +206,8 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
         source = open_source(spec.uri, spec.format, spec.options)  # I/O outside the lock
         try:
             partitions = source.partitions()
-            schema = source.schema()
-            schema_json = json.dumps([[f.name, str(f.type)] for f in schema])
+            schema = source.declared_schema() if isinstance(source, StagedSource) else source.schema()
+            schema_json = json.dumps([[f.name, str(f.type)] for f in schema or ()])  # staged: the first file's
         finally:
             source.close()
         with self.cond:
@@ -253,6 +257,8 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: Any) -> pb.ListDatasetsResponse:
         with self.cond:
             return pb.ListDatasetsResponse(datasets=[self._info(d) for _, d in sorted(self.core.datasets.items())])
+
+    CommitStaged = _rpc(commit_staged)
 
     # ------------------------------------------------------------------ workers
     @_rpc

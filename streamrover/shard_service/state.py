@@ -133,6 +133,8 @@ class CoreState:
         self.end_warnings: dict[str, str] = {}  # dataset -> the last end that went back (memory only)
         self.earliest_seen: dict[tuple[str, int], tuple[int, int]] = {}  # (dataset, pindex) -> (earliest, cut seq)
         self.skip_lost_once: set[str] = set()  # datasets resumed with skip_lost (memory only)
+        # staged datasets (staged.py): (dataset, producer, part, epoch) -> (records, file URIs) of each commit
+        self.staged_commits: dict[tuple[str, str, str, int], tuple[int, list[str]]] = {}
         self.started = clock()
         self._lease_seq = int(journal.get_meta("lease_seq") or 0)
         self._cut_seq = int(journal.get_meta("cut_seq") or 0)
@@ -168,6 +170,8 @@ class CoreState:
         self.committed = self.journal.load_cursor()
         for cut in self.journal.load_cuts():
             self.cuts[cut.id] = cut
+        for dataset, producer, part, epoch, records, files in self.journal.load_staged():
+            self.staged_commits[(dataset, producer, part, epoch)] = (records, files)
 
     def _index(self, s: ShardRecord) -> None:
         self.shards[s.id] = s

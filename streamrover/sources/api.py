@@ -188,6 +188,7 @@ _BUILTIN_SCHEMES = {
     "kafka": "streamrover.sources.kafka",
     "pulsar": "streamrover.sources.pulsar",
     "rocketmq": "streamrover.sources.rocketmq",
+    "staged": "streamrover.sources.staged",
 }
 
 

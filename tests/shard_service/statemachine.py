@@ -3,9 +3,10 @@
 The model is what a trainer's state would contain: a count per record, raised
 only when the service accepts an ack (refused acks are not applied), and the
 training step that applied it. Restore puts the model back to a checkpoint's
-snapshot. Two datasets: a batch dataset (two epochs, optionally shuffled) and a
+snapshot. Three datasets: a batch dataset (two epochs, optionally shuffled), a
 stream whose partitions grow (and gain a partition) while the job runs, planned
-from polls like the master's poller plans them.
+from polls like the master's poller plans them, and a staged dataset fed by a
+sink's commits (each key once: retries and replays add nothing).
 
 Invariants: no record is ever applied twice; every cut's cursor is exactly the
 model's records at that time — for a cut of step S, the committed records plus
@@ -47,12 +48,13 @@ from streamrover.shard_service.core import AckItem, ShardCore
 from streamrover.shard_service.cuts import MAX_PREPARED_CUTS
 from streamrover.shard_service.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
+from streamrover.sources.staged import FileFacts
 
 TTL = 10.0
 PARTITIONS = [Partition("a.parquet#rg0", 0, 23), Partition("a.parquet#rg1", 0, 9), Partition("b.parquet#rg0", 0, 17)]
 EPOCHS = 2
 STREAM_START = {"t-0": 5, "t-1": 0, "t-2": 3}  # t-0 starts past 0 (retention); t-2 appears mid-run
-DATASETS = ("d", "s")
+DATASETS = ("d", "s", "g")  # batch, stream, staged (fed by a sink's commits)
 REFUSED = (StaleLeaseError, FailedPreconditionError, NotFoundError)
 Key = tuple[str, int, str, int]  # dataset, epoch, partition id, position
 Model = dict[Key, int]
@@ -66,6 +68,8 @@ BATCH_ARGS = {
 }
 LEASE_ARGS = {"w": st.integers(0, 2), "n": st.integers(1, 3), "ds": st.sampled_from(DATASETS)}
 GROW_ARGS = {"p": st.integers(0, 2), "n": st.integers(0, 15), "force": st.booleans()}
+STAGED_ARGS = {"producer": st.sampled_from(["q1", "q2"]), "epoch": st.integers(0, 3),
+               "rows": st.lists(st.integers(0, 9), max_size=2)}  # fmt: skip
 RESTORE_ARGS = {"i": st.integers(0, 100), "memory": st.booleans(), "by_cursor": st.booleans()}
 
 
@@ -104,6 +108,8 @@ class ShardServiceMachine(RuleBasedStateMachine):
         self.committed_cuts: list[int] = []
         self.prepared: list[int] = []  # memory snapshots: prepared, not committed
         self.stream_ends: dict[str, int] = {}  # what the stream's source holds (its partitions' ends)
+        self.staged: dict[tuple[str, int], int] = {}  # the staged dataset's committed keys -> their records
+        self.staged_files = 0
         self.answers = 0  # state changes the service answered (leases, accepted acks, cuts, commits, restores)
 
     def _open(self) -> ShardCore:
@@ -143,6 +149,8 @@ class ShardServiceMachine(RuleBasedStateMachine):
         self.stream_ends = {"t-0": STREAM_START["t-0"] + 4, "t-1": 0}
         stream = DatasetSpec("s", "mem://s", records_per_shard=size, options={"sr.max_delay_ms": "3000"})
         self.core.register_dataset(stream, SourceKind.STREAM, self._poll(), "[]")
+        staged = DatasetSpec("g", "staged://g", "parquet", records_per_shard=size)
+        self.core.register_dataset(staged, SourceKind.STREAM, [], "[]")
         self.workers = [self.core.join(f"w{i}").id for i in range(3)]
 
     # -- rules ----------------------------------------------------------------
@@ -266,6 +274,23 @@ class ShardServiceMachine(RuleBasedStateMachine):
         self.stream_ends[pid] = self.stream_ends.get(pid, STREAM_START[pid]) + n
         self.core.extend_stream("s", self._poll(), force=force)
 
+    @rule(**STAGED_ARGS)
+    def commit_staged(self, producer: str, epoch: int, rows: list[int]) -> None:
+        """A sink commits a checkpoint's files (maybe again: a retry, or a replay after the engine restarted)."""
+        files = []
+        for n in rows:
+            self.staged_files += 1
+            files.append(FileFacts(f"mem://g/{self.staged_files}.parquet", n, '[["id", "int64"]]'))
+        planned = self.core.datasets["g"].planned_records()
+        out = self.core.commit_staged("g", producer, "driver", epoch, files)
+        first = (producer, epoch) not in self.staged
+        assert out.already is not first
+        if first:
+            self.staged[(producer, epoch)] = sum(rows)
+            self.answers += 1
+        assert out.records == self.staged[(producer, epoch)], "a key's answer is its first commit's"
+        assert self.core.datasets["g"].planned_records() == planned + (sum(rows) if first else 0)
+
     @rule(w=st.integers(0, 2))
     def heartbeat(self, w: int) -> None:
         if self.workers[w] in self.core.workers:
@@ -381,6 +406,8 @@ class ShardServiceMachine(RuleBasedStateMachine):
             self.core.committed,
             sorted((s.id, s.state, s.attempt, s.acked_to, tuple(s.acks)) for s in self.core.shards.values()),
             [(p.id, p.start, p.end) for p in self.core.datasets["s"].partitions],
+            [(p.id, p.start, p.end) for p in self.core.datasets["g"].partitions],
+            sorted(self.core.staged_commits.items()),
         )
 
     # -- invariants -----------------------------------------------------------
@@ -439,8 +466,8 @@ class ShardServiceMachine(RuleBasedStateMachine):
             if out.status is LeaseStatus.END:
                 break
             if out.status is LeaseStatus.WAIT:  # a stream: nothing is left once nothing waits or is leased
-                assert ds == "s" and not self.core.leased, out
-                assert self.core.state_counts["s"][ShardState.TODO] == 0, "shards wait, yet a lease waits"
+                assert ds in ("s", "g") and not self.core.leased, out
+                assert self.core.state_counts[ds][ShardState.TODO] == 0, "shards wait, yet a lease waits"
                 break
             assert out.status is LeaseStatus.OK, out
             for g in out.leases:
@@ -464,7 +491,9 @@ class ShardServiceMachine(RuleBasedStateMachine):
         stream = sum(end - STREAM_START[pid] for pid, end in self.stream_ends.items())
         assert self.core.committed.only("d").size() == batch
         assert self.core.committed.only("s").size() == stream
-        assert len(self.applied) == batch + stream and all(c == 1 for c in self.applied.values())
+        staged = sum(self.staged.values())
+        assert self.core.committed.only("g").size() == staged
+        assert len(self.applied) == batch + stream + staged and all(c == 1 for c in self.applied.values())
         assert not self.core.shards, "committed shards must be compacted away"
         self.core.journal.close()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -1305,3 +1305,102 @@ class KvSetResponse(google.protobuf.message.Message):
     def ClearField(self, field_name: typing.Literal["ok", b"ok", "value", b"value", "version", b"version"]) -> None: ...
 
 global___KvSetResponse = KvSetResponse
+
+@typing.final
+class StagedFile(google.protobuf.message.Message):
+    """--------------------------------------------------------- staged datasets (sinks)
+    A staged dataset is fed by a stream engine's sink (Flink, Spark) instead of read from a broker:
+    register it with RegisterDataset, uri "staged://<anything>", format "parquet" (or empty), options:
+      sr.staging_dir  an fsspec URL where the sink stages its files as
+                      <sr.staging_dir>/<producer>/<part>/<epoch>/<file>.parquet; uncommitted staging there is
+                      garbage collected (below). Files elsewhere are committed just the same, never deleted.
+      sr.schema       optional: the records' Arrow schema, base64 of its IPC serialisation; files must match it.
+                      Without it the first committed file fixes the schema (workers learn it from the files).
+    The sink writes Parquet files at a checkpoint (Flink) or micro-batch (Spark) and, once the engine
+    says the checkpoint/batch is done, commits them here. Each committed file becomes a partition of the
+    dataset (its id is the file's URI, its positions the row indexes 0..records), cut into shards that
+    trainers lease, ack and checkpoint like any stream's; committed-but-untrained records are the lag.
+
+    A key (producer, part, epoch) is committed once: a retried or replayed commit of a committed key
+    answers OK with already_committed=true and adds nothing (whatever files it names). Commits of one
+    (producer, part) come in epoch order. Every file is validated before anything is journalled:
+    INVALID_ARGUMENT names a file that is missing, unreadable, not Parquet, whose row count differs from
+    `records`, whose schema differs from the dataset's, that is named twice, or that is already a
+    partition of the dataset; NOT_FOUND: no such dataset; FAILED_PRECONDITION: the dataset is not staged.
+
+    Garbage collection: once (producer, part, N) is committed (or a commit of it is replayed), files
+    under <sr.staging_dir>/<producer>/<part>/<e>/ with an integer e <= N that no commit of that
+    (producer, part) names are deleted (a failed attempt's staging, a replayed batch's second copy).
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    URI_FIELD_NUMBER: builtins.int
+    RECORDS_FIELD_NUMBER: builtins.int
+    uri: builtins.str
+    """a Parquet file, an fsspec URL workers can read"""
+    records: builtins.int
+    """its row count (checked against the file's footer)"""
+    def __init__(
+        self,
+        *,
+        uri: builtins.str = ...,
+        records: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["records", b"records", "uri", b"uri"]) -> None: ...
+
+global___StagedFile = StagedFile
+
+@typing.final
+class CommitStagedRequest(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    DATASET_FIELD_NUMBER: builtins.int
+    PRODUCER_FIELD_NUMBER: builtins.int
+    PART_FIELD_NUMBER: builtins.int
+    EPOCH_FIELD_NUMBER: builtins.int
+    FILES_FIELD_NUMBER: builtins.int
+    dataset: builtins.str
+    """a dataset registered with uri "staged://<anything>", format parquet"""
+    producer: builtins.str
+    """Flink job id / Spark query id: [A-Za-z0-9_.-]{1,128}"""
+    part: builtins.str
+    """Flink subtask index / Spark partition or "driver": [A-Za-z0-9_.-]{1,128}"""
+    epoch: builtins.int
+    """Flink checkpoint id / Spark batch id (>= 0)"""
+    @property
+    def files(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___StagedFile]:
+        """may be empty (an empty checkpoint/batch: the key is committed all the same)"""
+
+    def __init__(
+        self,
+        *,
+        dataset: builtins.str = ...,
+        producer: builtins.str = ...,
+        part: builtins.str = ...,
+        epoch: builtins.int = ...,
+        files: collections.abc.Iterable[global___StagedFile] | None = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "epoch", b"epoch", "files", b"files", "part", b"part", "producer", b"producer"]) -> None: ...
+
+global___CommitStagedRequest = CommitStagedRequest
+
+@typing.final
+class CommitStagedResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    ALREADY_COMMITTED_FIELD_NUMBER: builtins.int
+    RECORDS_FIELD_NUMBER: builtins.int
+    already_committed: builtins.bool
+    """the key was committed before: nothing changed"""
+    records: builtins.int
+    """records the key's commit registered (the first commit's, when already committed)"""
+    def __init__(
+        self,
+        *,
+        already_committed: builtins.bool = ...,
+        records: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["already_committed", b"already_committed", "records", b"records"]) -> None: ...
+
+global___CommitStagedResponse = CommitStagedResponse

@@ -129,6 +129,11 @@ class ShardServiceStub(object):
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetRequest.SerializeToString,
                 response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetResponse.FromString,
                 _registered_method=True)
+        self.CommitStaged = channel.unary_unary(
+                '/streamrover.v1.ShardService/CommitStaged',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer(object):
@@ -248,6 +253,12 @@ class ShardServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitStaged(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -345,6 +356,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.KvSet,
                     request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetRequest.FromString,
                     response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetResponse.SerializeToString,
+            ),
+            'CommitStaged': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitStaged,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -860,6 +876,33 @@ class ShardService(object):
             '/streamrover.v1.ShardService/KvSet',
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetRequest.SerializeToString,
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitStaged(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrover.v1.ShardService/CommitStaged',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -125,6 +125,11 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.KvSetResponse,
     ]
 
+    CommitStaged: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.CommitStagedRequest,
+        streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse,
+    ]
+
 class ShardServiceAsyncStub:
     RegisterDataset: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.RegisterDatasetRequest,
@@ -219,6 +224,11 @@ class ShardServiceAsyncStub:
     KvSet: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.KvSetRequest,
         streamrover.shard_service.v1.shard_service_pb2.KvSetResponse,
+    ]
+
+    CommitStaged: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.CommitStagedRequest,
+        streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse,
     ]
 
 class ShardServiceServicer(metaclass=abc.ABCMeta):
@@ -354,5 +364,12 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.KvSetRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.KvSetResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.KvSetResponse]]: ...
+
+    @abc.abstractmethod
+    def CommitStaged(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.CommitStagedRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse]]: ...
 
 def add_ShardServiceServicer_to_server(servicer: ShardServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...
