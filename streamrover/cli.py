@@ -25,6 +25,8 @@ from streamrover.operator import cli as operator_cli
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, DatasetSpec, ShardServiceError
 from streamrover.sources.api import SourceError
 
+LOG_WIDTH = 4096  # columns of a console that is not a terminal: tables take their natural width
+
 
 def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", default=os.environ.get("STREAMROVER_MASTER", "127.0.0.1:7070"), help="HOST:PORT")
@@ -225,6 +227,14 @@ def _status_view(client) -> Table:  # type: ignore[no-untyped-def]
     return outer
 
 
+def _console() -> Console:
+    """The console to print to. Not a terminal (piped to a log or a file) and no ``$COLUMNS``: no width limit,
+    as rich would squeeze every table to 80 columns and cut its headers to a letter or two."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=LOG_WIDTH)
+
+
 def _restore(console: Console, client: Any, args: argparse.Namespace) -> int:
     before = client.status().last_committed_cut
     if args.empty:
@@ -247,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return tf_ps_run(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
-    console = Console()
+    console = _console()
     try:
         if args.command == "master":
             return _run_master(args)
@@ -261,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.watch:
                     console.print(_status_view(client))
                     return 0
+                if not console.is_terminal:  # a log: one timestamped view per interval (a live view redraws in place)
+                    while True:
+                        console.print(time.strftime("%Y-%m-%d %H:%M:%S"), _status_view(client))
+                        sys.stdout.flush()
+                        time.sleep(args.watch)  # display refresh interval
                 from rich.live import Live
 
                 with Live(_status_view(client), console=console, refresh_per_second=4) as live:
