@@ -498,13 +498,13 @@ def size_main(a: argparse.Namespace) -> int:
 
 
 def restore_ours_main(a: argparse.Namespace) -> int:
-    from streamrover.ckpt import Checkpointer, Source
+    from streamrover.ckpt import Checkpointer, LoadedFrom
 
     root = a.target
 
     def load(zero_copy: bool) -> Any:
         loaded = Checkpointer(root, saver="thread").load(zero_copy=zero_copy, restore=False)
-        assert loaded.source == Source.MEMORY, loaded.source
+        assert loaded.source == LoadedFrom.MEMORY, loaded.source
         return loaded
 
     out = {

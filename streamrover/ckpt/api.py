@@ -55,7 +55,7 @@ class SaverError(CheckpointError):
     """The saver process could not be started or reached, or reported a failed persist."""
 
 
-class Source(enum.Enum):
+class LoadedFrom(enum.Enum):
     """Where a loaded checkpoint came from."""
 
     MEMORY = "memory"
@@ -139,7 +139,7 @@ class RetentionPolicy:
 class LoadedCheckpoint:
     """What :meth:`Checkpointer.load` returns.
 
-    ``state`` has the nested structure that was saved. With ``Source.MEMORY`` and
+    ``state`` has the nested structure that was saved. With ``LoadedFrom.MEMORY`` and
     ``zero_copy=True`` its tensors are views of shared memory, valid until this
     rank's next save: copy them into the model (``load_state_dict`` does) first.
     """
@@ -147,7 +147,7 @@ class LoadedCheckpoint:
     step: int
     state: dict[str, Any]
     cursor: DataCursor
-    source: Source
+    source: LoadedFrom
     cut_id: int | None = None
     path: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -21,11 +21,11 @@ from streamrover.ckpt.api import (
     CorruptCheckpointError,
     CursorBinder,
     LoadedCheckpoint,
+    LoadedFrom,
     NoCheckpointError,
     PersistResult,
     RetentionPolicy,
     SaverError,
-    Source,
 )
 from streamrover.ckpt.layout import complete_steps, read_manifest, read_part
 from streamrover.ckpt.link import SaverLink
@@ -298,10 +298,10 @@ class Checkpointer:
         """
         self.wait_snapshot()  # the caller will mutate what an overlapped save may still be copying
         loaded = self._load(self.rank if part is None else part, zero_copy, memory)
-        if loaded.source == Source.STORAGE:
+        if loaded.source == LoadedFrom.STORAGE:
             self._drop_newer_snapshots(loaded.step)
         if restore and self.binder is not None:
-            self.binder.restore_cursor(loaded.cursor, from_memory=loaded.source == Source.MEMORY)
+            self.binder.restore_cursor(loaded.cursor, from_memory=loaded.source == LoadedFrom.MEMORY)
         return loaded
 
     def _drop_newer_snapshots(self, step: int) -> None:
@@ -345,7 +345,7 @@ class Checkpointer:
                 step,
                 state,
                 cursor,
-                Source.STORAGE,
+                LoadedFrom.STORAGE,
                 cut_ids[0] if cut_ids else None,
                 self.storage.join(f"step-{step:012d}"),
                 {"skipped": skipped, "meta": doc.get("meta")},
@@ -359,7 +359,7 @@ class Checkpointer:
                 snap.step,
                 state,
                 cursor,
-                Source.MEMORY,
+                LoadedFrom.MEMORY,
                 snap.header.get("cut_id"),
                 None,
                 {"skipped": skipped, "meta": snap.header.get("meta")},

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.streams import stream_planning
-from streamrover.sources.api import Partition, Source, SourceError, SourceGoneError, open_source
+from streamrover.sources.api import MasterSource, Partition, SourceError, SourceGoneError, open_source
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamrover.shard_service.server import ShardServicer
@@ -80,7 +80,7 @@ class StreamPoller:
             self.servicer.cond.notify_all()
 
     def _run(self) -> None:
-        source: Source | None = None
+        source: MasterSource | None = None
         try:
             with self.servicer.cond:
                 ds = self.servicer.core.dataset(self.name)
@@ -118,7 +118,7 @@ class StreamPoller:
             if source is not None:
                 source.close()
 
-    def _poll_once(self, source: Source) -> None:
+    def _poll_once(self, source: MasterSource) -> None:
         polled = source.poll()
         core, cond = self.servicer.core, self.servicer.cond
         with cond:
@@ -138,7 +138,7 @@ class StreamPoller:
             core.source_errors.pop(self.name, None)
         self._commit(source, polled)
 
-    def _commit(self, source: Source, polled: list[Partition]) -> None:
+    def _commit(self, source: MasterSource, polled: list[Partition]) -> None:
         with self._commit_lock:
             pending, self._to_commit = self._to_commit, {}
         if pending:

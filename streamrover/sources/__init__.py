@@ -1,6 +1,7 @@
-"""Where records come from: the source contract and its backends (files now; brokers in their own modules)."""
+"""Where records come from: the source contract (``api.py``) and its backends, one module each (``registry.py``)."""
 
 from streamrover.sources.api import (
+    MasterSource,
     Partition,
     ReadBatch,
     Source,
@@ -11,11 +12,13 @@ from streamrover.sources.api import (
     SourceSchemaError,
     SourceUnavailableError,
     SourceUnreadableError,
+    WorkerSource,
     open_source,
     register_source,
 )
 
 __all__ = [
+    "MasterSource",
     "Partition",
     "ReadBatch",
     "Source",
@@ -26,6 +29,7 @@ __all__ = [
     "SourceSchemaError",
     "SourceUnavailableError",
     "SourceUnreadableError",
+    "WorkerSource",
     "open_source",
     "register_source",
 ]

@@ -1,13 +1,42 @@
 """The source contract: what the shard service plans from and what workers read.
 
-A :class:`Source` is opened from a dataset's URI and options, both on the master
-(to list partitions and their position ranges) and on workers (to read a shard's
-positions). Sources say what their positions are; nothing above this package
-assumes positions are dense.
+A source is opened from a dataset's URI and options (:func:`open_source`) on both sides of
+a job, and each side calls its own half of the contract:
 
-Backends register a factory with :func:`register_source`; :func:`open_source`
-picks one by URI scheme or file format. Broker clients are imported lazily by
-their backends, never here.
+- the **master** (:class:`MasterSource`): :meth:`~MasterSource.partitions` and
+  :meth:`~MasterSource.schema` when the dataset is registered, :meth:`~MasterSource.poll`
+  to plan a stream's shards as records arrive, :meth:`~MasterSource.commit` after a
+  checkpoint's cut is committed;
+- a **worker** (:class:`WorkerSource`): :meth:`~WorkerSource.read` of a leased shard's positions.
+
+A backend is one class implementing both (:class:`Source`); instances are cheap and do
+their I/O lazily, so a worker that only reads never lists partitions.
+
+**Positions.** A position is an ``int`` naming where a record sits in its partition; positions
+only grow along a partition and a range ``[start, end)`` is half-open. Nothing above this
+package assumes positions are dense:
+
+- A *dense* source (``dense_positions = True``: files, RocketMQ) holds exactly one record at
+  every position of ``[Partition.start, Partition.end)``.
+- A *sparse* source holds at most one record per position, or a group of records that share
+  one position and are never split (a Pulsar batched entry). Where it can, it says where its
+  records lie with :attr:`Partition.segments` (runs ``[a, b)`` holding one record per position;
+  positions outside every run hold none: a Pulsar ledger rollover). One that reports no runs
+  (Kafka: gaps from compaction and transaction markers are rare and small) is counted as if
+  dense, an upper bound. Runs only *count* records (shard sizes, lag, status,
+  ``sources/positions.py``); they never bound what a shard covers: a shard reads every
+  position of its range, so a run the master never learned costs count accuracy, never a record.
+- A read batch's :attr:`ReadBatch.end` is the position of the *next* read of the partition
+  (one past the last record's position, or the shard's end when the shard is done): acking it
+  says every record before it in the shard is applied. Ack and cursor granularity is the
+  position: a batch, a shard boundary and an ack never split the records of one position.
+- Reading a range again yields the same records: a shard is replayable, which is what lets
+  a restore re-read everything after a checkpoint's cursor.
+
+Errors: every failure is a :class:`SourceError`; its subclasses say what the caller should do
+(retry, fail the dataset, fix the input). Backends plug in with :func:`register_source`; the
+built-in ones are imported on first use by :mod:`streamrover.sources.registry`, so broker
+clients are never imported here.
 """
 
 from __future__ import annotations
@@ -103,8 +132,11 @@ class ReadBatch:
         return int(self.records.num_rows)
 
 
-class Source(ABC):
-    """A partitioned, replayable input. Instances are cheap to create; heavy I/O is lazy."""
+class MasterSource(ABC):
+    """What the master calls: partitions and schema at registration, polls of a stream's ends, commits.
+
+    Called from the master's threads one at a time per source object (the poller owns its own).
+    """
 
     kind: SourceKind = SourceKind.BATCH
     #: True when every integer position in a partition's [start, end) holds exactly one record.
@@ -114,19 +146,15 @@ class Source(ABC):
 
     @abstractmethod
     def partitions(self) -> list[Partition]:
-        """The partitions, in a stable order; for streams, with their current end positions."""
+        """The partitions, in a stable order; for streams, with their current end positions.
+
+        Raises :class:`SourceNotFoundError` when the URI names nothing, :class:`SourceUnreadableError`
+        when it cannot be read, :class:`SourceUnavailableError` when the source cannot be reached now.
+        """
 
     @abstractmethod
     def schema(self) -> pa.Schema:
-        """The Arrow schema of the records."""
-
-    @abstractmethod
-    def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
-        """Yield the records at positions ``[start, end)`` of ``partition``, at most ``batch_size`` per batch.
-
-        Must be deterministic: reading the same range again yields the same
-        records (this is what makes a shard replayable).
-        """
+        """The Arrow schema of the records (the same for every partition: :class:`SourceSchemaError` if not)."""
 
     def poll(self) -> list[Partition]:
         """The partitions now, with their current end positions (new partitions included).
@@ -149,6 +177,32 @@ class Source(ABC):
         """Release connections and caches."""
 
 
+class WorkerSource(ABC):
+    """What a worker calls: reads of a leased shard's positions."""
+
+    @abstractmethod
+    def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
+        """Yield the records at positions ``[start, end)`` of ``partition``, at most ``batch_size`` per batch.
+
+        Must be deterministic: reading the same range again yields the same records (this is
+        what makes a shard replayable). Batches come in position order, each ending at or
+        before ``end``; the last may end short of ``end`` when no record lies in the range's
+        tail (the worker's :class:`~streamrover.shard_service.LeasedShard` then acks ``end``
+        itself). A sparse source may exceed ``batch_size`` by the rest of the records of one
+        position. Blocks while the records are fetched; raises :class:`SourceUnavailableError`
+        when the source stays unreachable past the backend's read timeout, and, where the
+        backend can tell, :class:`SourceDataLostError` when records of the range were deleted
+        upstream (Kafka).
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and caches."""
+
+
+class Source(MasterSource, WorkerSource):
+    """A partitioned, replayable input: both halves of the contract in one backend class."""
+
+
 SourceFactory = Callable[[str, str, Mapping[str, str]], Source]
 """Called as ``factory(uri, format, options)``."""
 
@@ -158,7 +212,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
 def register_source(factory: SourceFactory, *, schemes: tuple[str, ...] = (), formats: tuple[str, ...] = ()) -> None:
-    """Make ``factory`` open URIs with one of ``schemes`` (``kafka``) or files of one of ``formats``."""
+    """Make ``factory`` open URIs with one of ``schemes`` (``kafka``) or files of one of ``formats``.
+
+    A later registration of the same scheme or format replaces the earlier one.
+    """
     for scheme in schemes:
         _SCHEMES[scheme] = factory
     for fmt in formats:
@@ -168,8 +225,10 @@ def register_source(factory: SourceFactory, *, schemes: tuple[str, ...] = (), fo
 def open_source(uri: str, format: str = "", options: Mapping[str, str] | None = None) -> Source:
     """Open the source a dataset names. Raises :class:`SourceError` with the reason when it cannot."""
     opts = dict(options or {})
+    from streamrover.sources.registry import load_builtin_backends  # (it imports this module)
+
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
-    _load_builtin_backends(scheme)
+    load_builtin_backends(scheme)
     factory = _SCHEMES.get(scheme)
     if factory is None:
         factory = _FORMATS.get(format) if format else _FORMATS.get("files")
@@ -179,29 +238,12 @@ def open_source(uri: str, format: str = "", options: Mapping[str, str] | None = 
     return factory(uri, format, opts)
 
 
+def is_registered(*, scheme: str = "", format: str = "") -> bool:
+    """Whether a backend is registered for URI ``scheme`` (or, given ``format``, for that file format)."""
+    return scheme in _SCHEMES if scheme else format in _FORMATS
+
+
 def validate_dataset_name(name: str) -> None:
+    """Raise :class:`SourceError` unless ``name`` is 1-128 letters, digits, ``_``, ``.`` or ``-``."""
     if not _NAME_RE.match(name):
         raise SourceError(f"dataset name {name!r} must be 1-128 characters of letters, digits, '_', '.', '-'")
-
-
-_BUILTIN_SCHEMES = {
-    "kafka": "streamrover.sources.kafka",
-    "pulsar": "streamrover.sources.pulsar",
-    "rocketmq": "streamrover.sources.rocketmq",
-    "staged": "streamrover.sources.staged",
-}
-
-
-def _load_builtin_backends(scheme: str = "") -> None:
-    """Import the backend for ``scheme`` (and the file source) on first use; broker clients stay unimported."""
-    import importlib
-
-    module = _BUILTIN_SCHEMES.get(scheme)
-    if module is not None and scheme not in _SCHEMES:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            hint = f"pip install 'streamrover[{scheme}]'"
-            raise SourceError(f"{scheme}:// needs the {scheme!r} extra: {hint} ({exc})") from exc
-    if "files" not in _FORMATS:
-        from streamrover.sources import files  # noqa: F401  (registers itself)

@@ -46,7 +46,6 @@ from confluent_kafka import (
     IsolationLevel,
     KafkaError,
     KafkaException,
-    Producer,
     TopicPartition,
 )
 from confluent_kafka import Message as KafkaMessage
@@ -63,13 +62,19 @@ from streamrover.sources.api import (
     SourceUnavailableError,
     register_source,
 )
-from streamrover.sources.options import KafkaOptions, OptionError, client_options
+from streamrover.sources.kafka_client import (
+    REQUEST_TIMEOUT,
+    TopicDeadLetters,
+    check_client_options,
+    non_consumer_options,
+    parse_uri,
+)
+from streamrover.sources.options import KafkaOptions, client_options
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
 RAW_SCHEMA = pa.schema(
     [("key", pa.binary()), ("value", pa.binary()), ("timestamp", pa.int64()), ("offset", pa.int64())]
 )
-REQUEST_TIMEOUT = 10.0
 # a read that goes on where the last one ended and gets nothing for this long re-assigns (see read())
 CONTINUE_IDLE = 0.5
 # librdkafka defaults for shard reads (the dataset's options override them). A worker reads
@@ -148,26 +153,6 @@ def _is_eof(msg: Any) -> bool:
     return err is not None and err.code() == KafkaError._PARTITION_EOF
 
 
-def parse_uri(uri: str) -> tuple[str, str]:
-    if not uri.startswith("kafka://"):
-        raise SourceError(f"a Kafka URI looks like kafka://HOST:PORT/TOPIC, got {uri!r}")
-    rest = uri[len("kafka://") :]
-    bootstrap, _, topic = rest.partition("/")
-    if not bootstrap or not topic or "/" in topic:
-        raise SourceError(f"a Kafka URI looks like kafka://HOST:PORT[,HOST:PORT]/TOPIC, got {uri!r}")
-    return bootstrap, topic
-
-
-def _check_client_options(conf: Mapping[str, Any]) -> None:
-    """librdkafka checks setting names and values when a client is made: make one that connects nowhere."""
-    probe = {k: v for k, v in conf.items() if k != "bootstrap.servers"}
-    try:
-        Consumer({**probe, "log_level": 0}).close()
-    except KafkaException as exc:
-        raise OptionError(f"Kafka client option refused: {exc.args[0].str()} (options other than sr.* are "
-                          "librdkafka configuration, see its CONFIGURATION.md)") from None  # fmt: skip
-
-
 class KafkaSource(Source):
     kind = SourceKind.STREAM
     dense_positions = False
@@ -180,12 +165,12 @@ class KafkaSource(Source):
         self.rdkafka: dict[str, Any] = client_options(opts)
         self.rdkafka.setdefault("bootstrap.servers", self.bootstrap)
         self.rdkafka.setdefault("group.id", f"streamrover-{self.topic}")
-        _check_client_options(self.rdkafka)
+        check_client_options(self.rdkafka)
         self.read_committed = self.rdkafka.get("isolation.level", "read_committed") == "read_committed"
         self.format = self.options.format
         self._schema = RAW_SCHEMA if self.format == "raw" else parse_schema(self.options.record_schema)
         topic = self.options.dead_letter_topic
-        self._dead = _TopicDeadLetters(self.rdkafka, topic) if topic else DeadLetters(self.options.dead_letter_dir)
+        self._dead = TopicDeadLetters(self.rdkafka, topic) if topic else DeadLetters(self.options.dead_letter_dir)
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
         self._resume: _Resume | None = None  # where the consumer is after a finished read
@@ -193,10 +178,7 @@ class KafkaSource(Source):
     # -- clients ------------------------------------------------------------
     def _admin_client(self) -> AdminClient:
         if self._admin is None:
-            conf = {
-                k: v for k, v in self.rdkafka.items() if not k.startswith(("group.", "isolation.", "enable.", "auto."))
-            }
-            self._admin = AdminClient(conf)
+            self._admin = AdminClient(non_consumer_options(self.rdkafka))
         return self._admin
 
     def _consumer_client(self) -> Consumer:
@@ -427,35 +409,6 @@ def _binary(values: list[bytes | None]) -> pa.Array:
     bounds = np.zeros(len(values) + 1, np.int32)
     np.cumsum(np.fromiter(map(len, values), np.int32, len(values)), out=bounds[1:])  # type: ignore[arg-type]
     return pa.Array.from_buffers(pa.binary(), len(values), [None, pa.py_buffer(bounds), pa.py_buffer(data)])
-
-
-class _TopicDeadLetters(DeadLetters):
-    """Undecodable records produced, raw, to a Kafka topic of the same cluster.
-
-    The key is ``partition:offset`` (a compacted topic keeps one copy per record
-    across replays); headers carry the partition, offset and decode error.
-    """
-
-    def __init__(self, rdkafka: Mapping[str, Any], topic: str) -> None:
-        super().__init__("")
-        conf = {k: v for k, v in rdkafka.items() if not k.startswith(("group.", "isolation.", "enable.", "auto."))}
-        conf.update({"acks": "all", "enable.idempotence": True})
-        self.topic = topic
-        self._producer = Producer(conf)
-
-    def send(self, partition_id: str, msg: Message, error: Exception) -> None:
-        headers: list[tuple[str, str | bytes | None]] = [
-            ("sr.partition", partition_id.encode()),
-            ("sr.offset", str(msg.position).encode()),
-            ("sr.error", str(error).encode()),
-        ]
-        self._producer.produce(self.topic, value=msg.value, key=f"{partition_id}:{msg.position}", headers=headers)
-
-    def flush(self) -> None:
-        if self._producer.flush(REQUEST_TIMEOUT) != 0:
-            raise SourceUnavailableError(
-                f"dead letters not delivered to topic {self.topic!r} within {REQUEST_TIMEOUT}s"
-            )
 
 
 def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:

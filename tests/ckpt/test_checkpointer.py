@@ -13,10 +13,10 @@ import torch
 from streamrover.ckpt import (
     Checkpointer,
     CheckpointFallbackWarning,
+    LoadedFrom,
     NoCheckpointError,
     RetentionPolicy,
     SharedMemoryTooSmallError,
-    Source,
     namespace_for,
     purge_shared_memory,
 )
@@ -42,10 +42,10 @@ def test_load_prefers_memory_when_newer_and_storage_otherwise(root: str) -> None
         save_persisted(ckpt, [1])
         ckpt.save(2, state_at(2), persist=False)
         mem = ckpt.load()
-        assert (mem.step, mem.source) == (2, Source.MEMORY)
+        assert (mem.step, mem.source) == (2, LoadedFrom.MEMORY)
         assert mem.state["w"][0, 0] == 2
         disk = ckpt.load(memory=False)
-        assert (disk.step, disk.source) == (1, Source.STORAGE)
+        assert (disk.step, disk.source) == (1, LoadedFrom.STORAGE)
     # another "node": same storage, no shared memory of this namespace
     fresh = Checkpointer(root, saver="thread", job="other-node")
     fresh.storage = ckpt.storage
@@ -120,7 +120,7 @@ def test_cursor_binding_prepare_commit_restore(root: str, shard_service: FakeSha
         assert shard_service.committed == [1]
         # restore from memory: the cursor of the memory snapshot (step 2)
         loaded = ckpt.load()
-        assert (loaded.source, loaded.step, loaded.cut_id) == (Source.MEMORY, 2, 2)
+        assert (loaded.source, loaded.step, loaded.cut_id) == (LoadedFrom.MEMORY, 2, 2)
         assert shard_service.cursor == shard_service.cuts[2]
         # restore from storage: cursor of checkpoint 1 exactly, and the shard service is reset to it
         loaded = ckpt.load(memory=False)

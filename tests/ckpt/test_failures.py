@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamrover.ckpt import Checkpointer, SaverError, Source, namespace_for, saver_address
+from streamrover.ckpt import Checkpointer, LoadedFrom, SaverError, namespace_for, saver_address
 from streamrover.ckpt.layout import MANIFEST, step_dir
 from streamrover.ckpt.memory import MemoryEngine
 from streamrover.ckpt.shm import SharedBuffer
@@ -89,7 +89,7 @@ def test_trainer_killed_right_after_memory_save_is_persisted_by_saver(root: str,
     trainer.kill()
     wait_for(lambda: (Path(root) / step_dir(2) / MANIFEST).exists(), 60, "the saver to persist step 2")
     loaded = Checkpointer(root, saver="thread").load(memory=False, restore=False)
-    assert loaded.step == 2 and loaded.source == Source.STORAGE
+    assert loaded.step == 2 and loaded.source == LoadedFrom.STORAGE
     assert loaded.cursor == cursor_at(2)
     np.testing.assert_array_equal(loaded.state["w0"], state_at(2, 1.0)["w0"])
     os.kill(trainer.saver_pid, 0)  # the saver outlived its trainer and still serves a restart

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamrover.ckpt import Checkpointer, Source, UnsupportedStateError
+from streamrover.ckpt import Checkpointer, LoadedFrom, UnsupportedStateError
 from streamrover.ckpt.flatten import DTYPES, flatten, unflatten
 
 TORCH_DTYPES = [getattr(torch, t) for _, t, _ in DTYPES.values() if t]
@@ -89,7 +89,7 @@ def test_every_dtype_and_shape_round_trips(root: str, from_memory: bool) -> None
         ckpt.save(3, state)
         ckpt.wait(timeout=60)
         loaded = ckpt.load(memory=from_memory)
-    assert loaded.source == (Source.MEMORY if from_memory else Source.STORAGE)
+    assert loaded.source == (LoadedFrom.MEMORY if from_memory else LoadedFrom.STORAGE)
     assert loaded.step == 3
     assert_same(state, loaded.state)
 

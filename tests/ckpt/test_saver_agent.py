@@ -14,7 +14,7 @@ import pytest
 from streamrover.ckpt import (
     Checkpointer,
     CheckpointSaver,
-    Source,
+    LoadedFrom,
     namespace_for,
     purge_shared_memory,
     saver_address,
@@ -69,7 +69,7 @@ def test_wait_idle_returns_once_a_killed_trainers_snapshot_is_persisted(
     assert agent_saver.sessions == 0
     assert complete_steps(Storage(root)) == [1, 2, 3]
     loaded = Checkpointer(root, saver="thread").load(memory=False)
-    assert (loaded.step, loaded.source, loaded.state["step"]) == (3, Source.STORAGE, 3)
+    assert (loaded.step, loaded.source, loaded.state["step"]) == (3, LoadedFrom.STORAGE, 3)
     # idle and the trainer is gone for good: the agent frees its buffers
     assert len(purge_shared_memory(namespace_for(root))) == 2
     assert shm_names(namespace_for(root)) == []
@@ -118,7 +118,7 @@ def test_purge_can_be_limited_to_ranks_and_rejects_a_blank_namespace(root: str) 
     assert shm_names(ns) == sorted(f"srckpt-{ns}-r{r}-b{b}" for r in (0, 2) for b in range(2))
     assert purge_shared_memory(ns, ranks=[1]) == []  # already gone: not an error
     # a restarted rank 0 still finds its snapshot: purging rank 1 left it alone
-    assert Checkpointer(root, rank=0, world_size=3, saver="thread").load().source == Source.MEMORY
+    assert Checkpointer(root, rank=0, world_size=3, saver="thread").load().source == LoadedFrom.MEMORY
     for blank in ("", " "):
         with pytest.raises(ValueError, match="namespace must be"):
             purge_shared_memory(blank)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from streamrover.ckpt import Checkpointer, Source, namespace_for
+from streamrover.ckpt import Checkpointer, LoadedFrom, namespace_for
 from streamrover.ckpt.layout import part_names, step_dir
 from streamrover.ckpt.torch_adapter import (
     TorchCheckpoint,
@@ -59,7 +59,7 @@ def test_resumed_training_matches_uninterrupted_training(root: str, from_memory:
         else:
             loaded = ckpt.load(memory=False)
             extra = load_torch_state(loaded.state, model2, optim2)
-        assert loaded.source == (Source.MEMORY if from_memory else Source.STORAGE)
+        assert loaded.source == (LoadedFrom.MEMORY if from_memory else LoadedFrom.STORAGE)
         # later saves overwrite every buffer: the resumed model and optimizer must not alias shared memory
         for step in (4, 5):
             ckpt.save(step, {"w": torch.full((4096,), float(step))}, persist=False)
@@ -84,7 +84,7 @@ def _ddp_worker(rank: int, world: int, root: str, store: str, replicate: bool) -
         train(model, optim, 3, seed=5)
         # storage path: a new node would do this
         loaded = ckpt.load(memory=False, part=rank if replicate else 0)
-        assert loaded.step == 2 and loaded.source == Source.STORAGE
+        assert loaded.step == 2 and loaded.source == LoadedFrom.STORAGE
         info, _ = adapter.load()
         assert info.step == 2
         for a, b in zip(saved, params(model)):
@@ -126,7 +126,7 @@ def _fsdp_worker(rank: int, world: int, root: str, store: str) -> None:
             ckpt.wait(timeout=60)
             train(model, optim, 2, seed=4)
             loaded = ckpt.load(zero_copy=True)
-            assert loaded.source == Source.MEMORY
+            assert loaded.source == LoadedFrom.MEMORY
             load_fsdp_sharded_state(loaded.state, model, optim)
             after = fsdp_sharded_state(model, optim)
             for key, value in snapshot.items():

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from streamrover.ckpt import Checkpointer, CheckpointFallbackWarning, Source
+from streamrover.ckpt import Checkpointer, CheckpointFallbackWarning, LoadedFrom
 from streamrover.ckpt.layout import part_names, step_dir
 from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.testing.procs import MasterProcess
@@ -108,7 +108,7 @@ def test_a_restore_from_shared_memory_commits_nothing_upstream_beyond_storage(
         assert _ack_one_shard(client, step=3) == 300
         ckpt.save(3, {"w": np.full(4, 3.0)}, persist=False)  # in shared memory only
         loaded = ckpt.load()  # the trainer restarts on this node: the memory snapshot is the newest
-        assert loaded.source == Source.MEMORY and loaded.step == 3
+        assert loaded.source == LoadedFrom.MEMORY and loaded.step == 3
         assert client.get_cursor()[0].size() == 300, "the master resumes from the memory snapshot's cursor"
         next_id = _poller_rounds_done(client, tansu_broker, topic, 300)
         assert _group_offset(tansu_broker, topic) == 100, "committed upstream beyond what storage can restore"

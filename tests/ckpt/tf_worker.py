@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from streamrover.ckpt import Checkpointer, Source, UnsupportedStateError
+from streamrover.ckpt import Checkpointer, LoadedFrom, UnsupportedStateError
 from streamrover.ckpt.tf_adapter import load_tf_variables_state, tf_variables_state
 
 _Module: Any = tf.Module
@@ -34,7 +34,7 @@ def module_round_trip(root: str, from_memory: bool) -> None:
             var.assign_add(tf.ones_like(var))
         tower.steps.assign(0)
         loaded = ckpt.load(memory=from_memory)
-        assert loaded.source == (Source.MEMORY if from_memory else Source.STORAGE)
+        assert loaded.source == (LoadedFrom.MEMORY if from_memory else LoadedFrom.STORAGE)
         load_tf_variables_state(loaded.state["tf"], tower)
         ckpt.close(unlink=True)
     np.testing.assert_array_equal(tower.embedding.numpy(), saved["embedding"])

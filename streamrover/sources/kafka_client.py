@@ -1,0 +1,74 @@
+"""Kafka client plumbing of the Kafka source: its URI, librdkafka settings, the dead-letter topic.
+
+The source itself (partitions, reads, commits) is ``kafka.py``; this module holds what
+does not depend on the source's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, Producer
+
+from streamrover.sources.api import SourceError, SourceUnavailableError
+from streamrover.sources.options import OptionError
+from streamrover.sources.serde import DeadLetters, Message
+
+REQUEST_TIMEOUT = 10.0  # seconds an admin request, a commit or a dead-letter flush may take
+_CONSUMER_ONLY = ("group.", "isolation.", "enable.", "auto.")  # settings an admin client or producer refuses
+
+
+def non_consumer_options(rdkafka: Mapping[str, Any]) -> dict[str, Any]:
+    """The librdkafka settings less the consumer-only ones (``group.*``, ``isolation.*``...): for admin and producer."""
+    return {k: v for k, v in rdkafka.items() if not k.startswith(_CONSUMER_ONLY)}
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    """(bootstrap servers, topic) of ``kafka://HOST:PORT[,HOST:PORT...]/TOPIC``; SourceError otherwise."""
+    if not uri.startswith("kafka://"):
+        raise SourceError(f"a Kafka URI looks like kafka://HOST:PORT/TOPIC, got {uri!r}")
+    rest = uri[len("kafka://") :]
+    bootstrap, _, topic = rest.partition("/")
+    if not bootstrap or not topic or "/" in topic:
+        raise SourceError(f"a Kafka URI looks like kafka://HOST:PORT[,HOST:PORT]/TOPIC, got {uri!r}")
+    return bootstrap, topic
+
+
+def check_client_options(conf: Mapping[str, Any]) -> None:
+    """librdkafka checks setting names and values when a client is made: make one that connects nowhere."""
+    probe = {k: v for k, v in conf.items() if k != "bootstrap.servers"}
+    try:
+        Consumer({**probe, "log_level": 0}).close()
+    except KafkaException as exc:
+        raise OptionError(f"Kafka client option refused: {exc.args[0].str()} (options other than sr.* are "
+                          "librdkafka configuration, see its CONFIGURATION.md)") from None  # fmt: skip
+
+
+class TopicDeadLetters(DeadLetters):
+    """Undecodable records produced, raw, to a Kafka topic of the same cluster.
+
+    The key is ``partition:offset`` (a compacted topic keeps one copy per record
+    across replays); headers carry the partition, offset and decode error.
+    """
+
+    def __init__(self, rdkafka: Mapping[str, Any], topic: str) -> None:
+        super().__init__("")
+        conf = non_consumer_options(rdkafka)
+        conf.update({"acks": "all", "enable.idempotence": True})
+        self.topic = topic
+        self._producer = Producer(conf)
+
+    def send(self, partition_id: str, msg: Message, error: Exception) -> None:
+        headers: list[tuple[str, str | bytes | None]] = [
+            ("sr.partition", partition_id.encode()),
+            ("sr.offset", str(msg.position).encode()),
+            ("sr.error", str(error).encode()),
+        ]
+        self._producer.produce(self.topic, value=msg.value, key=f"{partition_id}:{msg.position}", headers=headers)
+
+    def flush(self) -> None:
+        if self._producer.flush(REQUEST_TIMEOUT) != 0:
+            raise SourceUnavailableError(
+                f"dead letters not delivered to topic {self.topic!r} within {REQUEST_TIMEOUT}s"
+            )
