@@ -1,26 +1,33 @@
 """The shard service (job master): datasets, shards, fenced leases and acks, the durable cursor.
 
-Public API: :class:`ShardClient` for workers and tools, :class:`MasterServer` to
-run a master in-process, :class:`DatasetSpec`, and the error types.
+Public API: the contract in :mod:`~streamrover.shard_service.api` (:class:`ShardService`,
+:class:`Shard`, :class:`DatasetSpec`, the error types), :class:`ShardClient` that keeps it over
+gRPC for workers and tools, and :class:`MasterServer` to run a master in-process.
 """
 
+from typing import TYPE_CHECKING
+
 from streamrover.shard_service.api import (
+    AckFailedError,
+    AckFailure,
     AckResult,
     AlreadyExistsError,
     DatasetSpec,
     FailedPreconditionError,
     InvalidArgumentError,
     LeaseGrant,
+    LeaseLostError,
     LeaseStatus,
     NotFoundError,
+    Shard,
+    ShardService,
     ShardServiceError,
     StaleLeaseError,
     UnauthenticatedError,
     UnavailableError,
 )
 from streamrover.shard_service.client import ShardClient
-from streamrover.shard_service.client_acks import AckFailedError, AckFailure
-from streamrover.shard_service.leased import LeasedShard, LeaseLostError
+from streamrover.shard_service.leased import LeasedShard
 from streamrover.shard_service.master import MasterServer, load_or_create_token
 
 __all__ = [
@@ -37,10 +44,16 @@ __all__ = [
     "LeasedShard",
     "MasterServer",
     "NotFoundError",
+    "Shard",
     "ShardClient",
+    "ShardService",
     "ShardServiceError",
     "StaleLeaseError",
     "UnauthenticatedError",
     "UnavailableError",
     "load_or_create_token",
 ]
+
+if TYPE_CHECKING:  # the gRPC client keeps the contract (mypy checks it here)
+    _CLIENT: type[ShardService] = ShardClient
+    _LEASED: type[Shard] = LeasedShard

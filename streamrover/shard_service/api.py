@@ -1,16 +1,59 @@
-"""The shard service's contract in Python terms: specs, shard states, leases, errors.
+"""The shard service's contract: what it promises workers, trainers and tools, in Python terms.
 
-Reading this module tells what the service promises; ``core.py`` keeps the
-promises, ``journal.py`` makes them durable, ``server.py`` and ``client.py``
-carry them over gRPC.
+Reading this module alone tells what the service promises. :class:`ShardService` is the
+service as a worker sees it (whatever the transport: ``client.py`` carries it over gRPC),
+:class:`Shard` a leased shard; their docstrings say what each call does, when it blocks and
+what it raises. ``core.py`` keeps the promises, ``journal.py`` makes them durable,
+``server.py`` serves them; the RPC schema is ``v1/shard_service.proto``.
+
+**The life of a record.** A dataset's partitions are cut into shards (:func:`shard_id_for`: a
+shard's id is its coordinates, never a counter). A worker leases a shard (:meth:`ShardService.lease`),
+reads it from the source itself, applies the records to the model, and acks the position after
+the step that consumed them (:meth:`Shard.ack`). A checkpoint takes a *cut*
+(:meth:`ShardService.prepare_cut`: the committed cursor plus every recorded ack of steps up to
+the checkpoint's), stores the cut's cursor in its manifest, and commits the cut once the
+manifest is durable (:meth:`ShardService.commit_cut`). A restore resets the service to a
+checkpoint's cursor (:meth:`ShardService.restore_cursor`): everything acked or leased after it
+is read again. So the records in a model state are exactly the records in its cursor.
+
+**Leases and fencing.** A lease is ``(shard, attempt, worker, deadline)``. Heartbeats (sent by
+the client's thread) extend every lease the worker holds by the lease TTL; a lease whose
+deadline passes, or whose worker misses heartbeats for a TTL, goes back to the queue and is
+leased again under a new, higher attempt, resuming at the last *recorded* ack. An ack is
+applied only when it comes from the worker holding the shard's current attempt: an ack of an
+expired, revoked or superseded lease is refused (``FAILED_PRECONDITION``: :class:`StaleLeaseError`
+in the core, :class:`FailedPreconditionError` from the client, :class:`LeaseLostError` from
+:meth:`Shard.ack`) and changes nothing (the records it speaks for are handed out again). The repeat of an ack the same
+attempt already made is answered OK with no effect (``AckResult.duplicate``): retries are safe.
+
+**Errors.** Every refusal is a :class:`ShardServiceError` whose ``code`` is the gRPC status
+the server answers with:
+
+- :class:`InvalidArgumentError`: the request is malformed (a position outside the shard, a bad spec);
+- :class:`NotFoundError`: it names what the service does not know (dataset, shard, worker, cut);
+- :class:`AlreadyExistsError`: a dataset name is taken by another spec;
+- :class:`FailedPreconditionError`: well-formed but the state forbids it; its
+  :class:`StaleLeaseError` (the ack's lease is not current) and, on the worker side,
+  :class:`LeaseLostError` (stop applying that shard);
+- :class:`UnauthenticatedError` (wrong token), :class:`UnavailableError` (no master within the
+  client's timeout: calls retry ``UNAVAILABLE`` until then);
+- :class:`AckFailedError`: acks sent in the background were refused; it lists each :class:`AckFailure`.
+
+A master whose journal cannot be written stops (``journal.JournalWriteError``, deliberately
+not a :class:`ShardServiceError`: it is never answered as a refusal, the process fail-stops).
 """
 
 from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    from streamrover.cursor import DataCursor
+    from streamrover.sources.api import ReadBatch
 
 DEFAULT_RECORDS_PER_SHARD = 10_000  # streams
 MAX_AUTO_RECORDS_PER_SHARD = 1 << 18  # batch files: one shard per row group, up to this many rows
@@ -24,14 +67,20 @@ class ShardServiceError(Exception):
 
 
 class InvalidArgumentError(ShardServiceError):
+    """The request is malformed: the message names the bad field or value."""
+
     code = "INVALID_ARGUMENT"
 
 
 class NotFoundError(ShardServiceError):
+    """The request names a dataset, shard, worker or cut the service does not know (or no longer remembers)."""
+
     code = "NOT_FOUND"
 
 
 class AlreadyExistsError(ShardServiceError):
+    """A dataset of that name is registered with a different spec."""
+
     code = "ALREADY_EXISTS"
 
 
@@ -45,15 +94,25 @@ class StaleLeaseError(FailedPreconditionError):
     """An ack or progress report for a lease that is no longer current."""
 
 
+class LeaseLostError(StaleLeaseError):
+    """This worker no longer holds the shard: stop applying its records."""
+
+
 class UnauthenticatedError(ShardServiceError):
+    """The call carried no token or the wrong one (the master's state directory holds the right one)."""
+
     code = "UNAUTHENTICATED"
 
 
 class UnavailableError(ShardServiceError):
+    """No master answered within the client's timeout (calls retry ``UNAVAILABLE`` until then)."""
+
     code = "UNAVAILABLE"
 
 
 class ShardState(enum.Enum):
+    """Where a shard is in its life (``core.py``'s transition table says which changes are allowed)."""
+
     TODO = "todo"  # waiting in the queue
     LEASED = "leased"  # held by one worker under one attempt
     ACKED = "acked"  # every position acked; not yet folded into the committed cursor
@@ -61,6 +120,8 @@ class ShardState(enum.Enum):
 
 
 class LeaseStatus(enum.Enum):
+    """The answer to a lease request."""
+
     OK = "ok"
     WAIT = "wait"  # nothing to lease now
     END = "end"  # batch dataset finished
@@ -68,6 +129,12 @@ class LeaseStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class DatasetSpec:
+    """A dataset as registered: its name, source URI and options, and how it is cut into shards.
+
+    ``records_per_shard`` 0 means the default (streams: :data:`DEFAULT_RECORDS_PER_SHARD`; batch
+    files: a row group per shard). ``epochs``, ``shuffle`` and ``seed`` apply to batch data only.
+    """
+
     name: str
     uri: str
     format: str = ""
@@ -78,6 +145,7 @@ class DatasetSpec:
     seed: int = 0
 
     def normalized(self) -> DatasetSpec:
+        """The spec as the service compares and stores it (options sorted, at least one epoch)."""
         return DatasetSpec(
             name=self.name,
             uri=self.uri,
@@ -90,14 +158,17 @@ class DatasetSpec:
         )
 
     def to_json(self) -> str:
+        """The spec as JSON (the journal's form)."""
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> DatasetSpec:
+        """The spec :meth:`to_json` wrote."""
         data: dict[str, Any] = json.loads(text)
         return cls(**data)
 
     def validate(self) -> None:
+        """Raise :class:`InvalidArgumentError` naming the first bad field."""
         if self.records_per_shard < 0:
             raise InvalidArgumentError(f"dataset {self.name!r}: records_per_shard must be positive")
         if self.epochs < 0:
@@ -118,6 +189,12 @@ class PartitionPlan:
 
 @dataclass(frozen=True)
 class LeaseGrant:
+    """A lease as granted: shard ``[start, end)`` of ``partition`` under ``attempt``; read from ``resume``.
+
+    ``resume`` is the last position an earlier attempt got recorded (``start`` for a fresh shard);
+    ``deadline`` (Unix seconds) is when the lease expires unless heartbeats extend it.
+    """
+
     shard_id: str
     attempt: int
     dataset: str
@@ -131,6 +208,8 @@ class LeaseGrant:
 
 @dataclass(frozen=True)
 class AckResult:
+    """The answer to an ack: the shard is finished (acked to its end); the ack was a harmless repeat."""
+
     shard_done: bool
     duplicate: bool
 
@@ -148,3 +227,220 @@ def parse_shard_id(shard_id: str) -> tuple[str, int, int, int, int] | None:
         return dataset, int(epoch), int(pindex), int(start), int(end)
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class AckFailure:
+    """An ack the master refused after ``ack()`` had returned (a queued ack)."""
+
+    shard_id: str
+    attempt: int
+    position: int
+    step: int | None
+    error: ShardServiceError
+
+    @property
+    def lease_lost(self) -> bool:
+        """The lease is gone (stale attempt, revoked, unknown shard or worker): its records are not acked."""
+        return isinstance(self.error, (FailedPreconditionError, NotFoundError))
+
+    def __str__(self) -> str:
+        step = "" if self.step is None else f" (step {self.step})"
+        return f"ack of shard {self.shard_id!r} attempt {self.attempt} at {self.position}{step}: {self.error}"
+
+
+class AckFailedError(ShardServiceError):
+    """Acks sent in the background were refused; :attr:`failures` says which and why.
+
+    The records of a lost lease were applied by this worker but are not acked: the
+    shard service will hand them out again. State bound to checkpoints must restart
+    from the last checkpoint; a sink that fences writes by position can note it and go on.
+    """
+
+    def __init__(self, failures: list[AckFailure]) -> None:
+        self.failures = failures
+        self.code = failures[0].error.code if failures else "INTERNAL"
+        shown = "; ".join(str(f) for f in failures[:3])
+        more = f"; and {len(failures) - 3} more" if len(failures) > 3 else ""
+        super().__init__(f"{len(failures)} ack(s) sent in the background were refused: {shown}{more}")
+
+
+class RestoreOutcome(Protocol):
+    """What a restore did."""
+
+    leases_revoked: int  # leases the restore took back (their acks are refused from now on)
+    records_requeued: int  # records planned again: everything outside the restored cursor
+
+
+class Shard(Protocol):
+    """A shard this worker leased: read its records, ack positions (``leased.LeasedShard``)."""
+
+    lease: LeaseGrant
+    position: int  # the next position to read
+    acked: int  # the last position the master recorded (a queued ack counts once answered)
+    done: bool  # the master recorded an ack of the shard's end
+
+    @property
+    def revoked(self) -> bool:
+        """The lease was taken back (a heartbeat said so, or a restore): stop reading, do not ack."""
+        ...
+
+    def batches(self, batch_size: int = ...) -> Iterator[ReadBatch]:
+        """The shard's records from :attr:`position` to its end, read from the source (no master round trip).
+
+        Blocks while the source fetches; stops early when the lease is revoked. The last batch ends
+        at the shard's end (an empty one when no record lies in its tail), so acking it finishes
+        the shard. Raises the source's errors (``sources.api.SourceError``).
+        """
+        ...
+
+    def ack(
+        self, position: int | None = None, step: int | None = None, *, wait: bool | None = None
+    ) -> AckResult | None:
+        """Say the records before ``position`` (default: all read so far) are applied to the model, after ``step``.
+
+        Ack *after* the optimizer step that consumed them, with that step's number: a cut of step S
+        holds exactly the acks of steps <= S. ``wait=False`` (the default of an ``async_acks``
+        client) queues the ack and returns None at once; it is sent in order, and a refusal is
+        reported later (see :class:`ShardService`, "acks that were queued"). ``wait=True`` sends
+        it (after every ack queued before it) and returns the master's answer. Raises
+        :class:`LeaseLostError` when the lease is gone (expired, revoked, taken over, or an
+        earlier queued ack of it was refused): stop applying the shard's records; the ones
+        applied but not acked are handed out again, after the last recorded ack.
+        :class:`InvalidArgumentError` for a position outside the shard or before its resume point.
+        """
+        ...
+
+
+class ShardService(Protocol):
+    """The shard service as one worker sees it, whatever carries the calls (``ShardClient``: gRPC).
+
+    Every call may block while the master is unreachable: calls retry ``UNAVAILABLE`` with
+    backoff for the client's ``timeout`` and then raise :class:`UnavailableError`; retried
+    calls are safe (acks are idempotent per attempt, lease requests carry a request id).
+
+    **Acks that were queued** (``async_acks``) are sent by a background thread, in order. Everything
+    whose answer depends on acks being recorded first waits for every ack queued before it:
+    :meth:`flush`, :meth:`prepare_cut`, :meth:`get_cursor`, :meth:`leave` and a waiting ack.
+    A refused queued ack is never dropped: it is reported once, by the next of :meth:`flush`
+    (and the calls that flush: they raise :class:`AckFailedError`), the next ack of the same
+    lease (:class:`LeaseLostError`), or :meth:`take_ack_failures`. Only this worker's acks are
+    flushed: when another process takes the cut, every acking worker flushes before the barrier
+    that lets it. A worker killed with acks queued loses them: those shards are leased again
+    from their last recorded ack, so the records are read again.
+    """
+
+    def join(self) -> str:
+        """Join the job as a worker; returns the worker id. Starts the heartbeats that keep leases alive."""
+        ...
+
+    def leave(self) -> int:
+        """Send queued acks, then return every lease still held; returns how many.
+
+        Raises :class:`AckFailedError` afterwards (the worker has left) for refused queued acks.
+        """
+        ...
+
+    def lease(self, dataset: str, max_shards: int = 1, wait: float = 5.0) -> tuple[LeaseStatus, Sequence[Shard]]:
+        """Lease up to ``max_shards`` shards of ``dataset`` (:class:`Shard` objects), waiting up to ``wait`` s.
+
+        :attr:`LeaseStatus.OK` with the shards; :attr:`LeaseStatus.WAIT` with none when nothing can be
+        leased now (all leased, or a stream's records not there yet): ask again; :attr:`LeaseStatus.END`
+        once a batch dataset is finished (every shard of every epoch acked). Joins first if needed.
+        Raises :class:`NotFoundError` for an unknown dataset, :class:`FailedPreconditionError` for a
+        failed one (its source was deleted...: the message says why and how to resume).
+        """
+        ...
+
+    def shards(self, dataset: str, wait: float = 5.0, prefetch: int = 2) -> Iterator[Shard]:
+        """Yield leased :class:`Shard` objects until a batch dataset ends (a stream's never does).
+
+        Leases ahead (about ``prefetch`` shards, more for small shards) so a round trip serves several.
+        """
+        ...
+
+    def ack(
+        self,
+        lease: LeaseGrant,
+        position: int,
+        step: int | None = None,
+        dead_letters: int = 0,
+        lease_more: int = 0,
+        *,
+        wait: bool | None = None,
+    ) -> AckResult | None:
+        """Ack ``position`` of ``lease`` (what :meth:`Shard.ack` sends; same semantics and errors).
+
+        The master applies it only if this worker holds ``lease``'s attempt now (a lease past its
+        deadline is expired when the ack arrives, whether or not the reaper ran). What happens to an
+        ack of a lease that expired: it is refused with :class:`FailedPreconditionError` (raised
+        now, or reported later when queued) and nothing changes; the shard was, or will be, leased
+        again from the last position the master recorded, so the records after it are read again.
+        A repeat of a position this attempt already acked answers OK, ``duplicate``, even then.
+        """
+        ...
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every ack queued so far is answered; raise :class:`AckFailedError` for refused ones.
+
+        ``TimeoutError`` if acks are still unanswered after ``timeout`` seconds.
+        """
+        ...
+
+    def take_ack_failures(self) -> list[AckFailure]:
+        """Refused queued acks not yet reported, oldest first, without waiting or raising."""
+        ...
+
+    def prepare_cut(self, step: int | None = None, *, persisting: bool = False) -> tuple[int, DataCursor]:
+        """Take the cut of ``step``: (cut id, its cursor), for the checkpoint of that step to store.
+
+        The cursor is the committed cursor plus every *recorded* ack with ``step <= step`` (all acks
+        when None). This worker's queued acks are flushed first (a refused one raises
+        :class:`AckFailedError` and no cut is taken); other workers' acks must be recorded before
+        the first rank asks (each flushes, then a barrier). Idempotent per step: every rank of one
+        checkpoint gets the same cut. ``persisting``: its checkpoint goes to storage, so the cut is
+        kept until it (or a newer cut) commits, however slow the persist; cuts of memory-only
+        snapshots may be evicted (:class:`NotFoundError` when committed later).
+        """
+        ...
+
+    def commit_cut(self, cut_id: int) -> DataCursor:
+        """Commit cut ``cut_id``: call it once the checkpoint holding its cursor is durable (manifest published).
+
+        When is a cut committed: only by this call, made after durability; from then on its cursor is
+        the committed cursor (what a restart or a restore without checkpoint starts from), the shards
+        inside it are compacted away, and the source is committed upstream (consumer group,
+        subscription) up to the *previous* durable checkpoint's cursor, never beyond. Returns the
+        committed cursor. Committing the committed cut again only returns the committed cursor. Raises
+        :class:`FailedPreconditionError` for a cut older than the committed one or one that lacks
+        the committed cursor (a restore came between), :class:`NotFoundError` for a cut never
+        prepared or forgotten (evicted, discarded by a restore). Does not wait for queued acks.
+        """
+        ...
+
+    def get_cursor(self) -> tuple[DataCursor, DataCursor]:
+        """(committed cursor, committed plus every recorded ack), after this worker's queued acks."""
+        ...
+
+    def restore_cursor(
+        self, cursor: DataCursor, *, from_memory: bool = False, discard_committed: bool = False
+    ) -> RestoreOutcome:
+        """Reset the service to a loaded checkpoint's ``cursor``: everything outside it is read again.
+
+        Call it after loading the model state and before leasing. Every lease (this worker's too) is
+        revoked and its later acks refused; uncovered ranges are planned again as fresh shards; the
+        cursor becomes the committed cursor. This worker's queued acks are dropped (they concern
+        revoked leases). ``from_memory``: the cursor is of a shared-memory snapshot storage does not
+        hold, so upstream commits stay at the newest durable checkpoint's. An empty cursor while
+        progress is committed raises :class:`FailedPreconditionError` unless ``discard_committed``;
+        a cursor naming what the service lacks raises :class:`InvalidArgumentError`.
+        """
+        ...
+
+    def restore_cut(self, cut_id: int) -> RestoreOutcome:
+        """Reset the service to a cut it remembers (as :meth:`restore_cursor`); :class:`NotFoundError` if not."""
+        ...
+
+    def close(self) -> None:
+        """Send the acks still queued (briefly), stop the client's threads, close the connection."""
+        ...

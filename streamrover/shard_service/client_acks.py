@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streamrover.shard_service.api import FailedPreconditionError, NotFoundError, ShardServiceError
+from streamrover.shard_service.api import AckFailedError, AckFailure, ShardServiceError
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -63,42 +63,6 @@ ACK_LINGER = 0.01  # seconds the sender may let acks gather while may_hold() say
 # seconds the sender may let acks gather while every queued ack is progress inside its shard (nothing waits on it)
 PROGRESS_LINGER = 0.05
 LeaseKey = tuple[str, int]  # (shard id, attempt)
-
-
-@dataclass(frozen=True)
-class AckFailure:
-    """An ack the master refused after ``ack()`` had returned."""
-
-    shard_id: str
-    attempt: int
-    position: int
-    step: int | None
-    error: ShardServiceError
-
-    @property
-    def lease_lost(self) -> bool:
-        """The lease is gone (stale attempt, revoked, unknown shard or worker): its records are not acked."""
-        return isinstance(self.error, (FailedPreconditionError, NotFoundError))
-
-    def __str__(self) -> str:
-        step = "" if self.step is None else f" (step {self.step})"
-        return f"ack of shard {self.shard_id!r} attempt {self.attempt} at {self.position}{step}: {self.error}"
-
-
-class AckFailedError(ShardServiceError):
-    """Acks sent in the background were refused; :attr:`failures` says which and why.
-
-    The records of a lost lease were applied by this worker but are not acked: the
-    shard service will hand them out again. State bound to checkpoints must restart
-    from the last checkpoint; a sink that fences writes by position can note it and go on.
-    """
-
-    def __init__(self, failures: list[AckFailure]) -> None:
-        self.failures = failures
-        self.code = failures[0].error.code if failures else "INTERNAL"
-        shown = "; ".join(str(f) for f in failures[:3])
-        more = f"; and {len(failures) - 3} more" if len(failures) > 3 else ""
-        super().__init__(f"{len(failures)} ack(s) sent in the background were refused: {shown}{more}")
 
 
 @dataclass

@@ -12,17 +12,13 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import pyarrow as pa
 
-from streamrover.shard_service.api import AckResult, FailedPreconditionError, LeaseGrant, StaleLeaseError
+from streamrover.shard_service.api import AckResult, FailedPreconditionError, LeaseGrant, LeaseLostError
 from streamrover.sources.api import Partition, ReadBatch, Source
 
 if TYPE_CHECKING:
     from streamrover.shard_service.client import ShardClient
 
 DEFAULT_BATCH_SIZE = 4096
-
-
-class LeaseLostError(StaleLeaseError):
-    """This worker no longer holds the shard: stop applying its records."""
 
 
 class LeasedShard:
