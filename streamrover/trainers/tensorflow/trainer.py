@@ -1,7 +1,8 @@
 """``PSTrainer``: the chief of a TF parameter-server job, feeding leased shards to scheduled steps, exactly once.
 
 The design (why each record's effect is in the PS variables exactly once, and how worker, PS
-and chief failures are handled) is in :mod:`streamrover.trainers.tensorflow.api`. A script::
+and chief failures are handled) is in :mod:`streamrover.trainers.tensorflow.api`; the rules it
+keeps are the trainer contract's (:mod:`streamrover.trainers.api`). A script::
 
     trainer = PSTrainer()                                  # the cluster the launcher built
     with trainer.strategy.scope():
@@ -36,9 +37,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from streamrover.ckpt import Checkpointer, NoCheckpointError, RetentionPolicy
+from streamrover.ckpt import Checkpointer, RetentionPolicy
 from streamrover.cursor import DataCursor
-from streamrover.shard_service import AckFailedError, LeasedShard, LeaseLostError, ShardClient
+from streamrover.shard_service import AckFailedError, LeasedShard, LeaseLostError, ShardClient, ShardService
+from streamrover.trainers.api import restore_before_lease
 from streamrover.trainers.tensorflow.api import (
     EXIT_RESTART,
     ParameterServerLostError,
@@ -68,9 +70,9 @@ def default_partitioner(num_ps: int, min_shard_bytes: int = 256 << 10) -> Callab
 
 
 class _CutBinder:
-    """The shard client as the checkpointer's binder, remembering the cursor of the last cut it took."""
+    """The shard service as the checkpointer's binder, remembering the cursor of the last cut it took."""
 
-    def __init__(self, client: ShardClient) -> None:
+    def __init__(self, client: ShardService) -> None:
         self.client = client
         self.last_cursor = DataCursor()
 
@@ -194,10 +196,8 @@ class PSTrainer:
         started = time.monotonic()
         self._state = state
         self._resumed_pending = True
-        try:
-            loaded = self.checkpointer.load(restore=True)
-        except NoCheckpointError:
-            self.client.restore_cursor(DataCursor())
+        loaded = restore_before_lease(lambda: self.checkpointer.load(restore=True), self.client)  # trainers/api.py
+        if loaded is None:
             self.step, self.restored_from = 0, None
             self._save()
             self._event("restore", source=None, step=0, seconds=time.monotonic() - started)
@@ -266,7 +266,7 @@ class PSTrainer:
             self._rollback(why)
             return False
         try:
-            self._save()
+            self._save()  # rule 3 of trainers/api.py: the chief alone acks, and prepare_cut flushes its acks first
         except AckFailedError as exc:
             self._rollback(f"an ack was refused: {exc}")
             return False

@@ -1,7 +1,7 @@
 """``StreamSession``: exactly-once glue for a synchronous data-parallel torch script.
 
-The order that keeps every record's effect in the model exactly once
-(ARCHITECTURE.md, "The exactly-once contract"):
+The order that keeps every record's effect in the model exactly once is the trainer
+contract (:mod:`streamrover.trainers.api`); for synchronous data parallelism:
 
 1. **Restore once, before anyone leases.** Rank 0 loads the newest checkpoint (this node's
    shared memory if newest, else storage) and resets the shard service to its cursor,
@@ -34,11 +34,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from streamrover.ckpt import Checkpointer, CursorBinder, NoCheckpointError, RetentionPolicy
+from streamrover.ckpt import Checkpointer, CursorBinder, RetentionPolicy
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
 from streamrover.ckpt.torch_adapter import TorchCheckpoint, load_torch_state, torch_state
-from streamrover.cursor import DataCursor
-from streamrover.shard_service import AckFailedError, ShardClient
+from streamrover.shard_service import ShardClient
+from streamrover.trainers.api import flush_before_cut, restore_before_lease
 from streamrover.trainers.torch import env
 from streamrover.trainers.torch.dataset import StreamDataset, StreamStateLostError
 
@@ -157,15 +157,16 @@ class StreamSession:
     # -- restore ---------------------------------------------------------------------------
     def _restore(self) -> None:
         started = time.monotonic()
-        if self._ckpt is not None:
-            try:
-                loaded, _ = self._ckpt.load(restore=True)  # resets the shard service to the loaded cursor
-                self.step = loaded.step
-                self.restored_from = f"{loaded.source.value}:{loaded.step}"
-            except NoCheckpointError:
-                self.client.restore_cursor(DataCursor())  # nothing applied: forget a crashed first round's acks
+        ckpt = self._ckpt
+        if ckpt is not None:  # rule 1 of trainers/api.py: the load resets the shard service to its cursor
+            restored = restore_before_lease(lambda: ckpt.load(restore=True), self.client)
+            if restored is None:  # nothing applied: a crashed first round's acks were forgotten
                 self.step = 0
                 self.restored_from = None
+            else:
+                loaded = restored[0]
+                self.step = loaded.step
+                self.restored_from = f"{loaded.source.value}:{loaded.step}"
         loaded_at = time.monotonic()
         if self.world_size > 1:
             # rank 0 sends only after it has reset the cursor, so no rank leases before that
@@ -220,13 +221,13 @@ class StreamSession:
 
     def _flush_acks(self) -> None:
         """Wait until this rank's queued acks are recorded; a refused one means state was lost."""
-        try:
-            self.client.flush()
-        except AckFailedError as exc:
-            raise StreamStateLostError(
+        flush_before_cut(
+            self.client,
+            lambda exc: StreamStateLostError(
                 f"rank {self.rank}: acks of records already applied were refused ({exc}); restart from the last "
                 "checkpoint"
-            ) from exc
+            ),
+        )
 
     def close(self, final_checkpoint: bool = True) -> None:
         """End of training: a last checkpoint, durable and committed; leave the shard service (a collective).
