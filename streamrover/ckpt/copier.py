@@ -22,13 +22,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from streamrover.ckpt.api import CheckpointError
+
 CHUNK = 4 << 20
 
 # The raw copy, a module attribute so that a test can inject a failure into it.
 _memmove: Callable[[int, int, int], Any] = ctypes.memmove
 
 
-class CopyError(RuntimeError):
+class CopyError(CheckpointError):
     """A chunk copy or the completion step of a :class:`CopyJob` failed."""
 
 

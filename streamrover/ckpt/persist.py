@@ -10,7 +10,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from streamrover.ckpt.api import FORMAT_VERSION, CorruptCheckpointError, PersistResult, RetentionPolicy
+from streamrover.ckpt.api import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CorruptCheckpointError,
+    PersistResult,
+    RetentionPolicy,
+)
 from streamrover.ckpt.layout import (
     MANIFEST,
     build_manifest,
@@ -28,7 +34,7 @@ from streamrover.ckpt.storage import CHECKSUM_ALGO, Storage
 log = logging.getLogger(__name__)
 
 
-class SupersededError(Exception):
+class SupersededError(CheckpointError):
     """The snapshot changed in shared memory while it was being persisted (it is not persisted)."""
 
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamrover.operator.api import PlatformError
 
-class JobNotFoundError(LookupError):
+
+class JobNotFoundError(PlatformError, LookupError):
     """No job of that name under this home."""
 
 

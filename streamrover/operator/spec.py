@@ -36,6 +36,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from streamrover.operator.api import PlatformError
+
 SCHEMA_PATH = Path(__file__).with_name("jobspec.schema.json")
 _UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
@@ -43,7 +45,7 @@ _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label: a Kubernetes object name too
 
 
-class SpecError(ValueError):
+class SpecError(PlatformError, ValueError):
     """The job spec is not valid; ``problems`` lists ``(field path, message)`` pairs."""
 
     def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
