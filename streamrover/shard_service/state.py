@@ -21,6 +21,20 @@ RATE_WINDOW = 5.0  # seconds of acks the rates in status cover
 RATE_BUCKET = 0.1  # seconds per bucket of the ack rates: their memory is RATE_WINDOW / RATE_BUCKET buckets
 
 
+class IllegalTransitionError(RuntimeError):
+    """A shard state change the transition table does not allow: a bug in the core, never a client's fault."""
+
+
+#: Every shard state change the core makes, with its guard (what must hold of the shard record when it is made).
+#: A shard is born TODO (planned) and leaves the core by being dropped: compacted once inside the committed
+#: cursor (ACKED), discarded by a restore or a dataset's removal (any state). Nothing else changes its state.
+TRANSITIONS: dict[tuple[ShardState, ShardState], tuple[str, Callable[[ShardRecord], bool]]] = {
+    (ShardState.TODO, ShardState.LEASED): ("leased to a worker", lambda s: True),
+    (ShardState.LEASED, ShardState.TODO): ("lease returned: expired, worker left or died", lambda s: True),
+    (ShardState.LEASED, ShardState.ACKED): ("acked to its end", lambda s: s.acked_to == s.end),
+}
+
+
 class BoundedSet:
     """A set that forgets its oldest members beyond a size (read at each add, so tests may lower it)."""
 
@@ -186,7 +200,18 @@ class CoreState:
             self.unfolded.add(s.id)
 
     def _set_state(self, s: ShardRecord, state: ShardState) -> None:
-        """Every shard state change goes through here, so the per-dataset counts stay exact."""
+        """Every shard state change goes through here, so the per-dataset counts stay exact.
+
+        Only the changes in :data:`TRANSITIONS` are made, and only when their guard holds;
+        anything else raises :class:`IllegalTransitionError` before anything changes.
+        """
+        rule = TRANSITIONS.get((s.state, state))
+        if rule is None or not rule[1](s):
+            what = "no such transition" if rule is None else f"its guard failed ({rule[0]})"
+            raise IllegalTransitionError(
+                f"shard {s.id!r}: {s.state.value} -> {state.value}: {what} "
+                f"(acked to {s.acked_to} of [{s.start}, {s.end}))"
+            )
         counts = self.state_counts[s.dataset]
         counts[s.state] -= 1
         counts[state] += 1
