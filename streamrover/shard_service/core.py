@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 from streamrover.cursor import PartitionKey
-from streamrover.shard_service import acks as ackrules
+from streamrover.shard_service import fencing
 from streamrover.shard_service.api import (
     AckResult,
     FailedPreconditionError,
@@ -279,7 +279,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         s = self.shards.get(shard_id)
         if s is None:
             return self._ack_unknown(shard_id, attempt)
-        verdict = ackrules.judge(s, worker_id, attempt, position, self.restore_revoked)
+        verdict = fencing.judge(s, worker_id, attempt, position, self.restore_revoked)
         if verdict is not None:
             return verdict
         w = self.workers[worker_id]
@@ -347,11 +347,11 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         s = self.shards.get(shard_id)
         if s is not None:
             return s.dataset
-        key_range = ackrules.committed_range(shard_id, self.datasets)
+        key_range = fencing.committed_range(shard_id, self.datasets)
         return key_range[0].dataset if key_range is not None else None
 
     def _ack_unknown(self, shard_id: str, attempt: int) -> AckResult:
-        key_range = ackrules.committed_range(shard_id, self.datasets)
+        key_range = fencing.committed_range(shard_id, self.datasets)
         if key_range is not None and self.committed.get(key_range[0]).covers(key_range[1], key_range[2]):
             return AckResult(shard_done=True, duplicate=True)  # compacted after a commit: nothing to change
         if shard_id in self.restore_revoked:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 
 from streamrover.cursor import DataCursor, IntervalSet
-from streamrover.shard_service import acks as ackrules
+from streamrover.shard_service import fencing
 from streamrover.shard_service.api import FailedPreconditionError, NotFoundError, ShardState
 from streamrover.shard_service.planner import plan_epoch
 from streamrover.shard_service.records import CutRecord, CutState, DatasetRecord
@@ -122,7 +122,7 @@ class CutOps(CoreState):
             return self.committed.copy()
         if cut_id < self.last_committed_cut:
             raise FailedPreconditionError(f"cut {cut_id} is older than the committed cut {self.last_committed_cut}")
-        missing = ackrules.not_contained(self.committed, cut.cursor)
+        missing = fencing.not_contained(self.committed, cut.cursor)
         if missing:
             raise FailedPreconditionError(
                 f"cut {cut_id} does not contain the committed cursor (e.g. {missing}); commit a newer cut"
@@ -206,7 +206,7 @@ class CutOps(CoreState):
                 "and restart; to start over on purpose pass discard_committed "
                 "(`streamrover restore --empty --discard-committed`)"
             )
-        ackrules.check_restorable(cursor, self.datasets)
+        fencing.check_restorable(cursor, self.datasets)
         self.lost.update(DataCursor(lost=dict(cursor.lost_items())))  # (a checkpoint taken on another master's state)
         revoked = 0
         requeued = 0
