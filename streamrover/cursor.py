@@ -56,6 +56,7 @@ class IntervalSet:
 
     # -- queries -------------------------------------------------------------
     def intervals(self) -> list[tuple[int, int]]:
+        """The runs, in order, as ``(start, end)`` pairs."""
         return list(zip(self._starts, self._ends))
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
@@ -134,10 +135,12 @@ class IntervalSet:
         self._ends[lo:hi] = [end]
 
     def update(self, other: IntervalSet) -> None:
+        """Add every run of ``other``."""
         for s, e in other:
             self.add(s, e)
 
     def copy(self) -> IntervalSet:
+        """An independent copy."""
         out = IntervalSet()
         out._starts = list(self._starts)
         out._ends = list(self._ends)
@@ -156,10 +159,12 @@ class IntervalSet:
         return f"IntervalSet({body})"
 
     def to_list(self) -> list[list[int]]:
+        """The runs as ``[[start, end], ...]`` (JSON's form)."""
         return [[s, e] for s, e in self]
 
     @classmethod
     def from_list(cls, data: Iterable[Any]) -> IntervalSet:
+        """The set :meth:`to_list` wrote; :class:`CursorError` for a malformed or reversed run."""
         out = cls()
         for item in data:
             if not (isinstance(item, (list, tuple)) and len(item) == 2):
@@ -198,9 +203,11 @@ class DataCursor:
                 self._lost[key] = ivs.copy()
 
     def keys(self) -> list[PartitionKey]:
+        """The partitions with positions, sorted."""
         return sorted(self._entries)
 
     def items(self) -> list[tuple[PartitionKey, IntervalSet]]:
+        """``(partition, positions)`` pairs, sorted by partition."""
         return [(k, self._entries[k]) for k in sorted(self._entries)]
 
     def get(self, key: PartitionKey) -> IntervalSet:
@@ -209,11 +216,13 @@ class DataCursor:
         return ivs.copy() if ivs is not None else IntervalSet()
 
     def add(self, key: PartitionKey, start: int, end: int) -> None:
+        """Add positions ``[start, end)`` of ``key`` (an empty range adds nothing)."""
         if end <= start:
             return
         self._entries.setdefault(key, IntervalSet()).add(start, end)
 
     def update(self, other: DataCursor) -> None:
+        """Add every position of ``other``, its lost part included."""
         for key, ivs in other._entries.items():
             self._entries.setdefault(key, IntervalSet()).update(ivs)
         for key, ivs in other._lost.items():
@@ -230,6 +239,7 @@ class DataCursor:
         return ivs.copy() if ivs is not None else IntervalSet()
 
     def add_lost(self, key: PartitionKey, start: int, end: int) -> None:
+        """Add ``[start, end)`` of ``key`` to the lost part: positions skipped as deleted upstream."""
         if end > start:
             self._lost.setdefault(key, IntervalSet()).add(start, end)
 
@@ -238,6 +248,7 @@ class DataCursor:
         return sum(ivs.size() for ivs in self._lost.values())
 
     def datasets(self) -> list[str]:
+        """The datasets with positions, sorted."""
         return sorted({k.dataset for k in self._entries})
 
     def only(self, dataset: str) -> DataCursor:
@@ -248,9 +259,11 @@ class DataCursor:
         )
 
     def size(self) -> int:
+        """How many positions the cursor covers (its lost part excluded)."""
         return sum(ivs.size() for ivs in self._entries.values())
 
     def copy(self) -> DataCursor:
+        """An independent copy."""
         return DataCursor(self._entries, self._lost)
 
     def __eq__(self, other: object) -> bool:
@@ -275,10 +288,12 @@ class DataCursor:
         return out
 
     def to_json(self) -> str:
+        """The cursor as compact JSON (what manifests and the journal hold)."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DataCursor:
+        """The cursor :meth:`to_dict` wrote; :class:`CursorError` naming what is malformed."""
         if not isinstance(data, Mapping):
             raise CursorError(f"a cursor must be a JSON object, got {type(data).__name__}")
         version = data.get("version")
@@ -293,6 +308,7 @@ class DataCursor:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> DataCursor:
+        """The cursor :meth:`to_json` wrote; :class:`CursorError` for bad JSON or a malformed cursor."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

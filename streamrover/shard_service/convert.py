@@ -32,14 +32,17 @@ def _interval_sets(msgs: Iterable[pb.PartitionCursor]) -> dict[PartitionKey, Int
 
 
 def cursor_to_pb(cursor: DataCursor) -> pb.Cursor:
+    """The cursor as its protobuf message (its lost part included)."""
     return pb.Cursor(partitions=_partition_cursors(cursor.items()), lost=_partition_cursors(cursor.lost_items()))
 
 
 def cursor_from_pb(msg: pb.Cursor) -> DataCursor:
+    """The cursor a protobuf message holds."""
     return DataCursor(_interval_sets(msg.partitions), _interval_sets(msg.lost))
 
 
 def spec_to_pb(spec: DatasetSpec) -> pb.DatasetSpec:
+    """The dataset spec as its protobuf message."""
     return pb.DatasetSpec(
         name=spec.name,
         uri=spec.uri,
@@ -53,6 +56,7 @@ def spec_to_pb(spec: DatasetSpec) -> pb.DatasetSpec:
 
 
 def spec_from_pb(msg: pb.DatasetSpec) -> DatasetSpec:
+    """The dataset spec a protobuf message holds (0 epochs reads as 1)."""
     return DatasetSpec(
         name=msg.name,
         uri=msg.uri,
@@ -66,14 +70,17 @@ def spec_from_pb(msg: pb.DatasetSpec) -> DatasetSpec:
 
 
 def partition_to_pb(p: PartitionPlan) -> pb.PartitionInfo:
+    """A planned partition as its protobuf message."""
     return pb.PartitionInfo(index=p.index, id=p.id, start=p.start, end=p.end)
 
 
 def partition_from_pb(msg: pb.PartitionInfo) -> PartitionPlan:
+    """The planned partition a protobuf message holds."""
     return PartitionPlan(msg.index, msg.id, msg.start, msg.end)
 
 
 def lease_to_pb(g: LeaseGrant) -> pb.Lease:
+    """A lease grant as its protobuf message."""
     return pb.Lease(
         shard_id=g.shard_id,
         attempt=g.attempt,
@@ -88,6 +95,7 @@ def lease_to_pb(g: LeaseGrant) -> pb.Lease:
 
 
 def lease_from_pb(msg: pb.Lease) -> LeaseGrant:
+    """The lease grant a protobuf message holds."""
     return LeaseGrant(
         shard_id=msg.shard_id,
         attempt=msg.attempt,

@@ -42,6 +42,8 @@ AFFINITY_SCAN = 64
 
 @dataclass(frozen=True)
 class LeaseOutcome:
+    """The answer to a lease request: its status, the leases granted, and when to ask again (seconds) when WAIT."""
+
     status: LeaseStatus
     leases: list[LeaseGrant]
     retry_after: float = 0.0
@@ -61,6 +63,8 @@ class AckItem:
 
 @dataclass(frozen=True)
 class DatasetCounts:
+    """A dataset's shards by state and its records acked and committed (for status)."""
+
     todo: int
     leased: int
     acked: int
@@ -75,6 +79,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
 
     # ------------------------------------------------------------------ workers
     def join(self, name: str, worker_id: str = "") -> WorkerRecord:
+        """Register worker ``worker_id`` (a new id when empty) named ``name``, or refresh it; returns its record."""
         worker_id = worker_id or f"w-{uuid.uuid4().hex[:12]}"
         w = self.workers.get(worker_id)
         if w is None:
@@ -87,6 +92,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         return w
 
     def worker(self, worker_id: str) -> WorkerRecord:
+        """The record of a live worker; :class:`NotFoundError` (join again) when it left or was declared dead."""
         w = self.workers.get(worker_id)
         if w is None:
             raise NotFoundError(
@@ -96,6 +102,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         return w
 
     def leave(self, worker_id: str) -> int:
+        """Remove a worker and return every lease it holds to the queue (front first); returns how many."""
         w = self.worker(worker_id)
         with self.journal.transaction():
             returned = self._drop_worker(w)
@@ -148,6 +155,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         return min(times) if times else None
 
     def heartbeat(self, worker_id: str) -> tuple[float, list[tuple[str, int]]]:
+        """Extend every lease of the worker by the TTL; returns (new deadline, leases revoked since the last beat)."""
         w = self.worker(worker_id)
         now = self.clock()
         w.last_seen = now
@@ -160,6 +168,12 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
 
     # ------------------------------------------------------------------- leases
     def lease(self, worker_id: str, dataset: str, max_shards: int = 1, request_id: int = 0) -> LeaseOutcome:
+        """Lease up to ``max_shards`` shards of ``dataset`` to a worker (expired leases are returned first).
+
+        ``request_id``: a retry of the worker's last request (same id) gets the same leases, not new ones.
+        OK with the grants; END when a batch dataset is finished; WAIT with when to ask again otherwise.
+        Raises NotFoundError (worker, dataset) and FailedPreconditionError (a failed dataset).
+        """
         self.expire()
         return self._lease(worker_id, dataset, max_shards, request_id)
 
@@ -269,6 +283,12 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
     def ack(
         self, worker_id: str, shard_id: str, attempt: int, position: int, step: int | None = None, dead_letters: int = 0
     ) -> AckResult:
+        """Record that the records of ``shard_id`` before ``position`` are applied (after ``step``), fenced.
+
+        Applied only for the worker holding attempt ``attempt`` now (``fencing.judge``): a repeat is a harmless
+        duplicate, a stale attempt raises :class:`StaleLeaseError`, a position outside the shard
+        :class:`InvalidArgumentError`. Acking the shard's end makes it ACKED. Journalled before it returns.
+        """
         self.expire()
         return self._ack(worker_id, shard_id, attempt, position, step, dead_letters)
 
@@ -411,6 +431,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
 
     # ------------------------------------------------------------------ key-value
     def kv_get(self, key: str) -> tuple[bytes, int] | None:
+        """(value, version) of ``key`` in the service's key-value store, or None when absent."""
         return self.journal.kv_get(key)
 
     def kv_set(self, key: str, value: bytes, expected_version: int) -> tuple[bool, bytes, int]:

@@ -22,9 +22,16 @@ def without_dataset(cursor: DataCursor, name: str) -> DataCursor:
 
 
 class DatasetOps(StreamOps):
+    """The core's dataset operations: register (planning the first epoch or the first poll) and remove."""
+
     def register_dataset(
         self, spec: DatasetSpec, kind: SourceKind, partitions: list[Partition], schema_json: str
     ) -> tuple[DatasetRecord, bool]:
+        """Register a dataset; returns (its record, whether it was created).
+
+        Idempotent for the same spec; :class:`AlreadyExistsError` for the same name with another spec,
+        :class:`InvalidArgumentError` for epochs or shuffle on a stream.
+        """
         spec = spec.normalized()
         existing = self.datasets.get(spec.name)
         if existing is not None:

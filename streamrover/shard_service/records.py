@@ -19,6 +19,8 @@ from streamrover.sources.positions import RecordRuns
 
 @dataclass
 class ShardRecord:
+    """One shard as the core tracks it: its coordinates, state, current lease and the acks not yet committed."""
+
     id: str
     dataset: str
     epoch: int
@@ -42,6 +44,8 @@ class ShardRecord:
 
 @dataclass
 class DatasetRecord:
+    """One registered dataset: its spec, kind, planned partitions, schema, and sparse partitions' runs."""
+
     spec: DatasetSpec
     kind: SourceKind
     partitions: list[PartitionPlan]
@@ -55,6 +59,7 @@ class DatasetRecord:
 
     @property
     def name(self) -> str:
+        """The dataset's name (its spec's)."""
         return self.spec.name
 
     @property
@@ -68,6 +73,7 @@ class DatasetRecord:
         return DEFAULT_RECORDS_PER_SHARD
 
     def partition_by_id(self) -> dict[str, PartitionPlan]:
+        """The planned partitions by source partition id."""
         return {p.id: p for p in self.partitions}
 
     def records_in(self, pindex: int, start: int, end: int) -> int:
@@ -87,6 +93,8 @@ class DatasetRecord:
 
 @dataclass
 class WorkerRecord:
+    """One worker that joined: its leases, what it was told at heartbeats, and its last lease request."""
+
     id: str
     name: str
     last_seen: float = 0.0  # memory only
@@ -98,6 +106,8 @@ class WorkerRecord:
 
 
 class CutState(enum.Enum):
+    """Where a cut is: prepared, being persisted (kept until it commits), or committed."""
+
     PREPARED = "prepared"
     PERSISTING = "persisting"  # prepared, and its checkpoint is being persisted: never evicted by newer prepares
     COMMITTED = "committed"
@@ -105,6 +115,8 @@ class CutState(enum.Enum):
 
 @dataclass
 class CutRecord:
+    """A cut: the cursor of the model state at ``step`` (None: every ack), and where it is."""
+
     id: int
     step: int | None
     cursor: DataCursor

@@ -43,6 +43,7 @@ class BoundedSet:
         self._items: dict[str, None] = {}
 
     def add(self, item: str) -> None:
+        """Add ``item`` (as the newest member)."""
         self._items.pop(item, None)
         self._items[item] = None
         if len(self._items) > 2 * self._limit():  # adds come in bulk, removals after them: trim lazily
@@ -55,9 +56,11 @@ class BoundedSet:
                 del self._items[old]
 
     def discard(self, item: str) -> None:
+        """Remove ``item`` if present."""
         self._items.pop(item, None)
 
     def difference_update(self, items: Iterable[str]) -> None:
+        """Remove every member of ``items``, then forget the oldest beyond the limit."""
         for item in items:
             self._items.pop(item, None)
         self._trim()
@@ -85,6 +88,7 @@ class AckRates:
         self.acks_total = 0
 
     def add(self, now: float, records: int) -> None:
+        """Count an ack of ``records`` records at time ``now``."""
         key = now // RATE_BUCKET
         self.records_total += records
         self.acks_total += 1
@@ -267,6 +271,7 @@ class CoreState:
         j.put_meta("last_committed_cut", str(self.last_committed_cut))
 
     def dataset(self, name: str) -> DatasetRecord:
+        """The record of dataset ``name``; :class:`NotFoundError` naming the registered ones otherwise."""
         ds = self.datasets.get(name)
         if ds is None:
             known = ", ".join(sorted(self.datasets)) or "none"

@@ -56,6 +56,8 @@ def full_shards(
 
 
 class StreamOps(UpstreamOps):
+    """The core's stream operations: shards planned from polls, a dataset failed and resumed, lag, upstream commits."""
+
     def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
         """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
         ds = self.dataset(name)
@@ -135,6 +137,7 @@ class StreamOps(UpstreamOps):
         return True
 
     def check_usable(self, ds: DatasetRecord) -> None:
+        """Raise :class:`FailedPreconditionError` with the reason when the dataset failed."""
         if ds.failed:
             raise FailedPreconditionError(f"dataset {ds.name!r} failed: {ds.failed}")
 
