@@ -20,7 +20,6 @@ from streamrover.shard_service import fencing
 from streamrover.shard_service.api import (
     AckResult,
     FailedPreconditionError,
-    InvalidArgumentError,
     LeaseGrant,
     LeaseStatus,
     NotFoundError,
@@ -429,39 +428,15 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         span = min(RATE_WINDOW, max(now - self.started, 1e-3))
         return records / span, acks / span
 
-    # ------------------------------------------------------------------ key-value
+    # ------------------------------------------------------------------ key-value (kv.py)
     def kv_get(self, key: str) -> tuple[bytes, int] | None:
         """(value, version) of ``key`` in the service's key-value store, or None when absent."""
-        return self.journal.kv_get(key)
+        return self.kv.get(key)
 
     def kv_set(self, key: str, value: bytes, expected_version: int) -> tuple[bool, bytes, int]:
-        """Compare-and-set: write ``value`` if the key is at ``expected_version`` (0: absent).
-
-        A key created (again) starts above every version a deleted key ever had, so a writer
-        holding the version of a deleted key can never overwrite its successor.
-        """
-        if not key:
-            raise InvalidArgumentError("a key is required")
-        with self.journal.transaction():
-            current = self.journal.kv_get(key)
-            version = current[1] if current else 0
-            if version != expected_version:
-                return False, current[0] if current else b"", version
-            new = version + 1 if current else int(self.journal.get_meta("kv_version_floor") or 0) + 1
-            self.journal.kv_put(key, value, new)
-        return True, value, new
+        """Compare-and-set (:meth:`KvStore.set`)."""
+        return self.kv.set(key, value, expected_version)
 
     def kv_delete(self, key: str, expected_version: int) -> tuple[bool, bytes, int]:
-        """Compare-and-delete: remove the key if it is at ``expected_version``; no row (tombstone) stays."""
-        if not key:
-            raise InvalidArgumentError("a key is required")
-        with self.journal.transaction():
-            current = self.journal.kv_get(key)
-            version = current[1] if current else 0
-            if version != expected_version:
-                return False, current[0] if current else b"", version
-            if current:
-                self.journal.kv_delete(key)
-                floor = int(self.journal.get_meta("kv_version_floor") or 0)
-                self.journal.put_meta("kv_version_floor", str(max(floor, version)))
-        return True, b"", 0
+        """Compare-and-delete (:meth:`KvStore.delete`)."""
+        return self.kv.delete(key, expected_version)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from streamrover.cursor import DataCursor, PartitionKey
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, NotFoundError, ShardState, shard_id_for
 from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.kv import KvStore
 from streamrover.shard_service.planner import PlannedShard
 from streamrover.shard_service.records import CutRecord, DatasetRecord, ShardRecord, WorkerRecord
 
@@ -118,6 +119,7 @@ class CoreState:
 
     def __init__(self, journal: Journal, lease_ttl: float = DEFAULT_LEASE_TTL, clock: Callable[[], float] = time.time):
         self.journal = journal
+        self.kv = KvStore(journal)  # a part of its own: touches only its rows (kv.py)
         self.lease_ttl = lease_ttl
         self.clock = clock
         self.datasets: dict[str, DatasetRecord] = {}
