@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from streamrover.ckpt import cli as ckpt_cli
 from streamrover.cursor import DataCursor
 from streamrover.operator import cli as operator_cli
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, DatasetSpec, ShardServiceError
@@ -90,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS")
     _client_args(st)
     operator_cli.add_parsers(sub)
+    ckpt_cli.add_parsers(sub)
 
     rs = sub.add_parser("restore", help="reset the shard service's cursor (what a checkpoint load does)")
     target = rs.add_mutually_exclusive_group(required=True)
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_master(args)
         if operator_cli.handles(args):
             return operator_cli.main(args, console)
+        if ckpt_cli.handles(args):
+            return ckpt_cli.main(args, console)
         if args.command == "status" and args.job:
             return operator_cli.main(argparse.Namespace(**{**vars(args), "command": "jobs", "jobs_command": "status"}),
                                      console)  # fmt: skip

@@ -41,6 +41,7 @@ from streamrover.ckpt.api import (
     UnsupportedStateError,
 )
 from streamrover.ckpt.checkpointer import Checkpointer, CheckpointFallbackWarning
+from streamrover.ckpt.lineage import CheckpointInfo, list_checkpoints, new_since
 from streamrover.ckpt.memory import purge_shared_memory
 from streamrover.ckpt.saver import CheckpointSaver
 from streamrover.ckpt.tf_adapter import load_tf_variables_state, tf_variables_state
@@ -57,6 +58,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointFallbackWarning",
+    "CheckpointInfo",
     "CheckpointSaver",
     "Checkpointer",
     "CorruptCheckpointError",
@@ -73,10 +75,12 @@ __all__ = [
     "TorchCheckpoint",
     "UnsupportedStateError",
     "fsdp_sharded_state",
+    "list_checkpoints",
     "load_fsdp_sharded_state",
     "load_tf_variables_state",
     "load_torch_state",
     "namespace_for",
+    "new_since",
     "purge_shared_memory",
     "saver_address",
     "tf_variables_state",

@@ -21,7 +21,7 @@ from typing import Any
 from streamrover.ckpt.api import FORMAT_VERSION, CorruptCheckpointError
 from streamrover.ckpt.flatten import DTYPES, make_tensor, unflatten
 from streamrover.ckpt.storage import Storage, checksum
-from streamrover.cursor import CursorError, DataCursor
+from streamrover.cursor import CursorError, DataCursor, IntervalSet, PartitionKey
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,20 @@ def unseal(blob: bytes | bytearray, what: str) -> dict[str, Any]:
     return doc
 
 
+def _entries(items: list[tuple[PartitionKey, IntervalSet]]) -> list[dict[str, Any]]:
+    fields = ("dataset", "epoch", "partition")
+    return [
+        {**dict(zip(fields, (k.dataset, k.epoch, k.partition))), "ranges": iv.to_list(), "positions": iv.size()}
+        for k, iv in items
+        if iv
+    ]
+
+
+def lineage_of(cursor: DataCursor) -> dict[str, Any]:
+    """The manifest's ``lineage`` section: the cursor's offset ranges per partition, readable (see ``lineage.py``)."""
+    return {"learned": _entries(cursor.items()), "lost": _entries(cursor.lost_items()), "positions": cursor.size()}
+
+
 def build_manifest(storage: Storage, step: int, world_size: int) -> bytes | None:
     """The manifest of ``step`` if every rank's part is written, else None."""
     d = step_dir(step)
@@ -157,6 +171,7 @@ def build_manifest(storage: Storage, step: int, world_size: int) -> bytes | None
         "parts": parts,
         "cursor": cursor.to_json(),
         "cut_ids": sorted(cut_ids),
+        "lineage": lineage_of(cursor),  # what the model learned from, readable (the cursor stays what restores read)
     }
     return sealed(manifest)
 
