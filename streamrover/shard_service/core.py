@@ -26,10 +26,10 @@ from streamrover.shard_service.api import (
     ShardServiceError,
     ShardState,
 )
+from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.shard_service.cuts import CutOps
 from streamrover.shard_service.datasets import DatasetOps
 from streamrover.shard_service.planner import grid_cells_covered
-from streamrover.shard_service.records import DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.shard_service.staged import StagedOps
 from streamrover.shard_service.state import RATE_WINDOW
 from streamrover.shard_service.streams import StreamOps

@@ -17,8 +17,8 @@ import itertools
 from streamrover.cursor import DataCursor, IntervalSet
 from streamrover.shard_service import fencing
 from streamrover.shard_service.api import FailedPreconditionError, NotFoundError, ShardState
+from streamrover.shard_service.bookkeeping import CutRecord, CutState, DatasetRecord
 from streamrover.shard_service.planner import plan_epoch
-from streamrover.shard_service.records import CutRecord, CutState, DatasetRecord
 from streamrover.shard_service.state import CoreState
 from streamrover.sources.api import SourceKind
 

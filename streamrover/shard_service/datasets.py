@@ -10,8 +10,8 @@ from streamrover.shard_service.api import (
     PartitionPlan,
     ShardState,
 )
+from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.planner import plan_epoch
-from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.streams import StreamOps
 from streamrover.sources.api import Partition, SourceKind
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, PartitionPlan, ShardState
-from streamrover.shard_service.records import CutRecord, CutState, DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.bookkeeping import CutRecord, CutState, DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.sources.api import SourceKind
 from streamrover.sources.positions import RecordRuns
 

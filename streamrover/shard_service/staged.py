@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streamrover.shard_service.api import FailedPreconditionError, InvalidArgumentError, PartitionPlan
+from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.planner import plan_epoch
-from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.streams import StreamOps
 from streamrover.sources.staged import STAGING_DIR, FileFacts, is_staged
 

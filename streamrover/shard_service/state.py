@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterable, Iterator
 
 from streamrover.cursor import DataCursor, PartitionKey
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, NotFoundError, ShardState, shard_id_for
+from streamrover.shard_service.bookkeeping import CutRecord, DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.kv import KvStore
 from streamrover.shard_service.planner import PlannedShard
-from streamrover.shard_service.records import CutRecord, DatasetRecord, ShardRecord, WorkerRecord
 
 # shard ids discarded by restores that an ack is told about precisely ("revoked by a restore"); older
 # ones get the generic refusal. Memory only (a restarted master remembers none): refusals either way.

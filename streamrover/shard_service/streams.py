@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from streamrover.cursor import PartitionKey
 from streamrover.shard_service.api import FailedPreconditionError, PartitionPlan, ShardState
+from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.planner import PlannedShard
-from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.upstream import UpstreamOps
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.options import StreamPlanning, planning_options

@@ -28,8 +28,8 @@ from dataclasses import replace
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import InvalidArgumentError, PartitionPlan, ShardState
+from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.planner import PlannedShard
-from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.state import CoreState
 from streamrover.sources.api import Partition, SourceKind
 
