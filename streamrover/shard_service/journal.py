@@ -302,6 +302,12 @@ class Journal:
     def kv_delete(self, key: str) -> None:
         self._db.execute("DELETE FROM kv WHERE key = ?", (key,))
 
+    def kv_scan(self, prefix: str) -> list[tuple[str, bytes]]:
+        """The keys that start with ``prefix`` and their values, in key order."""
+        rows = self._db.execute("SELECT key, value FROM kv WHERE substr(key, 1, ?) = ? ORDER BY key",
+                                (len(prefix), prefix))  # fmt: skip
+        return [(str(k), bytes(v)) for k, v in rows]
+
     # -- staged commits (sinks) ------------------------------------------------
     def put_staged(self, dataset: str, producer: str, part: str, epoch: int, records: int, files: list[str]) -> None:
         self._db.execute(

@@ -20,6 +20,10 @@ class KvStore:
         """(value, version) of ``key``, or None when absent."""
         return self.journal.kv_get(key)
 
+    def scan(self, prefix: str) -> list[tuple[str, bytes]]:
+        """(key, value) of every key that starts with ``prefix``, in key order (for the metrics)."""
+        return self.journal.kv_scan(prefix)
+
     def set(self, key: str, value: bytes, expected_version: int) -> tuple[bool, bytes, int]:
         """Compare-and-set: write ``value`` if the key is at ``expected_version`` (0: absent).
 

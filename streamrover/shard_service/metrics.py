@@ -8,6 +8,7 @@ own rates over its last few seconds (the ones ``streamrover status`` prints).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from streamrover.shard_service.server import ShardServicer
 
 PREFIX = "streamrover"
+NODES_PREFIX = "nodes/"  # the agents' health documents: nodes/<run id>/<node id> (trainers.torch.agent)
 
 
 def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -98,6 +100,7 @@ class JobCollector(Collector):
             commit_error = core.cut_commit_error
             commit_time = core.last_commit_time
             uptime = now - core.started
+            nodes = core.kv.scan(NODES_PREFIX)
         yield from (lag, ds_lag, shards, records, planned, dead, failed, finished, workers, w_leases, w_records,
                     w_seen, events, acks, acked)  # fmt: skip
         yield GaugeMetricFamily(f"{PREFIX}_records_acked_per_second", "records acked per second, last few seconds",
@@ -119,6 +122,7 @@ class JobCollector(Collector):
         yield journal
         yield _gauge_value("master_uptime_seconds", "seconds since this master process started", uptime)
         yield from self._trainer_metrics()
+        yield from _node_metrics(nodes, time.time())
 
     def _trainer_metrics(self) -> Iterator[Metric]:
         values = _gauge("trainer_metric", "the newest value a trainer reported (session.report(auc=...))",
@@ -134,6 +138,32 @@ class JobCollector(Collector):
                 steps.add_metric([reporter], newest.step)
             ages.add_metric([reporter], max(now - newest.time, 0.0))
         yield from (values, steps, ages)
+
+
+def _node_metrics(docs: list[tuple[str, bytes]], now: float) -> Iterator[Metric]:
+    """From the health documents the nodes' agents (dlrover-run) write to the KV store: their worker restarts."""
+    labels = ["run", "node"]
+    exits = _gauge("node_worker_exits", "worker processes of a node that exited and were restarted in place, or "
+                   "the node failed (the agent's newest 50)", labels)  # fmt: skip
+    left = _gauge("node_restarts_left", "in-place worker restarts a node has left (dlrover-run --max-restarts)", labels)
+    alive = _gauge("node_workers", "worker processes a node runs now", labels)
+    age = _gauge("node_heartbeat_age_seconds", "seconds since a node's agent last wrote its health", labels)
+    for key, value in docs:
+        run, _, node = key[len(NODES_PREFIX):].partition("/")
+        try:
+            doc = json.loads(value)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue  # the KV store holds opaque bytes: only well-formed health documents count
+        if not node or not isinstance(doc, dict):
+            continue
+        exits.add_metric([run, node], len(doc.get("exits") or []))
+        if isinstance(doc.get("restarts_left"), int):
+            left.add_metric([run, node], doc["restarts_left"])
+        alive.add_metric([run, node], len(doc.get("workers") or {}))
+        beat = doc.get("heartbeat_at") or doc.get("at")
+        if isinstance(beat, (int, float)):
+            age.add_metric([run, node], max(now - beat, 0.0))
+    yield from (exits, left, alive, age)
 
 
 def _gauge_value(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -54,17 +54,8 @@ class StreamJob:
         self.worker.commit_cut(cut_id)
         return cut_id
 
-    def scrape(self, token: str | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """``/metrics`` parsed by prometheus-client's parser: (sample name, sorted labels) -> value."""
-        req = urllib.request.Request(self.master.dashboard_url + "metrics")
-        req.add_header("Authorization", f"Bearer {self.master.token if token is None else token}")
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            text = resp.read().decode()
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
+    def scrape(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return scrape(self.master)
 
     def lag(self, partition: int) -> float | None:
         key = ("streamrover_partition_lag_records", (("dataset", "clicks"), ("partition", self.partitions[partition])))
@@ -88,6 +79,19 @@ def start_stream_job(broker: TansuBroker, master: MasterProcess, per_partition: 
     wait_until(lambda: worker.describe_dataset("clicks").total_records == total, 30, f"{total} records planned")
     job.consume_all(total)
     return job
+
+
+def scrape(master: MasterProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``/metrics`` parsed by prometheus-client's parser: (sample name, sorted labels) -> value."""
+    req = urllib.request.Request(master.dashboard_url + "metrics")
+    req.add_header("Authorization", f"Bearer {master.token}")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
 
 
 def http_status(url: str, token: str | None = None, method: str = "GET") -> int:

@@ -53,6 +53,27 @@ def test_the_token_is_required(master: MasterProcess) -> None:
     assert master.token not in master.log_tail(1000), "the token must never be logged"
 
 
+def test_node_restarts_from_the_agents_health_documents(master: MasterProcess) -> None:
+    from types import SimpleNamespace
+
+    from streamrover.shard_service import ShardClient
+    from streamrover.trainers.torch.agent import HealthReporter
+    from tests.shard_service.dashboard_job import scrape
+
+    with ShardClient(master.address, token=master.token, heartbeat=False) as client:
+        health = HealthReporter(client, "run-7", "node-0")  # what dlrover-run's agent writes to the KV store
+        exits = {0: SimpleNamespace(pid=4242, exitcode=-9), 1: SimpleNamespace(pid=4243, exitcode=1)}
+        health.report("HEALTHY", restarts_left=1, round_=2, failures=exits, pids={0: 5001, 1: 5002})
+        client.kv_set("nodes/run-7/garbage", b"\xff not json", 0)  # opaque bytes under the prefix are skipped
+        m = scrape(master)
+    node = (("node", "node-0"), ("run", "run-7"))
+    assert m[("streamrover_node_worker_exits", node)] == 2
+    assert m[("streamrover_node_restarts_left", node)] == 1
+    assert m[("streamrover_node_workers", node)] == 2
+    assert m[("streamrover_node_heartbeat_age_seconds", node)] >= 0
+    assert not any(labels == (("node", "garbage"), ("run", "run-7")) for _, labels in m)
+
+
 def test_report_refuses_bad_names(master: MasterProcess) -> None:
     from streamrover.shard_service import ShardClient
 
