@@ -180,7 +180,9 @@ def create_platform(name: str, **kwargs: Any) -> Platform:
 
             register_platform("ray", ray.RayPlatform)
         elif name == "k8s":
-            raise PlatformUnavailableError(f"platform {name!r} is not built yet in this version (use --platform local)")
+            raise PlatformUnavailableError(
+                "the k8s platform runs inside the operator (python -m streamrover.operator.k8s_operator, one per "
+                "StreamTrainJob): `streamrover run job.yaml --platform k8s` creates the resource")
     try:
         factory = _registry[name]
     except KeyError:

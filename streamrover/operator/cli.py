@@ -33,6 +33,8 @@ def add_parsers(sub: Any) -> None:
     run.add_argument("--platform", choices=PLATFORMS, default="local", help="where the nodes run (default: local)")
     run.add_argument("--detach", "-d", action="store_true", help="run the job's controller in the background")
     run.add_argument("--home", default=None, help="jobs directory (default: $STREAMROVER_HOME)")
+    run.add_argument("--namespace", "-n", default="default", help="k8s: the namespace of the StreamTrainJob")
+    run.add_argument("--kubeconfig", default=None, help="k8s: the cluster (default: $KUBECONFIG or in-cluster)")
 
     jobs = sub.add_parser("jobs", help="jobs started with `streamrover run`")
     jsub = jobs.add_subparsers(dest="jobs_command", required=True)
@@ -92,13 +94,12 @@ def _home(args: argparse.Namespace) -> Path | None:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
-    from streamrover.operator.api import PlatformUnavailableError
     from streamrover.operator.jobs import job_dir, write_atomic
     from streamrover.operator.spec import load_spec
 
     spec = load_spec(args.spec)
     if args.platform == "k8s":
-        raise PlatformUnavailableError("platform 'k8s' is not built yet in this version (use local or ray)")
+        return _run_k8s(spec, args, console)
     job = job_dir(spec.name, _home(args), create=True)
     pid = job.controller_pid()
     if pid is not None:
@@ -124,6 +125,26 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     doc = job.status()
     console.print(f"job {spec.name}: {doc.get('phase')} {doc.get('reason', '')}".rstrip(), highlight=False)
     return code
+
+
+def _run_k8s(spec: Any, args: argparse.Namespace, console: Console) -> int:
+    """Create the job's StreamTrainJob; the operator runs it. Follows its status unless ``--detach``."""
+    from streamrover.operator import k8s
+
+    api = k8s.api_client(args.kubeconfig)
+    k8s.submit(spec, args.namespace, api)
+    console.print(f"job [bold]{spec.name}[/bold]: StreamTrainJob created in namespace {args.namespace} "
+                  f"(`kubectl get streamtrainjob {spec.name} -n {args.namespace}`)")  # fmt: skip
+    if args.detach:
+        return 0
+
+    def report(status: dict[str, Any]) -> None:
+        last = (status.get("events") or [""])[-1]
+        console.print(f"{spec.name}: {status.get('phase', 'pending')} nodes {status.get('replicas', 0)} {last}",
+                      markup=False, highlight=False)  # fmt: skip
+
+    phase = k8s.follow(spec.name, args.namespace, api, report)
+    return 0 if phase in ("succeeded", "stopped") else 1
 
 
 def _list(args: argparse.Namespace, console: Console) -> int:

@@ -70,6 +70,7 @@ class JobController:
         self.ckpt_url = spec.checkpoint.url or str(job.path / "ckpt")
         self.run_id = f"{spec.name}-{int(time.time() * 1000):x}"
         self.supervisor: Supervisor | None = None
+        self.client: Any = None  # the master's client, once it runs
         self.master_relaunches = 0
         self.autoscaler: Autoscaler | None = None
         if spec.autoscaling is not None:
@@ -79,6 +80,10 @@ class JobController:
 
     def request_stop(self, *_: Any) -> None:
         self._stop.set()
+
+    def resolve_token(self) -> str:
+        """The job's token (the k8s operator keeps it in a Secret instead)."""
+        return resolve_token(self.spec, self.state_dir)
 
     def _health(self, client: Any) -> Any:
         from streamrover.trainers.torch.agent import read_health  # torch only when a torch job runs
@@ -90,7 +95,7 @@ class JobController:
         from streamrover.shard_service import DatasetSpec, ShardClient
 
         write_atomic(self.job.pid_path, f"{os.getpid()}\n")
-        token = resolve_token(self.spec, self.state_dir)
+        token = self.resolve_token()
         launch = MasterLaunch(self.spec.name, self.state_dir, token, self.spec.master.host, self.spec.master.port,
                               self.spec.master.lease_ttl)  # fmt: skip
         self._write({"job": self.spec.name, "phase": "starting", "platform": self.platform.name, "nodes": []})
@@ -105,8 +110,8 @@ class JobController:
             self.platform.close()
             self.job.pid_path.unlink(missing_ok=True)
             raise
-        client = ShardClient(master.address, token=token, name=f"controller:{self.spec.name}", heartbeat=False,
-                             timeout=60.0)  # fmt: skip
+        client = self.client = ShardClient(master.address, token=token, name=f"controller:{self.spec.name}",
+                                           heartbeat=False, timeout=60.0)  # fmt: skip
         try:
             for ds in self.spec.datasets:
                 client.register_dataset(DatasetSpec(ds.name, ds.uri, ds.format, dict(ds.options), ds.records_per_shard,
