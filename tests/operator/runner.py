@@ -43,12 +43,17 @@ def produce(broker: Any, topic: str, ids: np.ndarray) -> None:
     from confluent_kafka import Producer
 
     producer = Producer(broker.client_config(**{"acks": "all", "enable.idempotence": True, "linger.ms": 20}))
+    send(producer, topic, ids)
+    assert producer.flush(60) == 0
+
+
+def send(producer: Any, topic: str, ids: np.ndarray) -> None:
+    """Queue the ledger records of ``ids`` on a confluent-kafka ``producer`` (the caller flushes)."""
     table = records_table(ids)
     for i, x, y in zip(table["id"].tolist(), table["x"].tolist(), table["y"].tolist()):
         producer.produce(topic, value=json.dumps({"id": i, "x": x, "y": y}).encode(), partition=i % PARTITIONS)
         if i % 2000 == 0:
             producer.poll(0)
-    assert producer.flush(60) == 0
 
 
 def ledger_spec(name: str, uri: str, records: int, out: Path, **trainer: Any) -> dict[str, Any]:

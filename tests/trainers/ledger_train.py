@@ -5,12 +5,21 @@ The model's state holds, besides the weights, ``ledger``: how often each record 
 applied. Each step all-reduces the step's id counts, so every rank holds the same ledger
 and checkpointing one copy suffices. Training stops when the ledger holds every record;
 rank 0 then writes ``ledger.npy`` and appends losses to ``loss.txt``.
+
+For the autoscaling runs: ``--step-seconds T`` makes each step take at least T seconds (the
+compute time of a real model's step, which on this machine's 2 shared cores cannot be real: a
+node's throughput is then batch/T, and a second node adds throughput as it would on its own
+machine). ``--until-file F``: an open-ended stream; ``--records`` is the ledger's capacity, and
+training stops once the ledger holds the number of records written into F (the producer writes
+it, atomically, when it has produced its last record; every rank learns that it exists through
+the step's all-reduce, so all ranks stop at the same step).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +47,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--until-file", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -54,10 +65,13 @@ def main() -> None:
     if log is not None:
         log.write(f"# attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} world {dist.get_world_size()} "
                   f"resumed at {session.step} from {session.restored_from}\n")  # fmt: skip
-    done = bool(model.ledger.sum() >= args.records)
+    until = Path(args.until_file) if args.until_file else None
+    target = args.records if until is None else None  # None: not known yet (the producer has not finished)
+    done = target is not None and bool(model.ledger.sum() >= target)
     for batch in DataLoader(dataset, batch_size=None):
         if done:
             break
+        started = time.monotonic()
         ids = batch["id"].long()
         x = batch["x"].float().unsqueeze(1)
         y = batch["y"].float().unsqueeze(1)
@@ -65,15 +79,20 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        counts = torch.zeros(args.records, dtype=torch.int32)
+        counts = torch.zeros(args.records + 1, dtype=torch.int32)  # the last slot: ranks that saw --until-file
         counts.index_add_(0, ids, torch.ones(len(ids), dtype=torch.int32))
+        counts[-1] = int(until is not None and until.exists())
         dist.all_reduce(counts)
-        model.ledger += counts
+        model.ledger += counts[:-1]
+        if target is None and counts[-1] > 0:  # written once, atomically, before any rank saw it
+            target = int(until.read_text()) if until is not None else args.records
+        if args.step_seconds:
+            time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))  # the step's modelled compute
         step = session.step_done()
         if log is not None and len(ids):
             log.write(f"{step} {loss.item():.6f}\n")
             log.flush()
-        done = bool(model.ledger.sum() >= args.records)
+        done = target is not None and bool(model.ledger.sum() >= target)
     session.close()
     if rank == 0:
         np.save(out / "ledger.npy", model.ledger.numpy())
