@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from streamrover.operator.api import (
     LaunchError,
@@ -97,7 +98,11 @@ class LocalPlatform(Platform):
             proc.wait()
             tail = _tail(self.workdir / "master.log")
             raise LaunchError(f"the job master did not start (exit {proc.returncode}): {line.strip()}\n{tail}")
-        proc.stdout.close()
+        # The master prints more after its address (its dashboard's URL...): keep its stdout open and drained into
+        # its log. Closing it made a later print die of BrokenPipeError, and with it the master (a race: seen
+        # under load when the dashboard line came after the close).
+        threading.Thread(target=_drain, args=(proc.stdout, self.workdir / "master.log"), name="master-stdout",
+                         daemon=True).start()  # fmt: skip
         address = line.split("listening on ", 1)[1].split(";", 1)[0].strip()
         self._port = int(address.rsplit(":", 1)[1])
         self._master, self._master_launch, self._master_stopped = proc, launch, False
@@ -328,6 +333,14 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def _drain(stream: IO[bytes], path: Path) -> None:
+    """Copy what is left of a child's output into ``path`` until the child closes it."""
+    with stream, open(path, "ab") as out:
+        for chunk in iter(lambda: stream.readline(), b""):
+            out.write(chunk)
+            out.flush()
 
 
 def _tail(path: Path, lines: int = 20) -> str:
