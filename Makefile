@@ -5,12 +5,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Extras the test suite needs; grows as issues land (kafka, torch, ...).
-TEST_EXTRAS ?= dev,ckpt,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s
-PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,ray,apache-beam,apache-flink,pyspark
+TEST_EXTRAS ?= dev,ckpt,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s,ctr
+PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,ray,apache-beam,apache-flink,pyspark,matplotlib,river
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
+BENCH_STAMP := $(STAMP)-bench
 
-.PHONY: install demo test lint bench clean proto jars browser k8s-build-start k8s
+.PHONY: install demo demo-backfill test lint bench clean proto jars browser k8s-build-start k8s
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +23,16 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install $(PIP_FLAGS) -q -e ".[$(TEST_EXTRAS),bench]"
+	touch $@
+
+# The flagship: online CTR from a live Kafka topic (embedded tansu), a worker SIGKILLed, a report.
 demo: install
+	$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)
+
+# The batch backfill of parquet files into a ledger (the first demo).
+demo-backfill: install
 	$(BIN)/python examples/backfill/demo.py
 
 lint: install
@@ -54,7 +64,7 @@ k8s:
 test: k8s-build-start install lint jars browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: install
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 proto: install

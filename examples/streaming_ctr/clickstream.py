@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 BLOCK = 1024
-USERS, ADS, CONTEXTS, PUBLISHERS, CATEGORIES, HOURS = 2000, 120, 12, 200, 40, 24
+USERS, ADS, CONTEXTS, PUBLISHERS, CATEGORIES, HOURS = 500, 120, 12, 100, 40, 24
 CATEGORICAL = ("user", "ad", "context", "publisher", "category", "hour")
 NUMERIC = ("n_quality", "n_recency")
 # The record's JSON fields and their types, as the master's ``sr.schema`` option takes them.

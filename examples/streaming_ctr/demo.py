@@ -57,7 +57,9 @@ class DemoConfig:
     rate: float = 1_500.0
     drift_at: int = 75_000
     window: int = 5_000
-    kill_at: float = 0.35
+    kill_at: float | None = 0.35  # None: no SIGKILL
+    oracle: bool = True
+    produce: bool = True  # False: the topic already holds the records (a benchmark's prefilled topic)
     batch_size: int = 256
     ckpt_every: int = 20
     seed: int = 7
@@ -75,7 +77,7 @@ def render_spec(cfg: DemoConfig, uri: str, out: Path) -> dict[str, Any]:
     spec["trainer"]["script"] = str(HERE / "train.py")
     spec["trainer"]["args"] = ["--records", str(cfg.records), "--window", str(cfg.window), "--seed", str(cfg.seed),
                                "--drift-at", str(cfg.drift_at), "--batch-size", str(cfg.batch_size),
-                               "--out", str(out)]  # fmt: skip
+                               "--out", str(out), "--oracle" if cfg.oracle else "--no-oracle"]  # fmt: skip
     spec["checkpoint"]["every_steps"] = cfg.ckpt_every
     return spec
 
@@ -107,11 +109,10 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
         spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
         env = {**python_env(), "STREAMROVER_HOME": str(home)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        tansu_batches = ["-X", "linger.ms=0", "-X", "batch.num.messages=1"] if broker else []  # exact high watermark
         progress = work / "producer.json"
         producer_cmd = [sys.executable, "-m", "examples.streaming_ctr.produce", "--bootstrap", bootstrap, "--topic",
                         topic, "--records", str(cfg.records), "--rate", str(cfg.rate), "--seed", str(cfg.seed),
-                        "--drift-at", str(cfg.drift_at), "--progress", str(progress), *tansu_batches]  # fmt: skip
+                        "--drift-at", str(cfg.drift_at), "--progress", str(progress)]  # fmt: skip
 
         def start_producer() -> subprocess.Popen[bytes]:
             with open(work / "producer.log", "ab") as log:
@@ -167,12 +168,12 @@ def _watch(cfg: DemoConfig, console: Console, watcher: Watcher, controller: subp
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not finish within {cfg.timeout:.0f} s")
             s = watcher.sample()
-            if producer is None and s.workers >= 2:
+            if producer is None and s.workers >= 2 and cfg.produce:
                 producer = start_producer()
                 console.print(f"workers up at {s.t:.0f} s: the producer starts ({cfg.rate:,.0f} records/s)")
             if producer is not None and producer.poll() not in (None, 0):
                 raise RuntimeError(f"the producer exited {producer.returncode}")
-            if not killed and s.acked >= cfg.kill_at * cfg.records and s.workers >= 2:
+            if cfg.kill_at is not None and not killed and s.acked >= cfg.kill_at * cfg.records and s.workers >= 2:
                 doc = watcher.job.status()
                 pids = {rank: pid for n in doc["nodes"] for rank, pid in n.get("workers", {}).items()}
                 rank = sorted(pids)[-1]
@@ -184,7 +185,7 @@ def _watch(cfg: DemoConfig, console: Console, watcher: Watcher, controller: subp
                 view.update(render(s, cfg.records, note), refresh=True)
             time.sleep(0.5)  # the view's refresh period
         view.update(render(watcher.sample(), cfg.records, note), refresh=True)
-    if not killed:
+    if cfg.kill_at is not None and not killed:
         raise RuntimeError("the job finished before the worker could be killed: nothing was recovered")
     return killed
 

@@ -74,6 +74,7 @@ class CtrState(nn.Module):
         self.register_buffer("ledger_sums", torch.zeros(2, dtype=torch.int64))  # records applied, sum of their ids
         self.register_buffer("windows", torch.zeros(windows, ROW, dtype=torch.float64))
         self.register_buffer("freshness", torch.zeros(len(FRESH_EDGES_MS) - 1, dtype=torch.float64))
+        self.register_buffer("applied_span", torch.zeros(2, dtype=torch.float64))  # first and last step, epoch ms
 
 
 def features(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ creates the topic (``--partitions``) if it is missing and sends records ``0 .. N
 records per second; each record's ``event_ms`` is the wall-clock time it is handed to the client.
 ``--progress FILE`` receives a JSON progress document about once a second (sent, delivered,
 when the first record of each drift regime was sent). ``-X key=value`` passes librdkafka
-settings through (``-X linger.ms=0 -X batch.num.messages=1`` for tansu's exact high watermark).
+settings through.
 """
 
 from __future__ import annotations
@@ -50,9 +50,16 @@ class Progress:
         tmp.replace(self.path)
 
 
-def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate: float,
+def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate: float, partitions: int,
             config: dict[str, Any] | None = None, progress: Progress | None = None, chunk: int = 256) -> Progress:
-    """Send records ``0 .. records-1`` at ``rate`` per second; returns once every one is delivered."""
+    """Send records ``0 .. records-1`` at ``rate`` per second; returns once every one is delivered.
+
+    Record ``i`` goes to partition ``user % partitions`` (its key is the user's hash, itself uniform),
+    so a user's records stay in order. The last record of each partition is sent alone, after
+    everything else is delivered: it is then a batch of its own, which makes the end of the
+    stream visible on brokers whose high watermark trails the last batch (tansu: see
+    tests/brokers/tansu.py) while every other record is batched (``linger.ms``).
+    """
     from confluent_kafka import Producer
 
     progress = progress or Progress(None)
@@ -62,6 +69,19 @@ def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate:
 
     def delivered(err: Any, _msg: Any) -> None:
         doc["failed" if err is not None else "delivered"] += 1
+
+    users = stream.columns(0, records)["user"] if records else np.empty(0, np.int64)
+    part = users % partitions
+    tail = {int(np.flatnonzero(part == p)[-1]) for p in range(partitions) if np.any(part == p)}
+    held: list[tuple[int, bytes, int]] = []
+
+    def send(body: bytes, user: int, p: int) -> None:
+        while True:
+            try:
+                producer.produce(topic, value=body, key=str(user).encode(), partition=p, on_delivery=delivered)
+                return
+            except BufferError:  # the client's queue is full: let it drain
+                producer.poll(0.05)
 
     drifts = list(stream.hidden.drift_at)
     t0 = time.monotonic()
@@ -76,23 +96,25 @@ def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate:
         cols = stream.columns(sent, stop)
         now = time.time()
         bodies = stream.json_records(cols, np.full(stop - sent, int(now * 1000), dtype=np.int64))
-        for user, body in zip(cols["user"].tolist(), bodies):
-            while True:
-                try:
-                    producer.produce(topic, value=body, key=str(user).encode(), on_delivery=delivered)
-                    break
-                except BufferError:  # the client's queue is full: let it drain
-                    producer.poll(0.05)
+        for i, user, body in zip(range(sent, stop), cols["user"].tolist(), bodies):
+            if i in tail:
+                held.append((user, body, int(part[i])))
+            else:
+                send(body, user, int(part[i]))
         for d in drifts:
             if sent <= d < stop:
                 doc["drift_sent"][str(d)] = now
         sent = stop
-        doc["sent"] = sent
+        doc["sent"] = sent - len(held)
         producer.poll(0)
         if time.time() - written >= 1.0:
             progress.write()
             written = time.time()
     remaining = producer.flush(120)
+    for user, body, p in held:  # each partition's last record, alone in its batch
+        send(body, user, p)
+        remaining += producer.flush(60)
+    doc["sent"] = sent
     doc["done"], doc["finished"] = remaining == 0 and doc["failed"] == 0, time.time()
     progress.write()
     if remaining or doc["failed"]:
@@ -121,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_topic(args.bootstrap, args.topic, args.partitions)
     progress = Progress(Path(args.progress) if args.progress else None)
     produce(args.bootstrap, args.topic, ClickStream(args.seed, tuple(args.drift_at)), args.records, args.rate,
-            config, progress)  # fmt: skip
+            args.partitions, config, progress)  # fmt: skip
     print(json.dumps(progress.doc), flush=True)
     return 0
 

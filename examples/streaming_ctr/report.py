@@ -39,7 +39,7 @@ class Summary:
     calibration: float
     fresh_p50_ms: float
     fresh_p99_ms: float
-    records_per_second: float  # records applied / seconds from the first to the last applied
+    records_per_second: float  # records applied / seconds from the first step to the last
     peak_records_per_second: float
     killed: str
     restarts: int
@@ -57,10 +57,8 @@ def summarize(out: Path, records: int, drift_at: int, window: int, samples: list
     post = [figs[i] for i in sorted(figs) if i >= drift_at // window]
     recovered = next(((f.index + 1) * window - drift_at for f in post if f.auc_ratio >= recover_ratio), None)
     last = metrics.merged(rows[-2:])
-    applied = rows[:, 4 * metrics.BINS]
-    mean_applied = rows[:, 4 * metrics.BINS + metrics.SUMS.index("applied_ms_sum")] / np.maximum(applied, 1)
-    active = mean_applied[applied > 0]
-    span = (active.max() - active.min()) / 1000 if len(active) > 1 else float("nan")
+    first, last_ms = np.load(out / "applied_span.npy")
+    span = (last_ms - first) / 1000
     rates = [s["records_per_second"] for s in samples]
     return Summary(
         records, int(ledger.sum()), int((ledger > 1).sum()), int((ledger == 0).sum()),

@@ -37,6 +37,7 @@ from examples.streaming_ctr.clickstream import CATEGORICAL, NUMERIC, ClickStream
 from examples.streaming_ctr.model import CtrState, features
 
 COLUMNS = ["id", *CATEGORICAL, *NUMERIC, "event_ms", "clicked"]
+ORACLE_INPUT = ("id", *CATEGORICAL, *NUMERIC)
 _GATHERED = 6  # id, logit, oracle logit, clicked, event_ms, applied_ms
 
 
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drift-at", type=int, nargs="*", default=[], help="the stream's drift points (for the oracle)")
     p.add_argument("--batch-size", type=int, default=256, help="records per rank and step")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
+                   help="score each record with the hidden model too (--no-oracle: the oracle columns stay 0)")
     p.add_argument("--ckpt-every", type=int, default=int(os.environ.get("STREAMROVER_CKPT_EVERY", "50")))
     p.add_argument("--out", required=True, help="where rank 0 writes metrics.json and the final arrays")
     return p.parse_args(argv)
@@ -62,6 +65,7 @@ def write_metrics(out: Path, state: CtrState, step: int, started: float) -> None
     doc = {
         "updated": time.time(), "step": step, "started": started,
         "applied": int(state.ledger_sums[0]), "id_sum": int(state.ledger_sums[1]),
+        "applied_span_ms": state.applied_span.tolist(),
         "fresh_p50_ms": metrics.quantile_ms(fresh, 0.5), "fresh_p99_ms": metrics.quantile_ms(fresh, 0.99),
         "windows": [vars(f) for f in figs],
     }  # fmt: skip
@@ -82,6 +86,9 @@ def apply_step(state: CtrState, rows: np.ndarray, window: int) -> None:
     state.windows += torch.from_numpy(metrics.window_rows(ids // window, rows[:, 1], rows[:, 2], rows[:, 3],
                                                           rows[:, 4], applied_ms, n_windows))  # fmt: skip
     state.freshness += torch.from_numpy(metrics.freshness_counts(rows[:, 4], applied_ms))
+    if state.applied_span[0] == 0:
+        state.applied_span[0] = applied_ms
+    state.applied_span[1] = applied_ms
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,8 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         if n:
             local[:n, 0] = batch["id"].double()
             local[:n, 1] = logits.detach().double()
-            local[:n, 2] = torch.from_numpy(oracle.oracle_logit({k: batch[k].numpy() for k in (*CATEGORICAL, *NUMERIC,
-                                                                                               "id")}))  # fmt: skip
+            if args.oracle:
+                local[:n, 2] = torch.from_numpy(oracle.oracle_logit({k: batch[k].numpy() for k in ORACLE_INPUT}))
             local[:n, 3] = y.double()
             local[:n, 4] = batch["event_ms"].double()
             local[:n, 5] = time.time() * 1000
@@ -140,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         np.save(out / "ledger.npy", state.ledger.numpy())
         np.save(out / "windows.npy", state.windows.numpy())
         np.save(out / "freshness.npy", state.freshness.numpy())
+        np.save(out / "applied_span.npy", state.applied_span.numpy())
     dist.destroy_process_group()
 
 
