@@ -97,9 +97,9 @@ def main(argv: list[str]) -> int:
     broker.start()
     try:
         seed, drift = 7, args.paced_records * 2 // 3
-        ensure_topic(broker.bootstrap, "prefilled", 4)
+        ensure_topic(broker.bootstrap, "prefilled", 2)
         t = time.monotonic()
-        produce(broker.bootstrap, "prefilled", ClickStream(seed, ()), args.records, 1e9, 4)
+        produce(broker.bootstrap, "prefilled", ClickStream(seed, ()), args.records, 1e9, 2)
         print(f"prefilled {args.records:,} records in {time.monotonic() - t:.1f} s", flush=True)
         eo, _ = run_demo(DemoConfig(records=args.records, drift_at=args.records, kill_at=None, oracle=False,
                                     produce=False, bootstrap=broker.bootstrap, topic="prefilled",

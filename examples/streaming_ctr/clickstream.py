@@ -58,7 +58,7 @@ class HiddenModel:
         self.codes = {name: _hashes(rng, n) for name, n in zip(CATEGORICAL, sizes)}
         self.w_user = rng.normal(0, 0.1, USERS)
         self.v_user = rng.normal(0, 0.15, (USERS, dim))
-        self.w_ctx = rng.normal(0, 0.6, CONTEXTS)
+        self.w_ctx = rng.normal(0, 0.8, CONTEXTS)
         self.u_ctx = rng.normal(0, 0.5, (CONTEXTS, dim))
         self.w_pub = rng.normal(0, 0.3, PUBLISHERS)
         self.w_cat = rng.normal(0, 0.4, CATEGORIES)
@@ -68,7 +68,7 @@ class HiddenModel:
         self.regimes = []
         for r in range(len(self.drift_at) + 1):
             g = np.random.default_rng([seed, 1, r])
-            self.regimes.append(Regime(g.normal(0, 1.0, ADS), g.normal(0, 0.5, (ADS, dim)),
+            self.regimes.append(Regime(g.normal(0, 1.3, ADS), g.normal(0, 0.5, (ADS, dim)),
                                        g.normal(0, 0.5, (ADS, dim)), g.normal(0, 0.2, ADS)))  # fmt: skip
 
     def regime_of(self, ids: np.ndarray) -> np.ndarray:
@@ -145,12 +145,25 @@ class ClickStream:
             out.append(json.dumps(rec, separators=(",", ":")).encode())
         return out
 
+    def partition_of(self, users: np.ndarray, partitions: int) -> np.ndarray:
+        """Each record's partition from its user's hash: the user's index modulo ``partitions``.
+
+        Users are drawn uniformly, so every partition carries the same share of the traffic (a hash
+        of 500 users would leave them a few percent apart, and a partition that holds more records
+        falls behind in event time when every worker reads its own at the same rate).
+        """
+        index = self._indexes()["user"]
+        return np.fromiter((index[int(u)] % partitions for u in users), np.int64, len(users))
+
+    def _indexes(self) -> dict[str, dict[int, int]]:
+        if self._index is None:
+            self._index = {k: {int(c): i for i, c in enumerate(v)} for k, v in self.hidden.codes.items()}
+        return self._index
+
     def oracle_logit(self, cols: dict[str, Any]) -> np.ndarray:
         """The true log-odds of records as a trainer receives them (hashed fields, numerics, ids)."""
-        if self._index is None:
-            self._index = {k: {int(c): i for i, c in enumerate(v)}
-                           for k, v in self.hidden.codes.items()}  # fmt: skip
-        idx = {k: np.fromiter((self._index[k][int(c)] for c in np.asarray(cols[k])), np.int64) for k in CATEGORICAL}
+        index = self._indexes()
+        idx = {k: np.fromiter((index[k][int(c)] for c in np.asarray(cols[k])), np.int64) for k in CATEGORICAL}
         nums = {k: np.asarray(cols[k], dtype=np.float64) for k in NUMERIC}
         ids = np.asarray(cols["id"], dtype=np.int64)
         return self.hidden.logit_of(idx, nums, self.hidden.regime_of(ids))

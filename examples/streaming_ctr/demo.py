@@ -60,6 +60,10 @@ class DemoConfig:
     kill_at: float | None = 0.35  # None: no SIGKILL
     oracle: bool = True
     produce: bool = True  # False: the topic already holds the records (a benchmark's prefilled topic)
+    # One partition per worker: the master leases a worker the next shard of the partition it reads, and
+    # DDP steps the ranks in lock-step, so the partitions stay level in event time. More partitions than
+    # workers, with a backlog, let some partitions run ahead of others by tens of thousands of records.
+    partitions: int = 2
     batch_size: int = 256
     ckpt_every: int = 20
     seed: int = 7
@@ -101,7 +105,7 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
     topic = cfg.topic or f"clicks-{uuid.uuid4().hex[:6]}"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        ensure_topic(bootstrap, topic, 4)
+        ensure_topic(bootstrap, topic, cfg.partitions)
         console.print(f"broker {bootstrap} ({'tansu, embedded' if broker else 'given'}), topic {topic!r}, "
                       f"work directory {work}")  # fmt: skip
         spec = render_spec(cfg, f"kafka://{bootstrap}/{topic}", out)
@@ -112,7 +116,8 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
         progress = work / "producer.json"
         producer_cmd = [sys.executable, "-m", "examples.streaming_ctr.produce", "--bootstrap", bootstrap, "--topic",
                         topic, "--records", str(cfg.records), "--rate", str(cfg.rate), "--seed", str(cfg.seed),
-                        "--drift-at", str(cfg.drift_at), "--progress", str(progress)]  # fmt: skip
+                        "--drift-at", str(cfg.drift_at), "--progress", str(progress),
+                        "--partitions", str(cfg.partitions)]  # fmt: skip
 
         def start_producer() -> subprocess.Popen[bytes]:
             with open(work / "producer.log", "ab") as log:

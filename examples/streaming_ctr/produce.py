@@ -54,11 +54,11 @@ def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate:
             config: dict[str, Any] | None = None, progress: Progress | None = None, chunk: int = 256) -> Progress:
     """Send records ``0 .. records-1`` at ``rate`` per second; returns once every one is delivered.
 
-    Record ``i`` goes to partition ``user % partitions`` (its key is the user's hash, itself uniform),
-    so a user's records stay in order. The last record of each partition is sent alone, after
-    everything else is delivered: it is then a batch of its own, which makes the end of the
-    stream visible on brokers whose high watermark trails the last batch (tansu: see
-    tests/brokers/tansu.py) while every other record is batched (``linger.ms``).
+    Records are keyed by user; a user's records all go to one partition (``ClickStream.partition_of``),
+    so they stay in order. The last record of each partition is sent alone, after everything else
+    is delivered: it is then a batch of its own, which makes the end of the stream visible on
+    brokers whose high watermark trails the last batch (tansu: see tests/brokers/tansu.py) while
+    every other record is batched (``linger.ms``).
     """
     from confluent_kafka import Producer
 
@@ -71,7 +71,7 @@ def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate:
         doc["failed" if err is not None else "delivered"] += 1
 
     users = stream.columns(0, records)["user"] if records else np.empty(0, np.int64)
-    part = users % partitions
+    part = stream.partition_of(users, partitions)
     tail = {int(np.flatnonzero(part == p)[-1]) for p in range(partitions) if np.any(part == p)}
     held: list[tuple[int, bytes, int]] = []
 

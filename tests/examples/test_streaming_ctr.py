@@ -24,7 +24,7 @@ from examples.streaming_ctr import report
 from examples.streaming_ctr.demo import DemoConfig, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-RECORDS, DRIFT, RATE = 90_000, 60_000, 2_500
+RECORDS, DRIFT, RATE = 95_000, 60_000, 2_500
 BEFORE, RECOVER_WITHIN = 10_000, 25_000
 
 
