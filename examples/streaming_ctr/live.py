@@ -47,6 +47,7 @@ class Sample:
     fresh_p50_ms: float = float("nan")
     fresh_p99_ms: float = float("nan")
     phase: str = "starting"
+    dashboard: str = ""
     events: list[str] = field(default_factory=list)
 
 
@@ -75,6 +76,9 @@ class Watcher:
         s.restarts = int(doc.get("relaunches", 0)) + sum(
             self.per_node - n["restarts_left"] for n in nodes if n.get("restarts_left") is not None)  # fmt: skip
         s.events = [f"{e['kind']} {e['node']}: {e['message']}" for e in doc.get("events", [])[-3:]]
+        if doc.get("state_dir"):
+            url = Path(doc["state_dir"]) / "dashboard.url"
+            s.dashboard = url.read_text().strip() if url.exists() else ""
         client = self._master(doc)
         if client is not None:
             try:
@@ -120,6 +124,9 @@ def render(s: Sample, records: int, note: str = "") -> Table:
         f"{s.fresh_p50_ms / 1000:.1f}/{s.fresh_p99_ms / 1000:.1f}s" if s.fresh_p50_ms == s.fresh_p50_ms else "-",
         str(s.workers), str(s.restarts),
     )  # fmt: skip
-    if note:
-        table.caption = note
+    caption = [note] if note else []
+    if s.dashboard:
+        caption.append(f"dashboard and /metrics: {s.dashboard} (the job's token)")
+    if caption:
+        table.caption = "; ".join(caption)
     return table

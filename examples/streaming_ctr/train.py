@@ -35,6 +35,7 @@ import streamrover.trainers.torch as srt
 from examples.streaming_ctr import metrics
 from examples.streaming_ctr.clickstream import CATEGORICAL, NUMERIC, ClickStream
 from examples.streaming_ctr.model import CtrState, features
+from streamrover.shard_service import ShardServiceError
 
 COLUMNS = ["id", *CATEGORICAL, *NUMERIC, "event_ms", "clicked"]
 ORACLE_INPUT = ("id", *CATEGORICAL, *NUMERIC)
@@ -57,8 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_metrics(out: Path, state: CtrState, step: int, started: float) -> None:
-    """``metrics.json``: what the live view and the report read (atomically replaced)."""
+def write_metrics(out: Path, state: CtrState, step: int, started: float) -> dict[str, float]:
+    """``metrics.json``: what the live view and the report read (atomically replaced); returns the newest figures."""
     rows = state.windows.numpy()
     figs = metrics.figures(rows, min_records=200)
     fresh = state.freshness.numpy()
@@ -72,6 +73,14 @@ def write_metrics(out: Path, state: CtrState, step: int, started: float) -> None
     tmp = out / f"metrics.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(doc))
     tmp.replace(out / "metrics.json")
+    newest: dict[str, float] = {"records_in_model": float(doc["applied"]),
+                                "freshness_p50_s": doc["fresh_p50_ms"] / 1000,
+                                "freshness_p99_s": doc["fresh_p99_ms"] / 1000}  # fmt: skip
+    full = [f for f in figs if f.records >= 1000]
+    if full:
+        newest.update(auc=full[-1].auc, oracle_auc=full[-1].oracle_auc, logloss=full[-1].logloss,
+                      calibration=full[-1].calibration)  # fmt: skip
+    return newest
 
 
 def apply_step(state: CtrState, rows: np.ndarray, window: int) -> None:
@@ -138,7 +147,11 @@ def main(argv: list[str] | None = None) -> None:
         apply_step(state, rows, args.window)
         step = session.step_done()
         if rank == 0 and time.time() - written >= 1.0:
-            write_metrics(out, state, step, started)
+            figures = write_metrics(out, state, step, started)
+            try:  # the master's /metrics and dashboard show them (streamrover_trainer_metric)
+                session.report(loss=float(loss), **figures)
+            except ShardServiceError as exc:  # the master may be restarting: the next report will do
+                print(f"metrics not reported: {exc}", flush=True)
             written = time.time()
         done = int(state.ledger_sums[0]) >= args.records
     session.close()
