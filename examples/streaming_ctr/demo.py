@@ -161,8 +161,8 @@ def _watch(cfg: DemoConfig, console: Console, watcher: Watcher, controller: subp
            start_producer: Callable[[], subprocess.Popen[bytes]], live: bool) -> str:
     """Sample and show the run until the controller exits; returns what was killed.
 
-    The producer starts once both workers are up (the stream is live: freshness measures training,
-    not the job's start-up); a worker is SIGKILLed once ``kill_at`` of the records are acked.
+    The producer starts once both ranks joined the shard service (the stream is live: freshness
+    measures training, not the job's start-up); a worker is SIGKILLed once ``kill_at`` of the records are acked.
     """
     killed, note = "", ""
     producer: subprocess.Popen[bytes] | None = None
@@ -173,9 +173,9 @@ def _watch(cfg: DemoConfig, console: Console, watcher: Watcher, controller: subp
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not finish within {cfg.timeout:.0f} s")
             s = watcher.sample()
-            if producer is None and s.workers >= 2 and cfg.produce:
+            if producer is None and s.joined >= 2 and cfg.produce:
                 producer = start_producer()
-                console.print(f"workers up at {s.t:.0f} s: the producer starts ({cfg.rate:,.0f} records/s)")
+                console.print(f"both ranks joined at {s.t:.0f} s: the producer starts ({cfg.rate:,.0f} records/s)")
             if producer is not None and producer.poll() not in (None, 0):
                 raise RuntimeError(f"the producer exited {producer.returncode}")
             if cfg.kill_at is not None and not killed and s.acked >= cfg.kill_at * cfg.records and s.workers >= 2:

@@ -39,7 +39,8 @@ class Sample:
     lag: int = 0
     records_per_second: float = 0.0
     restarts: int = 0
-    workers: int = 0
+    workers: int = 0  # worker processes the node's agent reports running
+    joined: int = 0  # ranks joined to the shard service (their StreamSession is up)
     applied: int = 0
     auc: float = float("nan")
     oracle_auc: float = float("nan")
@@ -87,6 +88,7 @@ class Watcher:
                 if ds is not None:
                     s.acked, s.committed, s.lag = int(ds.records_acked), int(ds.records_committed), int(ds.lag)
                 s.records_per_second = float(st.records_per_second)
+                s.joined = sum(1 for w in st.workers if w.name.startswith("rank"))
             except ShardServiceError:
                 pass  # the master is stopping or restarting: no figures this time
         m = read_json(self.out / "metrics.json")

@@ -24,8 +24,8 @@ from examples.streaming_ctr import report
 from examples.streaming_ctr.demo import DemoConfig, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-RECORDS, DRIFT, RATE = 95_000, 60_000, 2_500
-BEFORE, RECOVER_WITHIN = 10_000, 25_000
+RECORDS, DRIFT, RATE = 100_000, 60_000, 2_500
+BEFORE, RECOVER_WITHIN = 10_000, 30_000
 
 
 def test_shortened_demo_is_exact_and_tracks_the_oracle_through_a_drift(tmp_path: Path, tansu_broker: Any) -> None:
