@@ -144,13 +144,10 @@ def _run_master(args: argparse.Namespace) -> int:
         tmp.write_text(server.address + "\n")
         tmp.rename(args.address_file)
     print(f"streamrover master listening on {server.address}; state in {state_dir}", flush=True)
-    # Only the line above goes to stdout: launchers read it and may close the pipe at once (the local
-    # platform does), so a later print there would kill the master with BrokenPipeError.
     if not args.token:
-        print(f"token: {state_dir / 'token'}", file=sys.stderr, flush=True)
+        print(f"token: {state_dir / 'token'}", flush=True)
     if server.dashboard is not None:  # the token is never printed: the page asks for it (or takes it after #token=)
-        print(f"dashboard: {server.dashboard.url} (Prometheus: {server.dashboard.url}metrics)", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(f"dashboard: {server.dashboard.url} (Prometheus: {server.dashboard.url}metrics)", flush=True)
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         server.stop()
