@@ -408,8 +408,8 @@ class ShardService(Protocol):
         """Commit cut ``cut_id``: call it once the checkpoint holding its cursor is durable (manifest published).
 
         When is a cut committed: only by this call, made after durability; from then on its cursor is
-        the committed cursor (what a restart or a restore without checkpoint starts from), the shards
-        inside it are compacted away, and the source is committed upstream (consumer group,
+        the committed cursor (journalled: a restarted master keeps it), the shards inside it are
+        compacted away, and the source is committed upstream (consumer group,
         subscription) up to the *previous* durable checkpoint's cursor, never beyond. Returns the
         committed cursor. Committing the committed cut again only returns the committed cursor. Raises
         :class:`FailedPreconditionError` for a cut older than the committed one or one that lacks
