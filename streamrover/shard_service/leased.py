@@ -39,7 +39,7 @@ class LeasedShard:
 
     @property
     def revoked(self) -> bool:
-        return (self.shard_id, self.lease.attempt) in self.client._revoked
+        return self.client.leases.is_revoked(self.shard_id, self.lease.attempt)
 
     def batches(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[ReadBatch]:
         """The shard's records from its resume position to its end. Stops early if the lease is revoked."""
@@ -79,7 +79,7 @@ class LeasedShard:
         shard's records then; the ones applied but not acked will be handed out again.
         """
         pos = self.position if position is None else position
-        more = self.client._leases_wanted(self.lease.dataset) if pos == self.lease.end else 0
+        more = self.client.pacing.leases_wanted(self.lease.dataset) if pos == self.lease.end else 0
         try:
             result = self.client._ack(self.lease, self, pos, step, self._dead_letters, more, wait)
         except LeaseLostError:
@@ -94,6 +94,4 @@ class LeasedShard:
         self.acked = max(self.acked, position)
         if done:
             self.done = True
-            with self.client._lock:
-                if self.client._held.get(self.shard_id) is self:
-                    del self.client._held[self.shard_id]
+            self.client.leases.finished(self)

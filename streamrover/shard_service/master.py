@@ -33,7 +33,12 @@ class _TokenAuth(grpc.ServerInterceptor):
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: pass the job token the master uses")
 
+        def deny_stream(requests: Any, context: grpc.ServicerContext) -> Any:
+            deny(None, context)
+            yield from ()
+
         self._deny: Any = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream: Any = grpc.stream_stream_rpc_method_handler(deny_stream)
 
     def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         for key, value in handler_call_details.invocation_metadata or ():
@@ -41,7 +46,8 @@ class _TokenAuth(grpc.ServerInterceptor):
                 got = value.encode() if isinstance(value, str) else value
                 if hmac.compare_digest(got, self._expected):
                     return continuation(handler_call_details)
-        return self._deny
+        handler = continuation(handler_call_details)
+        return self._deny_stream if handler is not None and handler.request_streaming else self._deny
 
 
 class MasterServer:
@@ -72,7 +78,9 @@ class MasterServer:
         try:
             self.journal = Journal(self.state_dir / "journal.db", durability=durability)
             self.core = ShardCore(self.journal, lease_ttl=lease_ttl)
-            self.servicer = ShardServicer(self.core, on_fatal=self._fail_stop)
+            # a worker session holds a server thread for its life: keep threads for the unary calls
+            sessions = max(max_workers - 16, max_workers // 2)
+            self.servicer = ShardServicer(self.core, on_fatal=self._fail_stop, max_sessions=sessions)
         except BaseException:
             self._lock.release()
             raise

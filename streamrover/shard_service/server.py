@@ -9,7 +9,7 @@ import functools
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -25,6 +25,7 @@ from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.reported import ReportedMetrics
+from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions
 from streamrover.shard_service.staged_rpc import commit_staged
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
@@ -43,6 +44,21 @@ T = TypeVar("T")
 MAX_LEASE_WAIT = 30.0
 
 
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The precise gRPC status of one of the service's typed errors (None: not one of them)."""
+    if isinstance(exc, JournalWriteError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, ShardServiceError):
+        return getattr(grpc.StatusCode, exc.code), str(exc)
+    if isinstance(exc, SourceNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, SourceUnavailableError):  # a broker down or slow: clients retry UNAVAILABLE with backoff
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, SourceError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return None
+
+
 def _rpc(method: Callable[..., T]) -> Callable[..., T]:
     """Turn the service's typed errors into precise gRPC statuses."""
 
@@ -51,16 +67,8 @@ def _rpc(method: Callable[..., T]) -> Callable[..., T]:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
             result = method(self, request, context)
-        except JournalWriteError as exc:
-            error = (grpc.StatusCode.UNAVAILABLE, str(exc))
-        except ShardServiceError as exc:
-            error = (getattr(grpc.StatusCode, exc.code), str(exc))
-        except SourceNotFoundError as exc:
-            error = (grpc.StatusCode.NOT_FOUND, str(exc))
-        except SourceUnavailableError as exc:  # a broker down or slow: clients retry UNAVAILABLE with backoff
-            error = (grpc.StatusCode.UNAVAILABLE, str(exc))
-        except SourceError as exc:
-            error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (JournalWriteError, ShardServiceError, SourceError) as exc:
+            error = status_of(exc)
         failed = self.core.journal.failed  # set under the lock: a call that ran after it saw memory ahead of it
         if failed:
             self.fail_stop(failed)
@@ -99,8 +107,11 @@ class _KvMethods:
 class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     """Serialises every call on one condition variable around the :class:`ShardCore`."""
 
-    def __init__(self, core: ShardCore, on_fatal: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, core: ShardCore, on_fatal: Callable[[str], None] | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS
+    ) -> None:
         self.core = core
+        self.sessions = WorkerSessions(self, max_sessions)
         self.cond = threading.Condition()
         self.reported = ReportedMetrics()  # what trainers report (loss, AUC...): in memory, not journalled
         self.fatal = ""  # why the service stopped answering (a journal write failed)
@@ -349,6 +360,10 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 self._wake_lease_waiters()
             leases = [] if outcome is None else [convert.lease_to_pb(g) for g in outcome.leases]
             return pb.AckBatchResponse(results=answers, leases=leases)
+
+    def WorkerSession(self, requests: Iterator[pb.SessionRequest], context: Any) -> Iterator[pb.SessionResponse]:
+        """A worker's leases, acks and heartbeats on one stream, each answered as its unary call (see .session)."""
+        return self.sessions.serve(requests, context)
 
     def _wake_lease_waiters(self) -> None:
         """A shard was finished: a lease call waiting for the last shards may now be answered END.

@@ -1404,3 +1404,92 @@ class CommitStagedResponse(google.protobuf.message.Message):
     def ClearField(self, field_name: typing.Literal["already_committed", b"already_committed", "records", b"records"]) -> None: ...
 
 global___CommitStagedResponse = CommitStagedResponse
+
+@typing.final
+class SessionRequest(google.protobuf.message.Message):
+    """---------------------------------------------------------- worker session
+    One long-lived bidirectional stream per worker carrying what a worker calls per shard (leases,
+    acks, ack batches, heartbeats): no call set-up per shard. Each request is answered, in order,
+    exactly as the unary call of the same name would answer it: the same fencing (a stale attempt is
+    refused, a repeated ack is a harmless duplicate), the same durability (journalled before the
+    answer), and a refusal carries the gRPC status name that unary call would have failed with. The
+    unary calls stay for simple clients. A lease never long-polls on the stream: when nothing can be
+    leased now it is answered WAIT at once (a client wanting to wait uses LeaseShards). The stream
+    itself ends UNAVAILABLE when the master stops, and RESOURCE_EXHAUSTED when the master already
+    serves as many sessions as it will (use the unary calls then).
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: builtins.int
+    LEASE_FIELD_NUMBER: builtins.int
+    ACK_FIELD_NUMBER: builtins.int
+    ACK_BATCH_FIELD_NUMBER: builtins.int
+    HEARTBEAT_FIELD_NUMBER: builtins.int
+    seq: builtins.int
+    """the client's numbering; the answer carries it back"""
+    @property
+    def lease(self) -> global___LeaseRequest:
+        """wait_seconds is ignored: no long poll on the stream"""
+
+    @property
+    def ack(self) -> global___AckRequest: ...
+    @property
+    def ack_batch(self) -> global___AckBatchRequest: ...
+    @property
+    def heartbeat(self) -> global___HeartbeatRequest: ...
+    def __init__(
+        self,
+        *,
+        seq: builtins.int = ...,
+        lease: global___LeaseRequest | None = ...,
+        ack: global___AckRequest | None = ...,
+        ack_batch: global___AckBatchRequest | None = ...,
+        heartbeat: global___HeartbeatRequest | None = ...,
+    ) -> None: ...
+    def HasField(self, field_name: typing.Literal["ack", b"ack", "ack_batch", b"ack_batch", "call", b"call", "heartbeat", b"heartbeat", "lease", b"lease"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["ack", b"ack", "ack_batch", b"ack_batch", "call", b"call", "heartbeat", b"heartbeat", "lease", b"lease", "seq", b"seq"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["call", b"call"]) -> typing.Literal["lease", "ack", "ack_batch", "heartbeat"] | None: ...
+
+global___SessionRequest = SessionRequest
+
+@typing.final
+class SessionResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: builtins.int
+    ERROR_CODE_FIELD_NUMBER: builtins.int
+    ERROR_FIELD_NUMBER: builtins.int
+    LEASE_FIELD_NUMBER: builtins.int
+    ACK_FIELD_NUMBER: builtins.int
+    ACK_BATCH_FIELD_NUMBER: builtins.int
+    HEARTBEAT_FIELD_NUMBER: builtins.int
+    seq: builtins.int
+    error_code: builtins.str
+    """"" = answered; else the gRPC status name the unary call fails with"""
+    error: builtins.str
+    """why it was refused"""
+    @property
+    def lease(self) -> global___LeaseResponse: ...
+    @property
+    def ack(self) -> global___AckResponse: ...
+    @property
+    def ack_batch(self) -> global___AckBatchResponse: ...
+    @property
+    def heartbeat(self) -> global___HeartbeatResponse: ...
+    def __init__(
+        self,
+        *,
+        seq: builtins.int = ...,
+        error_code: builtins.str = ...,
+        error: builtins.str = ...,
+        lease: global___LeaseResponse | None = ...,
+        ack: global___AckResponse | None = ...,
+        ack_batch: global___AckBatchResponse | None = ...,
+        heartbeat: global___HeartbeatResponse | None = ...,
+    ) -> None: ...
+    def HasField(self, field_name: typing.Literal["ack", b"ack", "ack_batch", b"ack_batch", "answer", b"answer", "heartbeat", b"heartbeat", "lease", b"lease"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["ack", b"ack", "ack_batch", b"ack_batch", "answer", b"answer", "error", b"error", "error_code", b"error_code", "heartbeat", b"heartbeat", "lease", b"lease", "seq", b"seq"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["answer", b"answer"]) -> typing.Literal["lease", "ack", "ack_batch", "heartbeat"] | None: ...
+
+global___SessionResponse = SessionResponse

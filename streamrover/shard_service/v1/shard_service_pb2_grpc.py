@@ -134,6 +134,11 @@ class ShardServiceStub(object):
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.SerializeToString,
                 response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedResponse.FromString,
                 _registered_method=True)
+        self.WorkerSession = channel.stream_stream(
+                '/streamrover.v1.ShardService/WorkerSession',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.SessionRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServiceServicer(object):
@@ -259,6 +264,12 @@ class ShardServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WorkerSession(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -361,6 +372,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.CommitStaged,
                     request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.FromString,
                     response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedResponse.SerializeToString,
+            ),
+            'WorkerSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.WorkerSession,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.SessionRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -903,6 +919,33 @@ class ShardService(object):
             '/streamrover.v1.ShardService/CommitStaged',
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.SerializeToString,
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WorkerSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/streamrover.v1.ShardService/WorkerSession',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.SessionRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

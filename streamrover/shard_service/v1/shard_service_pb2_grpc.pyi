@@ -130,6 +130,11 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse,
     ]
 
+    WorkerSession: grpc.StreamStreamMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.SessionRequest,
+        streamrover.shard_service.v1.shard_service_pb2.SessionResponse,
+    ]
+
 class ShardServiceAsyncStub:
     RegisterDataset: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.RegisterDatasetRequest,
@@ -229,6 +234,11 @@ class ShardServiceAsyncStub:
     CommitStaged: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.CommitStagedRequest,
         streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse,
+    ]
+
+    WorkerSession: grpc.aio.StreamStreamMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.SessionRequest,
+        streamrover.shard_service.v1.shard_service_pb2.SessionResponse,
     ]
 
 class ShardServiceServicer(metaclass=abc.ABCMeta):
@@ -371,5 +381,12 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.CommitStagedRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse]]: ...
+
+    @abc.abstractmethod
+    def WorkerSession(
+        self,
+        request_iterator: _MaybeAsyncIterator[streamrover.shard_service.v1.shard_service_pb2.SessionRequest],
+        context: _ServicerContext,
+    ) -> typing.Union[collections.abc.Iterator[streamrover.shard_service.v1.shard_service_pb2.SessionResponse], collections.abc.AsyncIterator[streamrover.shard_service.v1.shard_service_pb2.SessionResponse]]: ...
 
 def add_ShardServiceServicer_to_server(servicer: ShardServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

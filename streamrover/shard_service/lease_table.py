@@ -1,0 +1,89 @@
+"""The leases one worker client holds: held, waiting their turn, revoked.
+
+* **Held**: every lease granted to this client and not yet finished; heartbeats report
+  their progress and keep them alive (waiting ones too).
+* **Waiting**: per dataset, leases that came ahead of their turn (with an ack, or a lease
+  call asking for several), in the order :meth:`ShardClient.shards` yields them.
+* **Revoked**: (shard id, attempt) pairs this client no longer holds (the master said so
+  in a heartbeat, or a restore revoked every lease): a shard id may be leased again
+  under a new attempt, so the attempt is part of the key. A reader stops at the next batch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamrover.shard_service.leased import LeasedShard
+
+LeaseKey = tuple[str, int]  # (shard id, attempt)
+
+
+class LeaseTable:
+    """Held, waiting and revoked leases of one client; thread-safe (reader, ack sender and heartbeat threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, LeasedShard] = {}
+        self._waiting: dict[str, deque[LeasedShard]] = {}
+        self._revoked: set[LeaseKey] = set()
+
+    def waiting(self, dataset: str) -> deque[LeasedShard]:
+        """The leases of ``dataset`` waiting their turn (the caller pops them in order)."""
+        queue = self._waiting.get(dataset)
+        if queue is None:
+            with self._lock:
+                queue = self._waiting.setdefault(dataset, deque())
+        return queue
+
+    def waiting_count(self, dataset: str) -> int:
+        """How many leases of ``dataset`` wait their turn."""
+        queue = self._waiting.get(dataset)
+        return 0 if queue is None else len(queue)
+
+    def add(self, shards: Iterable[LeasedShard], into: deque[LeasedShard] | list[LeasedShard]) -> None:
+        """New leases: held from now on, and appended to ``into`` (a waiting queue or the caller's list)."""
+        with self._lock:
+            for shard in shards:
+                self._held[shard.shard_id] = shard
+                into.append(shard)
+
+    def is_revoked(self, shard_id: str, attempt: int) -> bool:
+        """Whether this client lost the lease (shard id, attempt)."""
+        return (shard_id, attempt) in self._revoked
+
+    def finished(self, shard: LeasedShard) -> None:
+        """``shard`` is done (its last ack was recorded): it is no longer held."""
+        with self._lock:
+            if self._held.get(shard.shard_id) is shard:
+                del self._held[shard.shard_id]
+
+    def progress(self) -> list[tuple[str, int, int]]:
+        """(shard id, attempt, next position to read) of every held lease, for a heartbeat."""
+        with self._lock:
+            return [(s.shard_id, s.lease.attempt, s.position) for s in self._held.values()]
+
+    def revoke(self, keys: Iterable[LeaseKey]) -> None:
+        """The master says this client no longer holds these leases."""
+        with self._lock:
+            self._revoked.update(keys)
+
+    def revoke_held(self) -> None:
+        """Every held lease is gone (the worker was declared dead): waiting ones stop at their first batch."""
+        with self._lock:
+            self._revoked.update((s.shard_id, s.lease.attempt) for s in self._held.values())
+            self._held.clear()
+
+    def forget_all(self) -> None:
+        """A restore revoked every lease: drop the held and the waiting ones so that none is read again."""
+        with self._lock:
+            self._revoked.update((s.shard_id, s.lease.attempt) for s in self._held.values())
+            self._held.clear()
+            for queue in self._waiting.values():
+                queue.clear()
+
+
+__all__ = ["LeaseKey", "LeaseTable"]

@@ -1,0 +1,111 @@
+"""How far ahead a worker leases: the prefetch depth of each :meth:`ShardClient.shards` reader, by measured pace.
+
+A reader that gets through shards quickly wants more of them waiting, so that one round trip
+serves several shards; a slow one wants few, so that shards stay with whoever is ready for
+them. :class:`PrefetchPace` is one reader's depth; :class:`Pacing` answers the two questions
+the client asks of all readers: how many leases an ack that finishes a shard should ask for
+(:meth:`Pacing.leases_wanted`, :meth:`Pacing.refill`) and whether the ack sender may let acks
+gather (:meth:`Pacing.readers_supplied`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from streamrover.shard_service.lease_table import LeaseTable
+
+PREFETCH_SECONDS = 0.02  # a reader keeps about this much of its caller's work leased ahead when shards are small...
+MAX_PREFETCH = 128  # ...but no more than this many shards
+PREFETCH_RECORDS = 256 * 1024  # until the caller's pace is known (RAMP_SHARDS taken): about this many records
+RAMP_SHARDS = 16
+
+
+class PrefetchPace:
+    """One reader's prefetch depth: ``prefetch`` shards, or about :data:`PREFETCH_SECONDS` of its work.
+
+    Until :data:`RAMP_SHARDS` shards have shown the caller's pace, small shards are leased
+    about :data:`PREFETCH_RECORDS` records ahead (the first shards pay the first reads, so
+    they say nothing of the pace yet); then the depth is :data:`PREFETCH_SECONDS` over the
+    mean time the caller spent per shard, at least ``prefetch``, at most :data:`MAX_PREFETCH`.
+    """
+
+    def __init__(self, prefetch: int, records_per_shard: int) -> None:
+        self.base = max(prefetch, 1)
+        by_records = math.ceil(PREFETCH_RECORDS / records_per_shard) if records_per_shard > 0 else 0
+        self.ramp = max(self.base, min(MAX_PREFETCH, by_records))
+        self.target = self.ramp
+        self._spent = 0.0
+        self._taken = 0
+
+    def took(self, seconds: float) -> None:
+        """The caller spent ``seconds`` on one more shard: the depth follows its mean pace."""
+        self._spent += seconds
+        self._taken += 1
+        depth = math.ceil(PREFETCH_SECONDS * self._taken / self._spent) if self._spent > 0 else self.base
+        if self._taken < RAMP_SHARDS:
+            depth = max(depth, self.ramp)
+        self.target = max(self.base, min(MAX_PREFETCH, depth))
+
+
+class Pacing:
+    """The prefetch depth of every :meth:`ShardClient.shards` reader, against the leases waiting in ``table``."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        self._table = table
+        self._paces: dict[str, PrefetchPace] = {}
+        self._lock = threading.Lock()
+
+    def start(self, dataset: str, prefetch: int, records_per_shard: int) -> PrefetchPace:
+        """A reader of ``dataset`` starts (one per dataset at a time)."""
+        pace = PrefetchPace(prefetch, records_per_shard)
+        with self._lock:
+            self._paces[dataset] = pace
+        return pace
+
+    def stop(self, dataset: str) -> None:
+        """The reader of ``dataset`` ended."""
+        with self._lock:
+            self._paces.pop(dataset, None)
+
+    def target(self, dataset: str, default: int) -> int:
+        """How many shards the reader of ``dataset`` wants waiting (``default`` when none reads it)."""
+        pace = self._paces.get(dataset)
+        return default if pace is None else pace.target
+
+    def _shortfall(self, dataset: str) -> int | None:
+        """The reader's depth minus the leases waiting for it (None when no reader paces ``dataset``)."""
+        pace = self._paces.get(dataset)
+        return None if pace is None else pace.target - self._table.waiting_count(dataset)
+
+    def leases_wanted(self, dataset: str) -> int:
+        """How many leases an ack that finishes a shard of ``dataset`` asks for: one, or a refill of a dry queue.
+
+        0 when no reader paces ``dataset`` (an ack of a shard leased by hand brings nothing).
+        """
+        short = self._shortfall(dataset)
+        return 0 if short is None else max(1, short)
+
+    def refill(self, dataset: str, asked: int) -> int:
+        """How many leases a batch of acks asks for: enough to refill the reader's queue as it is now.
+
+        ``asked``: what the batch's acks asked for themselves, used when no reader paces ``dataset``.
+        """
+        short = self._shortfall(dataset)
+        return asked if short is None else max(0, short)
+
+    def readers_supplied(self) -> bool:
+        """Whether every reader pacing deeper than asked has 2/3 of its depth waiting (acks may then gather)."""
+        deep = False
+        with self._lock:
+            paces = list(self._paces.items())
+        for dataset, pace in paces:
+            if pace.target <= pace.base:
+                continue
+            if self._table.waiting_count(dataset) * 3 < pace.target * 2:
+                return False
+            deep = True
+        return deep
+
+
+__all__ = ["MAX_PREFETCH", "PREFETCH_RECORDS", "PREFETCH_SECONDS", "RAMP_SHARDS", "Pacing", "PrefetchPace"]

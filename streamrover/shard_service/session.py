@@ -1,0 +1,115 @@
+"""The master's side of a worker session: one bidirectional stream per worker for its per-shard calls.
+
+A worker's leases, acks, ack batches and heartbeats travel as messages on one long-lived
+``WorkerSession`` stream instead of one unary RPC each, so a shard costs no call set-up
+(no new HTTP/2 stream, no interceptor, no handler dispatch through the thread pool). Each
+message is answered, in order, by the very code that answers the unary call of the same
+name, under the same lock: the same fencing, the same journal commit before the answer, and
+a refusal carries the gRPC status name the unary call would have failed with
+(``error_code``), which the client raises as the same error type.
+
+A lease is never long-polled on the stream (that would hold up the acks behind it): when
+nothing can be leased now it is answered WAIT at once and a client that wants to wait uses
+the unary ``LeaseShards``. A session holds one server thread for its life, so the master
+serves at most ``max_sessions`` at once and refuses more with RESOURCE_EXHAUSTED (the client
+then uses the unary calls). When a journal write fails the stream ends UNAVAILABLE, as every
+unary call does, and the master stops.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from streamrover.shard_service.api import ShardServiceError
+from streamrover.shard_service.journal import JournalWriteError
+from streamrover.shard_service.v1 import shard_service_pb2 as pb
+from streamrover.sources.api import SourceError
+
+if TYPE_CHECKING:
+    from streamrover.shard_service.server import ShardServicer
+
+DEFAULT_MAX_SESSIONS = 48
+
+
+class WorkerSessions:
+    """Serves ``WorkerSession`` streams for a :class:`~streamrover.shard_service.server.ShardServicer`."""
+
+    def __init__(self, servicer: ShardServicer, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+        self._servicer = servicer
+        self.max_sessions = max_sessions
+        self._open = 0
+        self._lock = threading.Lock()
+        cls = type(servicer)
+        # the unary handlers' bodies, without their status mapping: a refusal answers one message, not the stream
+        self._calls: dict[str, Callable[[Any, Any], Any]] = {
+            "lease": self._lease_now,
+            "ack": self._body(cls.Ack),
+            "ack_batch": self._body(cls.AckBatch),
+            "heartbeat": self._body(cls.Heartbeat),
+        }
+        self._lease_body = self._body(cls.LeaseShards)
+
+    @property
+    def open(self) -> int:
+        """Sessions being served now."""
+        return self._open
+
+    def _body(self, method: Any) -> Callable[[Any, Any], Any]:
+        body = method.__wrapped__
+        servicer = self._servicer
+        return lambda request, context: body(servicer, request, context)
+
+    def _lease_now(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
+        if request.wait_seconds:
+            now = pb.LeaseRequest()
+            now.CopyFrom(request)
+            now.wait_seconds = 0.0
+            request = now
+        return self._lease_body(request, context)
+
+    def serve(
+        self, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.SessionResponse]:
+        """Answer every request of one stream, in order, until the worker closes it."""
+        with self._lock:
+            if self._open >= self.max_sessions:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the master serves {self.max_sessions} worker sessions already: use the unary calls",
+                )
+            self._open += 1
+        try:
+            for request in requests:
+                yield self._answer(request, context)
+        finally:
+            with self._lock:
+                self._open -= 1
+
+    def _answer(self, request: pb.SessionRequest, context: grpc.ServicerContext) -> pb.SessionResponse:
+        from streamrover.shard_service.server import status_of
+
+        kind = request.WhichOneof("call")
+        call = self._calls.get(kind or "")
+        if call is None:
+            return pb.SessionResponse(
+                seq=request.seq, error_code="INVALID_ARGUMENT", error=f"session message {request.seq} carries no call"
+            )
+        answer: pb.SessionResponse
+        try:
+            result = call(getattr(request, kind or ""), context)
+            answer = pb.SessionResponse(seq=request.seq, **{kind or "": result})
+        except (JournalWriteError, ShardServiceError, SourceError) as exc:
+            code, message = status_of(exc) or (grpc.StatusCode.UNKNOWN, str(exc))
+            answer = pb.SessionResponse(seq=request.seq, error_code=code.name, error=message)
+        failed = self._servicer.core.journal.failed  # as a unary call: nothing answered from state not durable
+        if failed:
+            self._servicer.fail_stop(failed)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the master is stopping: {failed}")
+        return answer
+
+
+__all__ = ["DEFAULT_MAX_SESSIONS", "WorkerSessions"]
