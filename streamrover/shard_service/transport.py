@@ -53,9 +53,14 @@ class Transport:
     def __init__(self, address: str, token: str, timeout: float, session: bool = True) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.enable_retries", 1)]
-        )
+        options = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.enable_retries", 1),
+            # a restarted master is found within a second (gRPC's default backoff grows to minutes; leases expire)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.ShardServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
         self._stream = WorkerStream(self) if session else None

@@ -1,0 +1,114 @@
+"""The worker session stream: fenced exactly as the unary calls, and nothing acked is lost when the master dies.
+
+The same fencing scenario runs once over the ``WorkerSession`` stream and once over unary calls,
+and the two must refuse and accept the same acks with the same errors. Then a worker acks over
+the stream while the master is SIGKILLed and restarted under it: every ack answered before the
+kill is in the restarted master's cursor, and the run ends with each record acked once.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from streamrover.cursor import IntervalSet
+from streamrover.shard_service import DatasetSpec, FailedPreconditionError, NotFoundError, ShardClient
+from streamrover.shard_service.api import ShardServiceError
+from streamrover.shard_service.v1 import shard_service_pb2 as pb
+from streamrover.testing.procs import MasterProcess
+from tests.helpers import wait_until, write_parquet_dataset
+from tests.shard_service.queued import partition_key, register_rows
+
+
+def _client(master: MasterProcess, session: bool, heartbeat: bool = False) -> ShardClient:
+    return ShardClient(master.address, token=master.token, heartbeat=heartbeat, timeout=30, session=session)
+
+
+def _refusal(exc: ShardServiceError) -> tuple[str, str]:
+    """(error type, message with the attempt numbers and address taken out): what a worker can see."""
+    text = re.sub(r"attempt \d+", "attempt N", str(exc))
+    text = re.sub(r"'[su]/", "'D/", re.sub(r"'w-[0-9a-f]+'", "'W'", text))
+    return type(exc).__name__, re.sub(r"from 127\.0\.0\.1:\d+", "from the master", text)
+
+
+def _fencing(master: MasterProcess, tmp_path: Path, session: bool) -> list[object]:
+    """Stale ack refused, fresh ack recorded, repeated ack a harmless duplicate, unknown shard refused."""
+    name = "s" if session else "u"
+    write_parquet_dataset(tmp_path / name, 100, files=1, row_group_size=100)
+    seen: list[object] = []
+    with _client(master, session) as a, _client(master, session) as b:
+        a.register_dataset(DatasetSpec(name, str(tmp_path / name), records_per_shard=50))
+        a.join()
+        _, (old,) = a.lease(name)
+        a.leave()  # the lease goes back: the same shard is leased again as a new attempt
+        b.join()
+        _, (new,) = b.lease(name)
+        assert new.shard_id == old.shard_id and new.lease.attempt > old.lease.attempt
+        a.join()
+        with pytest.raises(FailedPreconditionError) as stale:
+            a.ack(old.lease, old.lease.end, wait=True)
+        assert f"leased again as attempt {new.lease.attempt}" in str(stale.value)
+        seen.append(_refusal(stale.value))
+        first = new.ack(new.lease.end, wait=True)
+        again = b.ack(new.lease, new.lease.end, wait=True)
+        seen += [(first.shard_done, first.duplicate), (again.shard_done, again.duplicate)]
+        ghost = pb.AckRequest(worker_id=b.worker_id, shard_id=f"{name}/0/nope", attempt=1, position=1)
+        with pytest.raises(NotFoundError) as unknown:
+            b._transport.worker_call("ack", b._stub.Ack, ghost)
+        seen.append(_refusal(unknown.value)[0])  # the message names the shard, which differs per run
+        beat = b._transport.worker_call("heartbeat", b._stub.Heartbeat, pb.HeartbeatRequest(worker_id=b.worker_id))
+        seen.append(len(beat.revoked))
+        assert a._transport.streaming is session and b._transport.streaming is session  # no fallback happened
+        _, acked = b.get_cursor()
+        seen.append(acked.get(partition_key(new)) == IntervalSet([(new.lease.start, new.lease.end)]))
+    return seen
+
+
+def test_a_session_worker_is_fenced_exactly_as_a_unary_one(tmp_path: Path, master: MasterProcess) -> None:
+    streamed = _fencing(master, tmp_path, session=True)
+    unary = _fencing(master, tmp_path, session=False)
+    assert streamed == unary
+    assert streamed[1:3] == [(True, False), (True, True)]  # recorded once, then a harmless duplicate
+
+
+def test_master_sigkill_mid_stream_loses_no_answered_ack(tmp_path: Path) -> None:
+    with MasterProcess(tmp_path / "master", lease_ttl=30.0) as master:  # no lease expires while the master restarts
+        _stream_through_a_master_kill(tmp_path, master)
+
+
+def _stream_through_a_master_kill(tmp_path: Path, master: MasterProcess) -> None:
+    with _client(master, session=True, heartbeat=True) as client:
+        dataset = register_rows(tmp_path, client, records_per_shard=10)  # 100 shards of 10 rows
+        answered: list[tuple[int, int]] = []  # (start, end) of every shard whose finishing ack was answered
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                for shard in client.shards(dataset, prefetch=1):
+                    result = shard.ack(shard.lease.end, wait=True)
+                    assert result is not None and result.shard_done
+                    answered.append((shard.lease.start, shard.lease.end))
+            except BaseException as exc:  # reported by the test thread
+                errors.append(exc)
+
+        worker = threading.Thread(target=work, name="session-worker")
+        worker.start()
+        wait_until(lambda: len(answered) >= 30 or bool(errors), 60, "30 shards acked over the stream")
+        master.kill()  # SIGKILL while the worker streams acks
+        before_kill = list(answered)
+        master.start()  # same state dir and port: the stream reconnects and the worker goes on
+        worker.join(timeout=120)
+        assert not worker.is_alive(), "the worker did not finish after the master restart"
+        assert not errors, errors
+        assert client._transport.streaming
+        with _client(master, session=False) as admin:
+            _, acked = admin.get_cursor()
+            info = admin.describe_dataset(dataset)
+    assert 30 <= len(before_kill) < 100, "the kill came after the run had ended"
+    ((_, intervals),) = list(acked.items())
+    assert all(intervals.covers(a, b) for a, b in before_kill)  # nothing answered before the kill was lost
+    assert intervals.covers(0, 1000) and info.finished and info.records_acked == 1000
+    assert sorted(answered) == [(i, i + 10) for i in range(0, 1000, 10)]  # each shard read and acked once
