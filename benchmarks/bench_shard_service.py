@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import CTX, cores, environment, load, processes, table
-from benchmarks._servers import ECHO_METHOD, MASTER_THREADS, server_process
+from benchmarks._servers import ECHO_METHOD, ECHO_STREAM_METHOD, MASTER_THREADS, cpu_seconds, served, server_process
 
 TOKEN = "bench-token"
 ECHO_PAYLOAD = 160  # bytes each way; about a LeaseResponse for a one-record shard
@@ -63,7 +63,11 @@ QUICK = Sizes((1, 4), 1.0, 1, 10, 5_000, 4, 200_000, 16 * 1024, 4096, (10_000,),
 def _rtt_client(
     kind: str, address: str, dataset: str, duration: float, warmup: int, barrier: Barrier, out: Queue[Any], index: int
 ) -> None:
-    """Loop RPCs for ``duration`` seconds after the barrier; put (rpcs, seconds, error)."""
+    """Loop RPCs for ``duration`` seconds after the barrier; put (rpcs, seconds, error).
+
+    ``kind``: "echo" (unary), "echo-stream" (messages on one stream, one in flight), "shard" (ShardClient over
+    its worker session), "shard-unary" (ShardClient with ``session=False``: a unary call each).
+    """
     try:
         if kind == "echo":
             import grpc
@@ -75,10 +79,24 @@ def _rtt_client(
             def cycle() -> int:
                 echo(payload, timeout=30)
                 return 1
+        elif kind == "echo-stream":
+            import queue
+
+            import grpc
+
+            channel = grpc.insecure_channel(address)
+            sent: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+            answers = channel.stream_stream(ECHO_STREAM_METHOD)(iter(sent.get, None))
+            payload = os.urandom(ECHO_PAYLOAD)
+
+            def cycle() -> int:
+                sent.put(payload)
+                next(answers)
+                return 1
         else:
             from streamrover.shard_service import ShardClient
 
-            client = ShardClient(address, token=TOKEN, name=f"bench-rtt-{index}")
+            client = ShardClient(address, token=TOKEN, name=f"bench-rtt-{index}", session=kind == "shard")
             client.join()
 
             def cycle() -> int:
@@ -108,8 +126,8 @@ def _write_rtt_file(path: Path, rows: int) -> None:
     pq.write_table(pa.table({"id": pa.array(range(rows), pa.int64())}), str(path), row_group_size=rows)
 
 
-def _run_rtt(kind: str, address: str, dataset: str, n: int, sizes: Sizes) -> float:
-    """RPCs per second summed over ``n`` client processes."""
+def _run_rtt(kind: str, address: str, dataset: str, n: int, sizes: Sizes) -> tuple[float, int]:
+    """(RPCs per second summed over ``n`` client processes, RPCs made)."""
     barrier = CTX.Barrier(n)
     out: Queue[Any] = CTX.Queue()
     procs = [
@@ -125,37 +143,49 @@ def _run_rtt(kind: str, address: str, dataset: str, n: int, sizes: Sizes) -> flo
     errors = [e for _, _, e in results if e]
     if errors:
         raise RuntimeError("; ".join(errors))
-    return sum(rpcs / secs for rpcs, secs, _ in results)
+    return sum(rpcs / secs for rpcs, secs, _ in results), sum(rpcs for rpcs, _, _ in results)
 
 
-def bench_round_trips(tmp: Path, sizes: Sizes) -> list[tuple[Any, ...]]:
-    """Per client count: echo, then the master, ``sizes.rtt_repeats`` times; fresh servers every time."""
+def bench_round_trips(tmp: Path, sizes: Sizes, session: bool = True) -> list[tuple[Any, ...]]:
+    """Per client count: echo, stream echo, then the master, ``sizes.rtt_repeats`` times; fresh servers every time.
+
+    The master's CPU (all its threads, from /proc) is measured over its clients' run: per acked shard.
+    """
     from streamrover.shard_service import DatasetSpec, ShardClient
 
     data = tmp / "rtt.parquet"
     _write_rtt_file(data, sizes.rtt_shards)
     rows = []
     for n in sizes.clients:
-        echo_rates, shard_rates = [], []
+        echo_rates, stream_rates, shard_rates, cpu_per_shard = [], [], [], []
         for r in range(sizes.rtt_repeats):
             with server_process("echo", max_workers=MASTER_THREADS) as address:
-                echo_rates.append(_run_rtt("echo", address, "", n, sizes))
+                echo_rates.append(_run_rtt("echo", address, "", n, sizes)[0])
+                stream_rates.append(_run_rtt("echo-stream", address, "", n, sizes)[0])
             state = tempfile.mkdtemp(prefix=f"master-{n}-{r}-", dir=tmp)
-            with server_process("master", state, TOKEN, MASTER_THREADS) as address:
+            with served("master", state, TOKEN, MASTER_THREADS) as (address, pid):
                 admin = ShardClient(address, token=TOKEN, heartbeat=False)
                 # epochs > 1 only as a safety margin: a faster machine plans another epoch instead of running dry
                 admin.register_dataset(DatasetSpec("rtt", str(data), records_per_shard=1, epochs=100))
                 admin.close()
-                shard_rates.append(_run_rtt("shard", address, "rtt", n, sizes))
+                cpu0 = cpu_seconds(pid)
+                rate, rpcs = _run_rtt("shard" if session else "shard-unary", address, "rtt", n, sizes)
+                shard_rates.append(rate)
+                # the warm-up cycles run before the clients' clock, but inside this CPU window: count them
+                cpu_per_shard.append((cpu_seconds(pid) - cpu0) / (rpcs / 2 + n * sizes.warmup))
             print(
                 f"  {n:>2} clients, run {r + 1}: shard service {shard_rates[-1]:,.0f} RPC/s, "
-                f"echo {echo_rates[-1]:,.0f} RPC/s, ratio {shard_rates[-1] / echo_rates[-1]:.2f}",
+                f"echo {echo_rates[-1]:,.0f} RPC/s, ratio {shard_rates[-1] / echo_rates[-1]:.2f}; "
+                f"stream echo {stream_rates[-1]:,.0f} msg/s, ratio {shard_rates[-1] / stream_rates[-1]:.2f}; "
+                f"master CPU {cpu_per_shard[-1] * 1e6:,.0f} us/shard; load {load()}",
                 flush=True,
             )
         shard_rps, echo_rps = statistics.median(shard_rates), statistics.median(echo_rates)
         ratios = [a / b for a, b in zip(shard_rates, echo_rates)]
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        rows.append((n, shard_rps / 2, shard_rps, echo_rps, statistics.median(ratios), spread))
+        stream_ratio = statistics.median(a / b for a, b in zip(shard_rates, stream_rates))
+        rows.append((n, shard_rps / 2, shard_rps, echo_rps, statistics.median(ratios), spread,
+                     statistics.median(stream_rates), stream_ratio, statistics.median(cpu_per_shard) * 1e6))
     return rows
 
 
@@ -192,7 +222,14 @@ def _pyarrow_reader(
 
 
 def _shard_reader(
-    address: str, datasets: list[str], batch_size: int, async_acks: bool, index: int, barrier: Barrier, out: Queue[Any]
+    address: str,
+    datasets: list[str],
+    batch_size: int,
+    async_acks: bool,
+    session: bool,
+    index: int,
+    barrier: Barrier,
+    out: Queue[Any],
 ) -> None:
     """Consume one dataset per pass through ShardClient, acking each shard at its end."""
     from streamrover.shard_service import ShardClient
@@ -201,7 +238,8 @@ def _shard_reader(
         for dataset in datasets:
             # Connecting and joining happen once per worker in a real job: outside the clock, like the
             # pyarrow reader's process start. The clock covers leasing, reading and acking every shard.
-            with ShardClient(address, token=TOKEN, name=f"bench-reader-{index}", async_acks=async_acks) as client:
+            name = f"bench-reader-{index}"
+            with ShardClient(address, token=TOKEN, name=name, async_acks=async_acks, session=session) as client:
                 client.join()
                 barrier.wait(BARRIER_TIMEOUT)
                 t0 = time.monotonic()
@@ -282,7 +320,7 @@ class _Readers:
         )
 
 
-def bench_records(tmp: Path, sizes: Sizes, async_acks: bool = True) -> list[tuple[Any, ...]]:
+def bench_records(tmp: Path, sizes: Sizes, async_acks: bool = True, session: bool = True) -> list[tuple[Any, ...]]:
     """Per (workers, records per shard): passes of pyarrow and of ShardClient, alternating; ratio per pair."""
     from streamrover.shard_service import DatasetSpec, ShardClient
 
@@ -291,7 +329,7 @@ def bench_records(tmp: Path, sizes: Sizes, async_acks: bool = True) -> list[tupl
     parts = _write_files(root, sizes)
     rows_out: list[tuple[Any, ...]] = []
     expected: tuple[int, float] | None = None
-    with server_process("master", str(tmp / "master-records"), TOKEN, MASTER_THREADS) as address:
+    with served("master", str(tmp / "master-records"), TOKEN, MASTER_THREADS) as (address, pid):
         admin = ShardClient(address, token=TOKEN, heartbeat=False)
         for workers in (1, 2):
             for shard_size in sizes.shard_sizes:
@@ -304,12 +342,17 @@ def bench_records(tmp: Path, sizes: Sizes, async_acks: bool = True) -> list[tupl
                 split = [(parts[i::workers], sizes.batch_size, passes) for i in range(workers)]
                 peer = _Readers(_pyarrow_reader, split)
                 ours = _Readers(
-                    _shard_reader, [(address, names, sizes.batch_size, async_acks, i) for i in range(workers)]
+                    _shard_reader,
+                    [(address, names, sizes.batch_size, async_acks, session, i) for i in range(workers)],
                 )
                 pairs: list[tuple[Run, Run]] = []
+                master_cpu: list[float] = []
                 with processes(peer.procs + ours.procs, grace=60):
                     for _ in range(passes):  # alternate, so that both see the same machine
-                        pairs.append((peer.run(), ours.run()))
+                        peer_run = peer.run()
+                        cpu0 = cpu_seconds(pid)
+                        pairs.append((peer_run, ours.run()))
+                        master_cpu.append((cpu_seconds(pid) - cpu0) / shards)
                 for a, b in pairs:  # the same records, each once (the float sum only up to summation order)
                     expected = expected or (a.rows, a.checksum)
                     for run in (a, b):
@@ -323,11 +366,13 @@ def bench_records(tmp: Path, sizes: Sizes, async_acks: bool = True) -> list[tupl
                 per_shard = statistics.median((b.wall - a.wall) * workers / shards for a, b in pairs)
                 tail = statistics.median(b.tail for _, b in pairs)
                 spread = f"{min(b.rate / a.rate for a, b in pairs):.2f}-{max(b.rate / a.rate for a, b in pairs):.2f}"
+                cpu = statistics.median(master_cpu[RECORDS_WARMUP:]) * 1e6
                 rows_out.append((workers, shard_size, shards, rate, peer_rate, ratio, spread, per_shard * 1e3,
-                                 tail * 1e3))
+                                 tail * 1e3, cpu))
                 print(
                     f"  {workers} worker(s), {shard_size} records/shard ({shards} shards): ShardClient {rate:,.0f} "
-                    f"rec/s, pyarrow {peer_rate:,.0f} rec/s, ratio {ratio:.2f}",
+                    f"rec/s, pyarrow {peer_rate:,.0f} rec/s, ratio {ratio:.2f}; master CPU {cpu:,.0f} us/shard; "
+                    f"load {load()}",
                     flush=True,
                 )
         admin.close()
@@ -343,7 +388,12 @@ def main(argv: list[str]) -> int:
         "--acks", choices=["async", "sync"], default="async",
         help="records bench: queued acks (async_acks=True) or a synchronous ack per shard (ShardClient's default)",
     )  # fmt: skip
+    parser.add_argument(
+        "--session", choices=["on", "off"], default="on",
+        help="worker calls on ShardClient's session stream (on, its default) or one unary call each (off)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    session = args.session == "on"
     sizes = QUICK if args.quick else FULL
     print(environment())
     print(f"load average at start: {load()}")
@@ -356,16 +406,22 @@ def main(argv: list[str]) -> int:
                 f"\n[1] lease+ack round trips: one-record shards, {sizes.rtt_repeats} run(s) of {sizes.duration:.0f}s, "
                 f"{MASTER_THREADS} server threads, one process per client, journal durability 'normal'"
             )
-            rtt = bench_round_trips(tmp, sizes)
+            rtt = bench_round_trips(tmp, sizes, session)
             print(
                 table(
-                    ["clients", "shard cycles/s", "shard RPCs/s", "echo RPCs/s", "ratio (RPC/RPC)", "ratio per run"],
+                    [
+                        "clients", "shard cycles/s", "shard RPCs/s", "echo RPCs/s", "ratio (RPC/RPC)", "ratio per run",
+                        "stream echo msg/s", "ratio vs stream", "master CPU us/shard",
+                    ],
                     rtt,
                 )
             )
             print(
-                "a cycle = LeaseShards + Ack (2 RPCs); echo = one bare unary RPC; rates are medians over runs;\n"
-                "ratio = median over runs of shard RPCs/s / echo RPCs/s, echo and master alternating; goal: >= 0.5"
+                f"a cycle = lease + ack (2 round trips; {'worker session messages' if session else 'unary RPCs'});"
+                " echo = one bare unary RPC;\nstream echo = one message each way on one bare stream; rates are "
+                "medians over runs;\nratio = median over runs of shard RPCs/s / echo RPCs/s, echo and master "
+                "alternating; goal: >= 0.8\nmaster CPU = the master process's user+system CPU over the run / shards "
+                "acked"
             )
         if args.only in (None, "records"):
             print(
@@ -373,12 +429,12 @@ def main(argv: list[str]) -> int:
                 f"{sizes.row_group:,}, batches of {sizes.batch_size}, {sizes.repeats} passes each after "
                 f"{RECORDS_WARMUP} warm-up pass, {args.acks} acks"
             )
-            rec = bench_records(tmp, sizes, args.acks == "async")
+            rec = bench_records(tmp, sizes, args.acks == "async", session)
             print(
                 table(
                     [
                         "workers", "records/shard", "shards", "ShardClient rec/s", "pyarrow rec/s", "ratio",
-                        "ratio per pass", "extra ms/shard", "END tail ms",
+                        "ratio per pass", "extra ms/shard", "END tail ms", "master CPU us/shard",
                     ],
                     rec,
                 )

@@ -85,6 +85,7 @@ class Journal:
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
         self._depth = 0
+        self._meta: dict[str, str] = {}  # meta values as written (a lease rewrites five counters, mostly unchanged)
         self.failed = ""  # why a write failed (then every later transaction is refused)
         version = self.get_meta("schema_version")
         if version is None:
@@ -124,6 +125,7 @@ class Journal:
             self._depth = 0
 
     def _rollback(self) -> None:
+        self._meta.clear()  # what the rolled back transaction wrote is gone
         if self._db.in_transaction:  # SQLite rolls back by itself after some errors (disk full)
             try:
                 self._db.execute("ROLLBACK")
@@ -136,7 +138,11 @@ class Journal:
         return None if row is None else str(row[0])
 
     def put_meta(self, key: str, value: str) -> None:
+        """Write ``key`` (skipped when it holds ``value`` already)."""
+        if self._meta.get(key) == value:
+            return
         self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        self._meta[key] = value
 
     # -- datasets ------------------------------------------------------------
     def put_dataset(self, ds: DatasetRecord) -> None:
