@@ -25,15 +25,13 @@ from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.reported import ReportedMetrics
-from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions
+from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions, status_of
 from streamrover.shard_service.staged_rpc import commit_staged
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import (
     SourceError,
     SourceKind,
-    SourceNotFoundError,
-    SourceUnavailableError,
     open_source,
     validate_dataset_name,
 )
@@ -42,21 +40,6 @@ from streamrover.sources.staged import StagedSource, is_staged
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_LEASE_WAIT = 30.0
-
-
-def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
-    """The precise gRPC status of one of the service's typed errors (None: not one of them)."""
-    if isinstance(exc, JournalWriteError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, ShardServiceError):
-        return getattr(grpc.StatusCode, exc.code), str(exc)
-    if isinstance(exc, SourceNotFoundError):
-        return grpc.StatusCode.NOT_FOUND, str(exc)
-    if isinstance(exc, SourceUnavailableError):  # a broker down or slow: clients retry UNAVAILABLE with backoff
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, SourceError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    return None
 
 
 def _rpc(method: Callable[..., T]) -> Callable[..., T]:

@@ -27,12 +27,27 @@ import grpc
 from streamrover.shard_service.api import ShardServiceError
 from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
-from streamrover.sources.api import SourceError
+from streamrover.sources.api import SourceError, SourceNotFoundError, SourceUnavailableError
 
 if TYPE_CHECKING:
     from streamrover.shard_service.server import ShardServicer
 
 DEFAULT_MAX_SESSIONS = 48
+
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The precise gRPC status of one of the service's typed errors (None: not one of them)."""
+    if isinstance(exc, JournalWriteError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, ShardServiceError):
+        return getattr(grpc.StatusCode, exc.code), str(exc)
+    if isinstance(exc, SourceNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, SourceUnavailableError):  # a broker down or slow: clients retry UNAVAILABLE with backoff
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, SourceError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return None
 
 
 class WorkerSessions:
@@ -90,8 +105,6 @@ class WorkerSessions:
                 self._open -= 1
 
     def _answer(self, request: pb.SessionRequest, context: grpc.ServicerContext) -> pb.SessionResponse:
-        from streamrover.shard_service.server import status_of
-
         kind = request.WhichOneof("call")
         call = self._calls.get(kind or "")
         if call is None:
@@ -112,4 +125,4 @@ class WorkerSessions:
         return answer
 
 
-__all__ = ["DEFAULT_MAX_SESSIONS", "WorkerSessions"]
+__all__ = ["DEFAULT_MAX_SESSIONS", "WorkerSessions", "status_of"]
