@@ -11,7 +11,9 @@ gather (:meth:`Pacing.readers_supplied`).
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+from collections import deque
 
 from streamrover.shard_service.lease_table import LeaseTable
 
@@ -27,7 +29,11 @@ class PrefetchPace:
     Until :data:`RAMP_SHARDS` shards have shown the caller's pace, small shards are leased
     about :data:`PREFETCH_RECORDS` records ahead (the first shards pay the first reads, so
     they say nothing of the pace yet); then the depth is :data:`PREFETCH_SECONDS` over the
-    mean time the caller spent per shard, at least ``prefetch``, at most :data:`MAX_PREFETCH`.
+    median time the caller spent per shard over its last :data:`RAMP_SHARDS` shards, at least
+    ``prefetch``, at most :data:`MAX_PREFETCH`. The median, not the mean: where one shard in
+    a dozen pays the decoding of a whole row group, the others go by in a fraction of the
+    mean, and a depth sized by the mean ran dry a dozen times per row group, each time for
+    the round trip that brings the next leases.
     """
 
     def __init__(self, prefetch: int, records_per_shard: int) -> None:
@@ -35,14 +41,15 @@ class PrefetchPace:
         by_records = math.ceil(PREFETCH_RECORDS / records_per_shard) if records_per_shard > 0 else 0
         self.ramp = max(self.base, min(MAX_PREFETCH, by_records))
         self.target = self.ramp
-        self._spent = 0.0
+        self._recent: deque[float] = deque(maxlen=RAMP_SHARDS)
         self._taken = 0
 
     def took(self, seconds: float) -> None:
-        """The caller spent ``seconds`` on one more shard: the depth follows its mean pace."""
-        self._spent += seconds
+        """The caller spent ``seconds`` on one more shard: the depth follows its recent median pace."""
+        self._recent.append(seconds)
         self._taken += 1
-        depth = math.ceil(PREFETCH_SECONDS * self._taken / self._spent) if self._spent > 0 else self.base
+        pace = statistics.median(self._recent)
+        depth = math.ceil(PREFETCH_SECONDS / pace) if pace > 0 else MAX_PREFETCH
         if self._taken < RAMP_SHARDS:
             depth = max(depth, self.ramp)
         self.target = max(self.base, min(MAX_PREFETCH, depth))

@@ -1,0 +1,41 @@
+"""The prefetch depth of a ShardClient.shards() reader, from the pace it measures (pure: no processes)."""
+
+from __future__ import annotations
+
+from streamrover.shard_service.pacing import MAX_PREFETCH, RAMP_SHARDS, PrefetchPace
+
+
+def _feed(pace: PrefetchPace, seconds: list[float], rounds: int) -> None:
+    for _ in range(rounds):
+        for s in seconds:
+            pace.took(s)
+
+
+def test_a_reader_whose_shards_share_row_groups_is_paced_by_its_fast_shards() -> None:
+    """10,000-record shards of 128k-row row groups: one shard in 13 decodes the row group (80 ms), 12 take 0.5 ms.
+
+    Sized by the mean (6.6 ms) the depth was 4: the reader got through those in 2 ms and waited for the
+    round trip that brings the next leases, 13 times per row group. Sized by the median it covers a round
+    trip of ~20 ms at the fast pace.
+    """
+    pace = PrefetchPace(prefetch=2, records_per_shard=10_000)
+    _feed(pace, [0.08] + [0.0005] * 12, rounds=4)
+    assert pace.target >= 20, pace.target
+
+
+def test_a_steady_reader_keeps_its_prefetch_and_a_fast_one_is_capped() -> None:
+    slow = PrefetchPace(prefetch=2, records_per_shard=10_000)
+    _feed(slow, [0.05], rounds=RAMP_SHARDS * 2)  # 50 ms per shard: 20 ms of work is less than one shard
+    assert slow.target == 2
+    fast = PrefetchPace(prefetch=2, records_per_shard=1)
+    _feed(fast, [0.0], rounds=RAMP_SHARDS * 2)  # no measurable time per shard
+    assert fast.target == MAX_PREFETCH
+
+
+def test_the_first_shards_are_leased_by_records_until_the_pace_is_known() -> None:
+    pace = PrefetchPace(prefetch=2, records_per_shard=10_000)
+    assert pace.target == 27  # 256k records ahead
+    _feed(pace, [0.05], rounds=RAMP_SHARDS - 2)
+    assert pace.target == 27
+    _feed(pace, [0.05], rounds=2)
+    assert pace.target == 2
