@@ -102,14 +102,16 @@ class Autoscaler:
         produce = max(0.0, (recent[-1].consumed - recent[0].consumed + recent[-1].lag - recent[0].lag) / r_span)
         target = float(self.spec.target_lag_records or (self.spec.target_freshness_seconds or 0.0) * produce)
         target = max(target, 1.0)
-        # nothing consumed: a rendezvous or restore pauses training; a node still does what it did while busy
-        rate = per_node if per_node > 0 else (self.capacity or 0.0)
+        # far below what a node did while busy (a rendezvous or restore pauses training; its first and last
+        # seconds trickle): a node still does what it did while busy
+        capacity = self.capacity or 0.0
+        rate = per_node if per_node >= capacity / 2 else capacity
         if rate > 0:
             needed = math.ceil((produce + max(0.0, lag - target) / self.drain_seconds) / rate)
         else:
             needed = nodes + 1 if lag > target else nodes  # nothing ever consumed: only a lag says more
         needed = min(max(needed, self.min_nodes), self.max_nodes)
-        if lag >= target / 2 and per_node > 0:
+        if lag >= target / 2 and per_node > (self.capacity or 0.0) / 2:  # busy, not paused
             self.capacity = per_node
         cooling = self.last_decision_at is not None and at - self.last_decision_at < self.spec.cooldown_seconds
         fewer_keep_up = self.capacity is None or produce <= self.capacity * (nodes - 1) * 0.9

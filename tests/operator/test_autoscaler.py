@@ -84,3 +84,7 @@ def test_a_rate_step_goes_to_the_nodes_it_needs_in_one_decision_and_a_pause_is_n
     scaler.capacity = 160.0
     paused = [scaler.observe(200 + t, 1_500 + 80 * t, 50_000, 2) for t in range(0, 31, 2)]  # 30 s, nothing acked
     assert not [d for d in paused if d is not None], paused
+    # the pause's first seconds trickle (a record a second, seen in a real run: it scaled 2 -> 3 on that)
+    trickle = [scaler.observe(300 + t, 1_500 + 80 * t, 50_000 + t // 2, 2) for t in range(0, 31, 2)]
+    assert not [d for d in trickle if d is not None], trickle
+    assert scaler.capacity == 160.0, "a trickle is not a node's capacity"
