@@ -158,23 +158,28 @@ def run(
                 with counters.lock:
                     acks, produced, cuts, restores = counters.acks, counters.produced, counters.cuts, counters.restores
                 info = status.describe_dataset("soak")
-                rows.append([f"{now - t0:.0f}", proc.memory_info().rss / 2**20, _journal_bytes(master.state_dir) / 1024,
+                mem = proc.memory_info()  # rss = anonymous (the heaps) + file-backed (shared libraries' pages touched)
+                rows.append([f"{now - t0:.0f}", mem.rss / 2**20, (mem.rss - mem.shared) / 2**20,
+                             _journal_bytes(master.state_dir) / 1024,
                              produced, acks, (acks - last_acks) / max(now - last_t, 1e-3), cuts, restores,
                              info.shards.todo + info.shards.leased + info.shards.acked, info.lag])  # fmt: skip
                 last_acks, last_t = acks, now
-                print(f"  t={rows[-1][0]}s rss {rows[-1][1]:.1f} MiB journal {rows[-1][2]:.0f} KiB acks {acks:,}",
+                print(f"  t={rows[-1][0]}s rss {rows[-1][1]:.1f} MiB (anon {rows[-1][2]:.1f}) "
+                      f"journal {rows[-1][3]:.0f} KiB acks {acks:,}",
                       flush=True)  # fmt: skip
             stop.set()
             for t in threads:
                 t.join(timeout=60)
             status.close()
-            headers = ["t (s)", "master RSS MiB", "journal KiB", "produced", "acks", "acks/s", "cuts", "restores",
-                       "live shards", "lag"]  # fmt: skip
+            headers = ["t (s)", "master RSS MiB", "anon MiB", "journal KiB", "produced", "acks", "acks/s", "cuts",
+                       "restores", "live shards", "lag"]  # fmt: skip
             print(table(headers, rows))
             first, last = rows[0], rows[-1]
             print(f"master RSS: {first[1]:.1f} MiB at t={first[0]}s -> {last[1]:.1f} MiB at t={last[0]}s "
-                  f"(x{last[1] / first[1]:.2f}); journal: {first[2]:.0f} KiB -> {last[2]:.0f} KiB "
-                  f"(x{last[2] / max(first[2], 1e-3):.2f}); refused acks (restores): {counters.refused:,}")  # fmt: skip
+                  f"(x{last[1] / first[1]:.2f}; anonymous {first[2]:.1f} -> {last[2]:.1f} MiB, "
+                  f"x{last[2] / first[2]:.2f}); "
+                  f"journal: {first[3]:.0f} KiB -> {last[3]:.0f} KiB (x{last[3] / max(first[3], 1e-3):.2f}); "
+                  f"refused acks (restores): {counters.refused:,}")  # fmt: skip
         finally:
             master.stop()
             broker.stop()
