@@ -120,7 +120,6 @@ def main(argv: list[str] | None = None) -> None:
           f"{int(state.ledger_sums[0])} records in the model", flush=True)  # fmt: skip
     local = torch.empty(args.batch_size, _GATHERED, dtype=torch.float64)
     gathered = [torch.empty_like(local) for _ in range(world)]
-    counts = torch.zeros(world, dtype=torch.int64)
     done = int(state.ledger_sums[0]) >= args.records
     for batch in DataLoader(dataset, batch_size=None):
         if done:
@@ -132,18 +131,19 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        local.zero_()
+        local.fill_(-1.0)  # rows past n: padding (id -1), dropped after the gather
         if n:
             local[:n, 0] = batch["id"].double()
             local[:n, 1] = logits.detach().double()
+            local[:n, 2] = 0.0
             if args.oracle:
                 local[:n, 2] = torch.from_numpy(oracle.oracle_logit({k: batch[k].numpy() for k in ORACLE_INPUT}))
             local[:n, 3] = y.double()
             local[:n, 4] = batch["event_ms"].double()
             local[:n, 5] = time.time() * 1000
-        dist.all_gather(gathered, local)
-        dist.all_gather_into_tensor(counts, torch.tensor([n], dtype=torch.int64))
-        rows = torch.cat([g[: int(c)] for g, c in zip(gathered, counts.tolist())]).numpy()
+        dist.all_gather(gathered, local)  # one collective per step besides DDP's
+        rows = torch.cat(gathered).numpy()
+        rows = rows[rows[:, 0] >= 0]
         apply_step(state, rows, args.window)
         step = session.step_done()
         if rank == 0 and time.time() - written >= 1.0:
