@@ -113,6 +113,9 @@ def plots(out: Path, rows: np.ndarray, fresh: np.ndarray, samples: list[dict[str
     mids = np.sqrt(np.maximum(edges[:-1], 0.5) * edges[1:]) / 1000
     ax.bar(mids, fresh, width=np.diff(edges) / 1000, align="center")
     ax.set_xscale("log")
+    used = np.flatnonzero(fresh)
+    if len(used):
+        ax.set_xlim(edges[max(used[0], 1)] / 1000 / 2, edges[used[-1] + 1] / 1000 * 2)
     ax.set_xlabel("event time to applied in the model (s)")
     ax.set_ylabel("records")
     save(fig, "freshness.png")
