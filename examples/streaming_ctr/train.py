@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0 and time.time() - written >= 1.0:
             figures = write_metrics(out, state, step, started)
             try:  # the master's /metrics and dashboard show them (streamrover_trainer_metric)
-                session.report(loss=float(loss), **figures)
+                session.report(loss=loss.item(), **figures)
             except ShardServiceError as exc:  # the master may be restarting: the next report will do
                 print(f"metrics not reported: {exc}", flush=True)
             written = time.time()
