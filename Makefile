@@ -11,7 +11,7 @@ comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
 
-.PHONY: install demo demo-backfill test lint bench clean proto jars browser k8s-build-start k8s
+.PHONY: install demo demo-backfill test lint bench clean proto jars browser k8s-build-start k8s flink-sink
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ browser:
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver; \
 	fi
 
+# The Java Flink sink (java/flink-sink/, built with Maven) and the PyFlink venv its jobs run in, both cached
+# under ~/.cache/streamrover (PyFlink gets its own venv: apache-flink 2.3 would downgrade numpy, pyarrow, grpcio).
+flink-sink:
+	PYTHON=$(PYTHON) bash scripts/build-flink-sink.sh
+
 # The k8s tests' control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok) is built from Go
 # modules into ~/.cache/streamrover/k8s: ~17 min cold on 2 cores, seconds when cached. `test` starts that
 # build first, in the background, so it overlaps the network-bound set-up (pip, Maven) and the first tests;
@@ -61,10 +66,10 @@ k8s-build-start:
 k8s:
 	bash scripts/build-k8s.sh --wait
 
-test: k8s-build-start install lint jars browser
+test: k8s-build-start install lint jars browser flink-sink
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) jars flink-sink
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 proto: install

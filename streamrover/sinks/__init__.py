@@ -1,1 +1,1 @@
-"""Placeholder; see ARCHITECTURE.md."""
+"""Sinks: training as the downstream node of a Flink or Spark job (ARCHITECTURE.md, "Sinks")."""

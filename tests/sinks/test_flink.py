@@ -1,0 +1,104 @@
+"""Flink as the upstream node of training: a PyFlink job from Kafka into dlrover-run, exactly once.
+
+A real PyFlink 2.3 job (tests/sinks/flink_job.py) reads a 4-partition Kafka topic with Flink's Kafka
+connector, featurizes the JSON records in a Python map into named rows and sinks them with
+``streamrover.sinks.flink.TrainingSink`` (the Java Sink V2 of java/flink-sink/) into a staged dataset on a
+real job master; one dlrover-run agent with two DDP workers trains tests/trainers/ledger_train.py from it
+while the job runs. Half the records are produced before the start, half while it runs. Two failures:
+
+- the map raises on its first attempt once a subtask has mapped N records: Flink restarts the job from
+  its last checkpoint (fixed-delay strategy), its staged-but-uncommitted files are dropped;
+- the whole Flink process group (driver, JVM, Python workers) is SIGKILLed, and the job is submitted
+  again resumed from its last retained checkpoint (a new job id: the restored committables are committed
+  again under the old one, which the master answers already_committed when they were).
+
+The ledger in the model must then hold every id exactly once, and the dataset exactly RECORDS records.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.brokers._process import free_port
+from tests.helpers import wait_until
+from tests.sinks.flink import FlinkJob, build_sink
+from tests.trainers.cluster import TorchJob
+from tests.trainers.streams import KafkaTopic
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+RECORDS = 20_000
+FAIL_AFTER = 3_000  # records one subtask maps before the injected failure
+
+
+@pytest.fixture(scope="session")
+def flink_sink_jar() -> Path:
+    return build_sink()
+
+
+def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker: object, flink_sink_jar: Path) -> None:
+    topic = KafkaTopic(kafka_broker)
+    ids = np.arange(RECORDS)
+    topic.produce(ids[: RECORDS // 2])
+    staging = tmp_path / "staging"
+    job = TorchJob(tmp_path, "staged://stream", {"sr.staging_dir": str(staging)}, records_per_shard=1_000)
+    marker = tmp_path / "map-failed"
+    flink = FlinkJob(tmp_path, flink_sink_jar, [], free_port())
+    later = threading.Thread(target=topic.produce, args=(ids[RECORDS // 2 :],), daemon=True)
+
+    def committed() -> int:
+        with job.admin() as admin:
+            info = admin.describe_dataset("stream")
+        assert not info.failed, f"the dataset FAILED: {info.error}"
+        return int(info.total_records)
+
+    def running(what: str) -> None:
+        assert flink.alive(), f"the Flink job exited {flink.proc and flink.proc.returncode} {what}\n{flink.logs()}"
+
+    try:
+        job.start()
+        flink.args = ["--bootstrap", kafka_broker.bootstrap, "--topic", topic.topic,  # type: ignore[attr-defined]
+                      "--master", job.master.address, "--token", job.master.token, "--staging", str(staging),
+                      "--fail-after", str(FAIL_AFTER), "--fail-marker", str(marker)]  # fmt: skip
+        flink.start()
+        script = ["--records", str(RECORDS), "--batch-size", "128", "--ckpt-every", "10", "--out", str(job.out)]
+        job.start_agent("n0", "1", 2, script)
+        later.start()
+
+        # failure 1: the map raised once; the restarted job commits past the failure point
+        wait_until(lambda: (running("before the map failed"), marker.exists())[1], 300, "the map's injected failure")
+        wait_until(lambda: (running("after the map failed"), committed() >= FAIL_AFTER * 2)[1], 300,
+                   f"{FAIL_AFTER * 2} records committed after the restart")  # fmt: skip
+        restarts = flink.rest(f"/jobs/{flink.job_id()}")
+        print(f"map failure: {marker.read_text().strip()}; job {restarts['jid']} {restarts['state']}", file=sys.stderr)
+
+        # failure 2: SIGKILL the Flink process group mid-stream, resume from the last retained checkpoint
+        wait_until(lambda: committed() >= RECORDS * 0.4, 300, "40% of the records committed")
+        before = committed()
+        flink.kill()
+        retained = flink.latest_retained()
+        assert retained is not None, f"no retained checkpoint under {flink.checkpoints}\n{flink.logs()}"
+        print(f"SIGKILLed Flink at {before} committed; resuming from {retained}", file=sys.stderr)
+        flink.start(restore=retained)
+
+        later.join(timeout=300)
+        assert not later.is_alive(), "the producer did not finish"
+        wait_until(lambda: (running("after the resume"), committed() >= RECORDS)[1], 300, "every record committed")
+        wait_until(lambda: job.agents["n0"].poll() is not None, 300, "the trainer to finish")
+        assert job.agents["n0"].returncode == 0, job.logs()
+        ledger = job.ledger()
+        assert ledger is not None, job.logs()
+        assert ledger.shape == (RECORDS,) and np.all(ledger == 1), (
+            f"{int((ledger == 0).sum())} missing, {int((ledger > 1).sum())} applied twice or more "
+            f"(e.g. ids {np.flatnonzero(ledger > 1)[:10].tolist()})\n{job.logs()}\n{flink.logs()}"
+        )
+        assert committed() == RECORDS, "the dataset holds every record once"
+        losses = job.losses()
+        assert np.mean(losses[-20:]) < np.mean(losses[:20]) / 5, "the loss decreases"
+    finally:
+        flink.kill()
+        job.stop()
