@@ -52,7 +52,7 @@ def _java_sink_class() -> Any:
     return get_gateway().jvm.streamrover.flink.TrainingSink
 
 
-def TrainingSink(  # noqa: N802 - reads as the sink's class at the call site: ds.sink_to(TrainingSink(...))
+def TrainingSink(  # a function named as the sink it makes: ds.sink_to(TrainingSink(...))
     master: str,
     dataset: str,
     *,

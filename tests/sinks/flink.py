@@ -56,6 +56,7 @@ class FlinkJob:
         env["PATH"] = f"{FLINK_VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # its Python workers run `python`
         env["PYTHONPATH"] = str(ROOT)
         env["STREAMROVER_FLINK_SINK_JAR"] = str(self.jar)
+        env["FLINK_LOG_DIR"] = str(self.workdir / "flink-logs")  # the mini cluster's log (not the venv's)
         self.runs += 1
         log = open(self.workdir / f"flink-{self.runs}.log", "ab")
         self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -96,6 +97,9 @@ class FlinkJob:
         return found[-1].parent if found else None
 
     def logs(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.workdir.glob("flink-*.log"))
-        )
+        """The driver's output and the lines of the mini cluster's log that tell of failures."""
+        out = [f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.workdir.glob("flink-*.log"))]
+        for p in sorted((self.workdir / "flink-logs").glob("*.log")):
+            lines = [ln for ln in p.read_text(errors="replace").splitlines() if "ERROR" in ln or "Exception" in ln]
+            out.append(f"--- {p.name} (ERROR/Exception lines)\n" + "\n".join(lines[-40:]))
+        return "\n".join(out)

@@ -56,8 +56,9 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         assert not info.failed, f"the dataset FAILED: {info.error}"
         return int(info.total_records)
 
-    def running(what: str) -> None:
+    def running(what: str) -> bool:
         assert flink.alive(), f"the Flink job exited {flink.proc and flink.proc.returncode} {what}\n{flink.logs()}"
+        return True
 
     try:
         job.start()
@@ -70,11 +71,10 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         later.start()
 
         # failure 1: the map raised once; the restarted job commits past the failure point
-        wait_until(lambda: (running("before the map failed"), marker.exists())[1], 300, "the map's injected failure")
-        wait_until(lambda: (running("after the map failed"), committed() >= FAIL_AFTER * 2)[1], 300,
+        wait_until(lambda: running("before the map failed") and marker.exists(), 300, "the map's injected failure")
+        wait_until(lambda: running("after the map failed") and committed() >= FAIL_AFTER * 2, 300,
                    f"{FAIL_AFTER * 2} records committed after the restart")  # fmt: skip
-        restarts = flink.rest(f"/jobs/{flink.job_id()}")
-        print(f"map failure: {marker.read_text().strip()}; job {restarts['jid']} {restarts['state']}", file=sys.stderr)
+        print(f"map failure: {marker.read_text().strip()}; {committed()} committed since", file=sys.stderr)
 
         # failure 2: SIGKILL the Flink process group mid-stream, resume from the last retained checkpoint
         wait_until(lambda: committed() >= RECORDS * 0.4, 300, "40% of the records committed")
@@ -87,7 +87,7 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
 
         later.join(timeout=300)
         assert not later.is_alive(), "the producer did not finish"
-        wait_until(lambda: (running("after the resume"), committed() >= RECORDS)[1], 300, "every record committed")
+        wait_until(lambda: running("after the resume") and committed() >= RECORDS, 300, "every record committed")
         wait_until(lambda: job.agents["n0"].poll() is not None, 300, "the trainer to finish")
         assert job.agents["n0"].returncode == 0, job.logs()
         ledger = job.ledger()
