@@ -98,7 +98,8 @@ class FlinkJob:
 
     def logs(self) -> str:
         """The driver's output and the lines of the mini cluster's log that tell of failures."""
-        out = [f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.workdir.glob("flink-*.log"))]
+        drivers = sorted(self.workdir.glob("flink-*.log"))
+        out = [f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in drivers]
         for p in sorted((self.workdir / "flink-logs").glob("*.log")):
             lines = [ln for ln in p.read_text(errors="replace").splitlines() if "ERROR" in ln or "Exception" in ln]
             out.append(f"--- {p.name} (ERROR/Exception lines)\n" + "\n".join(lines[-40:]))
