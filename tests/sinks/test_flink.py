@@ -30,9 +30,9 @@ from tests.sinks.flink import FlinkJob, build_sink
 from tests.trainers.cluster import TorchJob
 from tests.trainers.streams import KafkaTopic
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-RECORDS = 20_000
-FAIL_AFTER = 3_000  # records one subtask maps before the injected failure
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+RECORDS = 10_000
+FAIL_AFTER = 1_500  # records one subtask maps before the injected failure
 
 
 @pytest.fixture(scope="session")
@@ -71,8 +71,8 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         later.start()
 
         # failure 1: the map raised once; the restarted job commits past the failure point
-        wait_until(lambda: running("before the map failed") and marker.exists(), 300, "the map's injected failure")
-        wait_until(lambda: running("after the map failed") and committed() >= FAIL_AFTER * 2, 300,
+        wait_until(lambda: running("before the map failed") and marker.exists(), 600, "the map's injected failure")
+        wait_until(lambda: running("after the map failed") and committed() >= FAIL_AFTER * 2, 600,
                    f"{FAIL_AFTER * 2} records committed after the restart")  # fmt: skip
         print(f"map failure: {marker.read_text().strip()}; {committed()} committed since", file=sys.stderr)
 
