@@ -102,8 +102,10 @@ def main(argv: list[str]) -> int:
     records = args.records or (50_000 if args.quick else 300_000)
 
     import numpy as np
+    import pyarrow as pa
 
     from streamrover.shard_service import DatasetSpec, ShardClient
+    from streamrover.sources.staged import encode_schema
     from streamrover.testing.procs import MasterProcess
     from tests.brokers.kafka import KafkaBroker
     from tests.sinks.flink import build_sink
@@ -112,6 +114,7 @@ def main(argv: list[str]) -> int:
     print(environment())
     print(f"load: {load()}")
     jar = build_sink()
+    schema = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("y", pa.float64())])
     with tempfile.TemporaryDirectory(prefix="bench-sinks-flink-") as tmp:
         root = Path(tmp)
         broker = KafkaBroker(root / "kafka")
@@ -125,7 +128,8 @@ def main(argv: list[str]) -> int:
             try:
                 with ShardClient(master.address, token=master.token, heartbeat=False) as admin:
                     spec = DatasetSpec("stream", "staged://stream", format="parquet",
-                                       options={"sr.staging_dir": str(root / "sink" / "staging")})  # fmt: skip
+                                       options={"sr.staging_dir": str(root / "sink" / "staging"),
+                                                "sr.schema": encode_schema(schema)})  # fmt: skip
                     admin.register_dataset(spec)
                     sink = _run(root / "sink", jar, broker.bootstrap, topic.topic, master)
                     total = admin.describe_dataset("stream").total_records

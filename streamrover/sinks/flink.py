@@ -11,8 +11,9 @@ committer. At each checkpoint every subtask closes its Parquet file(s) under
 them with the master's ``CommitStaged`` RPC, keyed by (job id, subtask, checkpoint id), so a commit
 replayed after a restore is a no-op. Records reach Java in Flink's own row serialization: the stream's
 declared row type is the schema, nothing is pickled. Checkpointing must be on (without it Flink never
-commits). The dataset must be registered first with uri ``staged://<name>``, format ``parquet`` and option
-``sr.staging_dir`` set to the same ``staging_dir``.
+commits). The dataset must be registered first with uri ``staged://<name>``, format ``parquet``, option
+``sr.staging_dir`` set to the same ``staging_dir`` and option ``sr.schema`` (the rows' Arrow schema,
+``streamrover.sources.staged.encode_schema``: trainers need it before the first file is committed).
 
 The jar is built by ``make flink-sink`` (``scripts/build-flink-sink.sh``) into
 ``~/.cache/streamrover/flink-sink/``; ``STREAMROVER_FLINK_SINK_JAR`` names another one.

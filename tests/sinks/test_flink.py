@@ -22,8 +22,10 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
+from streamrover.sources.staged import encode_schema
 from tests.brokers._process import free_port
 from tests.helpers import wait_until
 from tests.sinks.flink import FlinkJob, build_sink
@@ -33,6 +35,8 @@ from tests.trainers.streams import KafkaTopic
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 RECORDS = 10_000
 FAIL_AFTER = 1_500  # records one subtask maps before the injected failure
+#: the rows the job's map declares (flink_job.ROW), as the trainers read them before any file is committed
+SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("y", pa.float64())])
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +49,8 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
     ids = np.arange(RECORDS)
     topic.produce(ids[: RECORDS // 2])
     staging = tmp_path / "staging"
-    job = TorchJob(tmp_path, "staged://stream", {"sr.staging_dir": str(staging)}, records_per_shard=1_000)
+    options = {"sr.staging_dir": str(staging), "sr.schema": encode_schema(SCHEMA)}
+    job = TorchJob(tmp_path, "staged://stream", options, records_per_shard=1_000)
     marker = tmp_path / "map-failed"
     flink = FlinkJob(tmp_path, flink_sink_jar, [], free_port())
     later = threading.Thread(target=topic.produce, args=(ids[RECORDS // 2 :],), daemon=True)
