@@ -20,10 +20,10 @@ from streamrover.shard_service.api import (
     LeaseStatus,
     ShardServiceError,
 )
+from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.core import AckItem, ShardCore
 from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.poller import StreamPoller
-from streamrover.shard_service.records import DatasetRecord
 from streamrover.shard_service.reported import ReportedMetrics
 from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions, status_of
 from streamrover.shard_service.staged_rpc import commit_staged
