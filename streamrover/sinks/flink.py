@@ -70,9 +70,15 @@ def TrainingSink(  # a function named as the sink it makes: ds.sink_to(TrainingS
     (``output_type=Types.ROW_NAMED(...)``): BIGINT, INT, DOUBLE, FLOAT, BOOLEAN, STRING, BYTES fields or
     arrays of the numeric ones.
     """
-    from pyflink.datastream.connectors import Sink
-
     if rows_per_file <= 0:
         raise ValueError(f"rows_per_file must be > 0, not {rows_per_file}")
+    if not (staging_dir.startswith("file:///") or os.path.isabs(staging_dir)):
+        raise ValueError(
+            f"staging_dir must be an absolute local path or a file:// URL every trainer can read, not {staging_dir!r}"
+        )
+    if not master or not dataset:
+        raise ValueError(f"TrainingSink needs a master address and a dataset name (got {master!r}, {dataset!r})")
+    from pyflink.datastream.connectors import Sink
+
     j_sink = _java_sink_class()(master, dataset, token, staging_dir, int(rows_per_file), int(retry_seconds))
     return Sink(j_sink)
