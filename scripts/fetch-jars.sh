@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Fetch, once per machine, the Maven Central jars of the brokers that the test fixtures start
 # (tests/brokers/): Apache Kafka (KRaft), Apache RocketMQ (name server, broker, proxy, tools) and Apache
-# Pulsar standalone (broker with an in-process bookie), and Flink's Kafka connector (flink-kafka) for the PyFlink jobs.
+# Pulsar standalone (broker with an in-process bookie), Flink's Kafka connector (flink-kafka) for the PyFlink jobs and Spark's (spark: spark-sql-kafka-0-10).
 #
 #   scripts/fetch-jars.sh             # all brokers
-#   scripts/fetch-jars.sh kafka       # only the named ones (kafka, rocketmq, pulsar, flink-kafka)
+#   scripts/fetch-jars.sh kafka       # only the named ones (kafka, rocketmq, pulsar, flink-kafka, spark)
 #
 # Jars land in ${STREAMROVER_CACHE:-$HOME/.cache/streamrover}/jars/<broker>-<version>/, the version
 # being the one pinned in tests/brokers/jars/<broker>/pom.xml. A directory holding a .complete marker
@@ -13,7 +13,7 @@ set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache="${STREAMROVER_CACHE:-$HOME/.cache/streamrover}/jars"
-if [ "$#" -gt 0 ]; then brokers=("$@"); else brokers=(kafka rocketmq pulsar flink-kafka); fi
+if [ "$#" -gt 0 ]; then brokers=("$@"); else brokers=(kafka rocketmq pulsar flink-kafka spark); fi
 
 command -v mvn >/dev/null || { echo "fetch-jars: Maven (mvn) is not on PATH: apt-get install maven" >&2; exit 2; }
 mkdir -p "$cache"
@@ -23,7 +23,7 @@ flock 9  # one fetch at a time per cache (parallel test runs, make -j)
 for broker in "${brokers[@]}"; do
   pom="$root/tests/brokers/jars/$broker/pom.xml"
   if [ ! -f "$pom" ]; then
-    echo "fetch-jars: unknown broker '$broker' (no $pom); known: kafka rocketmq pulsar flink-kafka" >&2
+    echo "fetch-jars: unknown broker '$broker' (no $pom); known: kafka rocketmq pulsar flink-kafka spark" >&2
     exit 2
   fi
   version=$(sed -n "s:.*<$broker.version>\(.*\)</$broker.version>.*:\1:p" "$pom" | head -n 1)
