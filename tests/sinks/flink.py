@@ -39,6 +39,7 @@ class FlinkJob:
 
     def __init__(self, workdir: Path, jar: Path, args: list[str], rest_port: int) -> None:
         self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.jar = jar
         self.args = args
         self.rest_port = rest_port
