@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF = 5.0
+#: Failed polls in a row after which the source is closed and opened afresh: a broker client can wedge (librdkafka
+#: kept "Broker transport failure" for 5+ minutes after its broker's bad minute while fresh clients worked).
+REOPEN_AFTER = 3
 
 
 class _DataLost(Exception):
@@ -87,13 +90,18 @@ class StreamPoller:
                 spec = ds.spec
                 planning = stream_planning(ds)
                 interval, grace = planning.poll_interval_ms / 1000.0, planning.missing_grace_ms / 1000.0
-            backoff = 0.0
+            backoff, failures = 0.0, 0
             while not self._stop.is_set():
+                if source is not None and failures >= REOPEN_AFTER:
+                    log.warning("dataset %s: %d failed polls in a row: reopening its source", self.name, failures)
+                    source.close()
+                    source, failures = None, 0
                 try:
                     if source is None:
                         source = open_source(spec.uri, spec.format, spec.options)
+                    failures += 1  # until this poll succeeds
                     self._poll_once(source)
-                    backoff, wait = 0.0, interval
+                    backoff, wait, failures = 0.0, interval, 0
                 except _DataLost as exc:
                     self._fail(str(exc))
                     return

@@ -248,3 +248,58 @@ def test_records_deleted_under_a_lease_are_skipped_with_on_data_loss_skip(tmp_pa
         assert info.lag == 0 and info.records_committed == total - 300
     finally:
         job.stop()
+
+
+class _WedgedKafka:
+    """A Kafka source whose client wedges: once ``wedge`` is set, the instance polled next fails every poll from
+    then on (librdkafka's "Broker transport failure" that a client kept after a bad minute of its broker, seen
+    in a loaded run for 5+ minutes while fresh clients worked); instances opened later work."""
+
+    wedge = False
+    wedged: object = None
+    opened = 0
+
+    def __new__(cls, uri: str, format: str = "", options: dict[str, str] | None = None) -> Any:
+        from streamrover.sources.api import SourceUnavailableError
+        from streamrover.sources.kafka import KafkaSource
+
+        source = KafkaSource(uri.replace("wedged-kafka://", "kafka://", 1), format, options)
+        cls.opened += 1
+        real_poll = source.poll
+
+        def poll() -> list[Partition]:
+            if cls.wedge and cls.wedged is None:
+                cls.wedged = source
+            if cls.wedged is source:
+                raise SourceUnavailableError("Failed to get metadata: Local: Broker transport failure")
+            return real_poll()
+
+        source.poll = poll  # type: ignore[method-assign]
+        return source
+
+
+def test_a_poller_whose_source_keeps_failing_reopens_it(tmp_path: Path, kafka_broker: Any) -> None:
+    """After a few failed polls in a row the master's poller closes its source and opens a fresh one: a client
+    that wedged must not stall the stream (no planning, no lag: the autoscaler then scaled the job in)."""
+    from streamrover.shard_service.master import MasterServer
+    from streamrover.sources.api import register_source
+
+    register_source(_WedgedKafka, schemes=("wedged-kafka",))
+    topic = _create_topic(kafka_broker, 1)
+    _produce(kafka_broker, topic, range(100), 1)
+    master = MasterServer(tmp_path / "state", "token")
+    try:
+        with ShardClient(master.address, token="token", heartbeat=False, timeout=30) as admin:
+            spec = DatasetSpec("s", f"wedged-kafka://{kafka_broker.bootstrap}/{topic}",
+                               options={"sr.poll_interval_ms": "50"}, records_per_shard=10)  # fmt: skip
+            admin.register_dataset(spec)
+            wait_until(lambda: admin.describe_dataset("s").total_records == 100, 60, "the first records planned")
+            _WedgedKafka.wedge = True
+            wait_until(lambda: "Broker transport failure" in admin.describe_dataset("s").error, 60, "the wedge")
+            _produce(kafka_broker, topic, range(100, 200), 1)
+            wait_until(lambda: admin.describe_dataset("s").total_records == 200, 60, "records after the wedge planned")
+            wait_until(lambda: admin.describe_dataset("s").error == "", 60, "the error to clear")
+            assert not admin.describe_dataset("s").failed
+    finally:
+        master.stop()
+        _WedgedKafka.wedge, _WedgedKafka.wedged = False, None
