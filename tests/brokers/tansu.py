@@ -85,8 +85,15 @@ class TansuBroker:
         return {"bootstrap.servers": self.bootstrap, **overrides}
 
     def producer_config(self, **overrides: object) -> dict[str, object]:
-        """Producer settings that keep tansu's high watermark exact: one record per batch."""
-        return self.client_config(**{"linger.ms": 0, "batch.num.messages": 1, **overrides})
+        """Producer settings that keep tansu's high watermark exact (one record per batch), idempotent.
+
+        Idempotent as the Kafka fixtures' producers are: under load a plain producer retried a timed-out
+        request that tansu had written, and the topic held two records twice (a chaos test's ledger counted 2
+        duplicates that were in the topic, not made by the job). tansu accepts librdkafka's idempotent
+        producer with the watermarks exact.
+        """
+        idempotent = {"acks": "all", "enable.idempotence": True}
+        return self.client_config(**{"linger.ms": 0, "batch.num.messages": 1, **idempotent, **overrides})
 
     def rss_bytes(self) -> int:
         return rss_bytes([self.pid])
