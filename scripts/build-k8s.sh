@@ -30,6 +30,9 @@ mkdir -p "$base"
 case "${1:-}" in
   --background)
     if [ -f "$bin/.complete" ]; then echo "build-k8s: binaries already in $bin"; exit 0; fi
+    exec 9>"$base/.lock"
+    if ! flock -n 9; then echo "build-k8s: a build is already running (log: $log)"; exit 0; fi
+    exec 9>&-
     rm -f "$status"
     echo "build-k8s: building in the background (log: $log)"
     nohup setsid nice -n 10 "$0" >"$log" 2>&1 </dev/null &
@@ -98,3 +101,4 @@ build() {
 }
 
 build  # all in a function: bash has parsed it whole before it runs, so editing this file mid-build is safe
+exit

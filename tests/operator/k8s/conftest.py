@@ -1,0 +1,128 @@
+"""Fixtures: a real control plane (one per session), the install manifests applied, the test node agent, operators.
+
+The operator runs as a local process (kopf) with the ``streamrover-operator`` ServiceAccount's token,
+so the RBAC of ``deploy/k8s/20-rbac.yaml`` is what it may do. Two namespaces, one operator each:
+``lifecycle`` (worker pods on the kwok node: scheduled and "Running", nothing executes; the master
+on the node agent) and ``training`` (everything on the node agent, which runs it).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.brokers._process import ChildProcess, free_port, repo_root, wait_until
+from tests.operator.k8s.cluster import ControlPlane, k8s_binaries, node_ready
+
+AGENT_NODE = "agent-node-0"
+DEPLOY = repo_root() / "deploy" / "k8s"
+
+
+def apply_manifests(api: Any, paths: list[Path]) -> None:
+    """``kubectl apply -f`` for the install manifests (create; the cluster is fresh)."""
+    from kubernetes import utils
+
+    for path in paths:
+        utils.create_from_yaml(api, yaml_objects=list(yaml.safe_load_all(path.read_text())))
+
+
+def service_account_kubeconfig(cp: ControlPlane, namespace: str, name: str, path: Path) -> Path:
+    """A kubeconfig with a token of the ServiceAccount ``namespace/name`` (TokenRequest API)."""
+    from kubernetes import client
+
+    request = {"spec": {"audiences": ["https://kubernetes.default.svc.cluster.local"], "expirationSeconds": 86400}}
+    token = cp.core().create_namespaced_service_account_token(name, namespace, request).status.token
+    path.write_text(cp.kubeconfig.read_text().replace(
+        next(line.split('token: "')[1].split('"')[0] for line in cp.kubeconfig.read_text().splitlines()
+             if 'token: "' in line), token))  # fmt: skip
+    assert client  # the client is what made the request
+    return path
+
+
+@pytest.fixture(scope="session")
+def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    cp = ControlPlane(tmp_path_factory.mktemp("k8s"), k8s_binaries())
+    try:
+        cp.start()
+        times = cp.started_in
+        print(f"control plane: apiserver ready in {times['apiserver']:.1f} s, all in {times['all']:.1f} s")
+        api = cp.api()
+        apply_manifests(api, [DEPLOY / "00-namespace.yaml", DEPLOY / "10-crd.yaml", DEPLOY / "20-rbac.yaml"])
+        from kubernetes import client
+
+        ext = client.ApiextensionsV1Api(api)
+        wait_until("the StreamTrainJob CRD established", lambda: any(
+            c.type == "Established" and c.status == "True"
+            for c in ext.read_custom_resource_definition("streamtrainjobs.streamrover.io").status.conditions or []),
+            timeout=60, procs=cp.procs)  # fmt: skip
+        accounts = cp.core().list_namespaced_service_account
+        for ns in ("lifecycle", "training"):
+            cp.core().create_namespace({"metadata": {"name": ns}})
+            wait_until(f"the default ServiceAccount of {ns}", lambda ns=ns: bool(accounts(
+                ns, field_selector="metadata.name=default").items), timeout=60, procs=cp.procs)  # fmt: skip
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def node_agent(k8s: ControlPlane) -> Iterator[ChildProcess]:
+    """The stand-in kubelet of node ``agent-node-0`` (runs its pods as local processes)."""
+    agent = ChildProcess("node-agent", [
+        sys.executable, "-m", "tests.operator.k8s.node_agent", "--kubeconfig", str(k8s.kubeconfig),
+        "--node", AGENT_NODE, "--workdir", str(k8s.root / "agent"),
+    ], k8s.root / "logs" / "node-agent.log", cwd=repo_root(), env=_env())  # fmt: skip
+    agent.start()
+    try:
+        core = k8s.core()
+        wait_until("the agent's node Ready", lambda: node_ready(core.read_node(AGENT_NODE)), timeout=120,
+                   procs=[agent, *k8s.procs])  # fmt: skip
+        yield agent
+    finally:
+        agent.stop(timeout=30)
+
+
+class Operator:
+    """The kopf operator as a local process, watching one namespace."""
+
+    def __init__(self, k8s: ControlPlane, namespace: str, worker_selector: str) -> None:
+        self.k8s, self.namespace = k8s, namespace
+        kubeconfig = service_account_kubeconfig(k8s, "streamrover-system", "streamrover-operator",
+                                                k8s.root / f"operator-{namespace}.kubeconfig")  # fmt: skip
+        env = {
+            **_env(), "KUBECONFIG": str(kubeconfig), "STREAMROVER_K8S_PYTHON": sys.executable,
+            "STREAMROVER_K8S_MASTER_HOST": "127.0.0.1", "STREAMROVER_K8S_MASTER_BIND": "127.0.0.1",
+            "STREAMROVER_K8S_JOURNAL_HOST_DIR": str(k8s.root / "journals"),
+            "STREAMROVER_K8S_MASTER_NODE_SELECTOR": "streamrover.io/agent=true",
+            "STREAMROVER_K8S_NODE_SELECTOR": worker_selector,
+            "STREAMROVER_K8S_WORKDIR": str(k8s.root / f"operator-{namespace}"),
+        }  # fmt: skip
+        self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
+        self.proc = ChildProcess(f"operator-{namespace}", [
+            sys.executable, "-m", "streamrover.operator.k8s_operator", "--namespace", namespace,
+            "--liveness", self.liveness,
+        ], k8s.root / "logs" / f"operator-{namespace}.log", cwd=repo_root(), env=env)  # fmt: skip
+
+    def start(self) -> None:
+        import requests
+
+        self.proc.start()
+        wait_until("the operator live", lambda: requests.get(self.liveness, timeout=2).ok, timeout=120,
+                   procs=[self.proc])  # fmt: skip
+
+    def logs(self) -> str:
+        return self.proc.log_tail(60)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(repo_root()), env.get("PYTHONPATH", "")])
+    return env

@@ -1,0 +1,167 @@
+"""The ``k8s`` platform against a real API server: the operator, its pods, relaunch, scale, garbage collection.
+
+* lifecycle (namespace ``lifecycle``, worker pods on the kwok node: scheduled, "Running", nothing
+  executes; the master runs on the node agent): a ``StreamTrainJob`` applied -> master pod, service,
+  secret and worker pods, all owned by it; a worker pod deleted -> a new one for its slot; the
+  scale subresource -> the pod count follows up and down; the operator SIGKILLed and the resource
+  deleted -> the controller-manager's garbage collector deletes every pod, service and secret;
+* training (namespace ``training``, everything on the node agent, which runs the pods as local
+  processes): ``streamrover run job.yaml --platform k8s`` -> the torch ledger job trains from Kafka to
+  an exact ledger; its worker pod deleted mid-run is relaunched and the ledger is still exact.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from streamrover.operator.k8s import GROUP, LABEL_JOB, LABEL_ROLE, PLURAL, VERSION, pod_name, submit
+from streamrover.operator.spec import parse_spec
+from tests.brokers._process import free_port
+from tests.helpers import wait_until, write_parquet_dataset
+from tests.operator.k8s.cluster import ControlPlane
+from tests.operator.k8s.conftest import Operator, _env
+from tests.operator.runner import kafka_topic, ledger_spec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the first test may wait for a cold control-plane build
+
+
+def _custom(k8s: ControlPlane) -> Any:
+    from kubernetes import client
+
+    return client.CustomObjectsApi(k8s.api())
+
+
+def _job(k8s: ControlPlane, ns: str, name: str) -> dict[str, Any]:
+    return dict(_custom(k8s).get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name))
+
+
+def _pods(k8s: ControlPlane, ns: str, job: str, role: str = "node", phase: str | None = "Running") -> list[Any]:
+    pods = k8s.core().list_namespaced_pod(ns, label_selector=f"{LABEL_JOB}={job},{LABEL_ROLE}={role}").items
+    return [p for p in pods if p.metadata.deletion_timestamp is None and (phase is None or p.status.phase == phase)]
+
+
+def _names(pods: list[Any]) -> set[str]:
+    return {p.metadata.name for p in pods}
+
+
+def _owned(obj: Any, uid: str) -> bool:
+    refs = obj.metadata.owner_references or []
+    return any(r.uid == uid and r.kind == "StreamTrainJob" and r.controller for r in refs)
+
+
+def test_pods_are_owned_relaunched_scaled_and_garbage_collected(k8s: ControlPlane, node_agent: Any,
+                                                                tmp_path: Path) -> None:  # fmt: skip
+    ns, name = "lifecycle", "life"
+    write_parquet_dataset(tmp_path / "data", rows=4000, files=2, row_group_size=500)
+    spec = {
+        "name": name, "master": {"lease_ttl": 10, "port": free_port()},
+        "datasets": [{"name": "rows", "uri": str(tmp_path / "data"), "records_per_shard": 500}],
+        "trainer": {"script": str(tmp_path / "never-run.py"), "nodes": "1:3"},
+        "checkpoint": {"url": str(tmp_path / "ckpt")},
+        "restart": {"heartbeat_timeout": 3600},  # kwok pods run nothing: no agent heartbeat
+    }  # fmt: skip
+    operator = Operator(k8s, ns, "type=kwok")
+    operator.start()
+    core = k8s.core()
+    try:
+        submit(parse_spec(spec), ns, k8s.api(), replicas=2)
+        uid = _job(k8s, ns, name)["metadata"]["uid"]
+        wait_until(lambda: _names(_pods(k8s, ns, name)) == {f"{name}-n0", f"{name}-n1"}, 120,
+                   f"two worker pods Running\n{operator.logs()}")  # fmt: skip
+        masters = _pods(k8s, ns, name, "master")
+        assert len(masters) == 1 and masters[0].spec.node_name == "agent-node-0", masters
+        workers = _pods(k8s, ns, name)
+        assert {p.spec.node_name for p in workers} == {"kwok-node-0"}
+        for obj in [*masters, *workers, core.read_namespaced_service(f"{name}-master", ns),
+                    core.read_namespaced_secret(f"{name}-token", ns)]:  # fmt: skip
+            assert _owned(obj, uid), (obj.metadata.name, obj.metadata.owner_references)
+        token_env = next(e for e in workers[0].spec.containers[0].env if e.name == "STREAMROVER_TOKEN")
+        assert token_env.value is None and token_env.value_from.secret_key_ref.name == f"{name}-token"
+        wait_until(lambda: (_job(k8s, ns, name).get("status") or {}).get("replicas") == 2, 60, "status.replicas 2")
+        assert _job(k8s, ns, name)["status"]["phase"] == "running"
+
+        core.delete_namespaced_pod(f"{name}-n1", ns, grace_period_seconds=0)
+        wait_until(lambda: _names(_pods(k8s, ns, name)) == {f"{name}-n0", f"{name}-n1-1"}, 120,
+                   f"n1's pod relaunched as n1.1\n{operator.logs()}")  # fmt: skip
+        assert _owned(_pods(k8s, ns, name)[0], uid)
+        wait_until(lambda: any(e.startswith("launch n1.1: relaunch of n1 (lost)")
+                               for e in _job(k8s, ns, name)["status"].get("events", [])), 60, "the relaunch event")
+
+        custom = _custom(k8s)
+        custom.patch_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, name, {"spec": {"replicas": 3}})
+        wait_until(lambda: len(_pods(k8s, ns, name)) == 3, 120, "three worker pods")
+        custom.patch_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, name, {"spec": {"replicas": 1}})
+        wait_until(lambda: _names(_pods(k8s, ns, name, phase=None)) == {f"{name}-n0"}, 180, "one worker pod left")
+        wait_until(lambda: _job(k8s, ns, name)["status"].get("replicas") == 1, 60, "status.replicas 1")
+        scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, name)
+        assert scale["status"]["replicas"] == 1, scale
+
+        # the operator is gone (SIGKILL), so only the garbage collector can delete what the resource owns
+        operator.proc.kill()
+        custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, {"metadata": {"finalizers": None}})
+        custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        started = time.monotonic()
+        selector = f"{LABEL_JOB}={name}"
+        wait_until(lambda: not core.list_namespaced_pod(ns, label_selector=selector).items
+                   and not core.list_namespaced_service(ns, label_selector=selector).items
+                   and not core.list_namespaced_secret(ns, label_selector=selector).items, 120,
+                   f"the job's pods, service and secret garbage-collected\n{k8s.logs()}")  # fmt: skip
+        print(f"resource deleted -> its objects garbage-collected in {time.monotonic() - started:.2f} s")
+    finally:
+        operator.proc.stop(timeout=30)
+
+
+RECORDS = 8_000
+
+
+def test_the_ledger_job_trains_exactly_through_k8s_and_survives_its_pod_deleted(
+        k8s: ControlPlane, node_agent: Any, tmp_path: Path, kafka_broker: Any) -> None:  # fmt: skip
+    ns, name = "training", "ledger"
+    topic = kafka_topic(kafka_broker, RECORDS)
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = ledger_spec(name, f"kafka://{kafka_broker.bootstrap}/{topic}", RECORDS, out, nodes=1)
+    spec["checkpoint"]["url"] = str(tmp_path / "ckpt")
+    spec["master"]["port"] = free_port()
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    operator = Operator(k8s, ns, "streamrover.io/agent=true")
+    operator.start()
+    env = {**_env(), "KUBECONFIG": str(k8s.kubeconfig)}
+    run = subprocess.Popen([sys.executable, "-m", "streamrover.cli", "run", str(tmp_path / "job.yaml"),
+                            "--platform", "k8s", "--namespace", ns], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    def status() -> dict[str, Any]:
+        try:
+            return dict(_job(k8s, ns, name).get("status") or {})
+        except Exception:  # not created yet
+            return {}
+
+    try:
+        wait_until(lambda: (status().get("recordsAcked") or 0) >= 0.3 * RECORDS, 400,
+                   f"30% of the records acked\n{operator.logs()}")  # fmt: skip
+        k8s.core().delete_namespaced_pod(pod_name(name, "n0"), ns, grace_period_seconds=0)
+        started = time.monotonic()
+        wait_until(lambda: _names(_pods(k8s, ns, name)) == {pod_name(name, "n0.1")}, 120, "n0 relaunched as n0.1")
+        print(f"pod deleted -> relaunched pod running {time.monotonic() - started:.2f} s")
+        output, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, f"{output}\n{operator.logs()}"
+        doc = status()
+        assert doc["phase"] == "succeeded", doc
+        assert any(e.startswith("lost n0") for e in doc["events"]), doc["events"]
+        ledger = np.load(out / "ledger.npy")
+        assert ledger.shape == (RECORDS,) and np.all(ledger == 1), (
+            f"{int((ledger == 0).sum())} missing, {int((ledger > 1).sum())} duplicated")
+        assert "lastCheckpoint" in doc and "lag" in doc, doc
+    finally:
+        if run.poll() is None:
+            run.kill()
+        operator.proc.stop(timeout=60)
