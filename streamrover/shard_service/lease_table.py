@@ -4,14 +4,16 @@
   their progress and keep them alive (waiting ones too).
 * **Waiting**: per dataset, leases that came ahead of their turn (with an ack, or a lease
   call asking for several), in the order :meth:`ShardClient.shards` yields them.
-* **Revoked**: (shard id, attempt) pairs this client no longer holds (the master said so
-  in a heartbeat, or a restore revoked every lease): a shard id may be leased again
-  under a new attempt, so the attempt is part of the key. A reader stops at the next batch.
+* **Revoked**: leases this client no longer holds (the master said so in a heartbeat, or a
+  restore revoked every lease): no longer held (heartbeats stop reporting them), and remembered
+  only while their :class:`LeasedShard` exists, so that its reader stops at the next batch.
+  Nothing is kept per revoked lease after that (a long-lived worker's revocations do not add up).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -29,7 +31,9 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._held: dict[str, LeasedShard] = {}
         self._waiting: dict[str, deque[LeasedShard]] = {}
-        self._revoked: set[LeaseKey] = set()
+        self._revoked: weakref.WeakSet[LeasedShard] = weakref.WeakSet()
+        # every lease object still alive by (shard id, attempt), held or not (a reader may outlive its entry)
+        self._live: weakref.WeakValueDictionary[LeaseKey, LeasedShard] = weakref.WeakValueDictionary()
 
     def waiting(self, dataset: str) -> deque[LeasedShard]:
         """The leases of ``dataset`` waiting their turn (the caller pops them in order)."""
@@ -49,11 +53,12 @@ class LeaseTable:
         with self._lock:
             for shard in shards:
                 self._held[shard.shard_id] = shard
+                self._live[(shard.shard_id, shard.lease.attempt)] = shard
                 into.append(shard)
 
-    def is_revoked(self, shard_id: str, attempt: int) -> bool:
-        """Whether this client lost the lease (shard id, attempt)."""
-        return (shard_id, attempt) in self._revoked
+    def is_revoked(self, shard: LeasedShard) -> bool:
+        """Whether this client lost the lease of ``shard``."""
+        return shard in self._revoked
 
     def finished(self, shard: LeasedShard) -> None:
         """``shard`` is done (its last ack was recorded): it is no longer held."""
@@ -67,20 +72,25 @@ class LeaseTable:
             return [(s.shard_id, s.lease.attempt, s.position) for s in self._held.values()]
 
     def revoke(self, keys: Iterable[LeaseKey]) -> None:
-        """The master says this client no longer holds these leases."""
+        """The master says this client no longer holds these leases (shard id, attempt)."""
         with self._lock:
-            self._revoked.update(keys)
+            for key in keys:
+                shard = self._live.get(key)
+                if shard is not None:
+                    self._revoked.add(shard)
+                    if self._held.get(shard.shard_id) is shard:
+                        del self._held[shard.shard_id]
 
     def revoke_held(self) -> None:
         """Every held lease is gone (the worker was declared dead): waiting ones stop at their first batch."""
         with self._lock:
-            self._revoked.update((s.shard_id, s.lease.attempt) for s in self._held.values())
+            self._revoked.update(self._held.values())
             self._held.clear()
 
     def forget_all(self) -> None:
         """A restore revoked every lease: drop the held and the waiting ones so that none is read again."""
         with self._lock:
-            self._revoked.update((s.shard_id, s.lease.attempt) for s in self._held.values())
+            self._revoked.update(self._held.values())
             self._held.clear()
             for queue in self._waiting.values():
                 queue.clear()

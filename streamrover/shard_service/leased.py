@@ -39,7 +39,7 @@ class LeasedShard:
 
     @property
     def revoked(self) -> bool:
-        return self.client.leases.is_revoked(self.shard_id, self.lease.attempt)
+        return self.client.leases.is_revoked(self)
 
     def batches(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[ReadBatch]:
         """The shard's records from its resume position to its end. Stops early if the lease is revoked."""
