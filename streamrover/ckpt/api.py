@@ -91,7 +91,11 @@ class CursorBinder(Protocol):
         ...
 
     def commit_cut(self, cut_id: int) -> object:
-        """Mark cut ``cut_id`` committed: its manifest is durable (any return value is ignored)."""
+        """Mark cut ``cut_id`` committed: its manifest is durable (any return value is ignored).
+
+        An error whose ``code`` is ``"NOT_FOUND"`` (the shard service's ``NotFoundError``) says the cut is no
+        longer remembered because a restore came after it: the commit is superseded, not failed (the checkpoint
+        stays durable; a later checkpoint commits a later cut). Any other error is a failure :meth:`wait` raises."""
         ...
 
     def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False) -> object:

@@ -245,8 +245,11 @@ class Checkpointer:
             try:  # before the persist counts as done, so wait() returns only after the commit
                 self.binder.commit_cut(int(result.cut_id))
             except Exception as exc:  # any binder failure is reported by wait(); a later manifest commits a later cut
-                log.warning("commit_cut(%s) for step %d failed: %s", result.cut_id, result.step, exc)
-                results.append(PersistResult(result.step, False, True, result.cut_id, f"commit_cut: {exc}"))
+                if getattr(exc, "code", None) == "NOT_FOUND":  # the cut was forgotten: a restore came after it
+                    log.info("commit_cut(%s) for step %d superseded: %s", result.cut_id, result.step, exc)
+                else:
+                    log.warning("commit_cut(%s) for step %d failed: %s", result.cut_id, result.step, exc)
+                    results.append(PersistResult(result.step, False, True, result.cut_id, f"commit_cut: {exc}"))
         with self._cond:
             self._busy.discard(index)
             self._results.extend(results)

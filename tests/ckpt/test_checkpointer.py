@@ -257,3 +257,31 @@ def test_purge_removes_every_rank_of_a_namespace_and_nothing_else(root: str, tmp
     assert sorted(removed) == sorted(f"srckpt-{ns}-r{r}-b{b}" for r in range(2) for b in range(2))
     assert shm_names(ns) == [] and len(shm_names(other.namespace)) == 2
     other.close(unlink=True)
+
+
+def test_a_commit_superseded_by_a_restore_is_not_a_failure(root: str, shard_service: FakeShardService) -> None:
+    """A restore between a cut's prepare and its commit makes the master forget the cut (NOT_FOUND): the
+    checkpoint is durable, a later checkpoint commits a later cut, nothing failed. Seen in CI: a TF-PS chief
+    rolled back to its memory snapshot while step 325's commit was in flight; at the end of the run
+    wait() raised 'commit_cut: cannot commit: cut 15 (step 325) was discarded by a restore' and the chief,
+    done with every record, exited 1 and was restarted."""
+
+    class CutForgotten(Exception):
+        code = "NOT_FOUND"  # as the shard service's NotFoundError
+
+    forget = {1}
+
+    def commit_cut(cut_id: int) -> None:
+        if cut_id in forget:
+            raise CutForgotten(f"cannot commit: cut {cut_id} (step 1) was discarded by a restore (cut 2)")
+        shard_service.committed.append(cut_id)
+
+    shard_service.commit_cut = commit_cut  # type: ignore[method-assign]
+    with Checkpointer(root, saver="thread", binder=shard_service) as ckpt:
+        shard_service.ack("p0", 0, 100)
+        ckpt.save(1, state_at(1))
+        ckpt.wait(timeout=60)  # raised SaverError
+        shard_service.ack("p0", 100, 200)
+        ckpt.save(2, state_at(2))
+        ckpt.wait(timeout=60)
+        assert shard_service.committed == [2]
