@@ -78,7 +78,10 @@ def test_ps_and_chief_sigkill_restore_from_shared_memory_and_the_ledger_is_exact
         job.kill("chief")
         _check_exact(job, job.wait(600))
         restores = job.events("restore")
-        assert [r["source"] for r in restores] == [None, "memory", "memory"], job.logs()
+        # the first start restores nothing; each later start (PS loss, chief kill) restores from shared memory,
+        # and so does each rollback (a closure the coordinator re-ran after the PS came back: seen in a run)
+        rollbacks = job.events("rollback")
+        assert [r["source"] for r in restores] == [None] + ["memory"] * (2 + len(rollbacks)), job.logs()
         assert all(r["step"] > 0 for r in restores[1:])
         status = job.status()
         assert status["restarts"]["ps"] == 1 and status["chief_starts"] == 3, status
