@@ -43,10 +43,11 @@ def browser() -> Iterator[Any]:
 
 
 def _attr(driver: Any, css: str, name: str = "data-value") -> str | None:
-    from selenium.webdriver.common.by import By
-
-    found = driver.find_elements(By.CSS_SELECTOR, css)
-    return found[0].get_attribute(name) if found else None
+    """The attribute of the element ``css`` selects now, read in one script call: the live page re-renders its
+    tables, so an element found first and read after can be gone (StaleElementReferenceException, seen)."""
+    script = "const e = document.querySelector(arguments[0]); return e ? e.getAttribute(arguments[1]) : null;"
+    value = driver.execute_script(script, css, name)
+    return None if value is None else str(value)
 
 
 def _visible(driver: Any, element_id: str) -> bool:
