@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
 
 from streamrover.sources.api import SourceError
 
@@ -90,7 +92,64 @@ class DeadLetters:
 def decode_json(
     msgs: Sequence[Message], schema: pa.Schema, partition_id: str, dead: DeadLetters
 ) -> tuple[pa.RecordBatch, pa.Array, int]:
-    """(records, their positions, how many went to the dead-letter dataset)."""
+    """(records, their positions, how many went to the dead-letter dataset).
+
+    A batch of well-formed records is parsed at once by Arrow's JSON reader (C++, no Python
+    per record: about a tenth of the CPU of ``json.loads`` per record, the most a reading
+    trainer spent besides its step). Whatever that reader would not take exactly as the
+    per-record path does (a record that is not one JSON object, a missing or null field, a
+    value of another type, an integer out of range) sends the whole batch down the per-record
+    path, which decides each record as before: the result never depends on the path taken.
+    """
+    fast = _decode_all(msgs, schema)
+    if fast is not None:
+        return fast, pa.array([m.position for m in msgs], pa.int64()), 0
+    return _decode_each(msgs, schema, partition_id, dead)
+
+
+_EXACT_INT = {pa.float32(): float(2**24), pa.float64(): float(2**53)}  # integers up to this are floats exactly
+
+
+def _wide(kind: pa.DataType) -> pa.DataType:
+    """The type Arrow's JSON reader parses a column as: 64-bit, cast after (as Python's values are)."""
+    if pa.types.is_integer(kind):
+        return pa.int64()
+    return pa.float64() if pa.types.is_floating(kind) else kind
+
+
+def _decode_all(msgs: Sequence[Message], schema: pa.Schema) -> pa.RecordBatch | None:
+    """The records of ``msgs`` in one parse, or None where any record needs the per-record path."""
+    values = [m.value for m in msgs]
+    # one line, one non-blank record: Arrow skips blank lines, so rows could no longer be told apart
+    if not values or not all(values) or any(map(bytes.isspace, values)):
+        return None
+    data = b"\n".join(values)
+    wide = pa.schema([pa.field(f.name, _wide(f.type)) for f in schema])
+    try:
+        table = pa_json.read_json(
+            pa.BufferReader(data),
+            read_options=pa_json.ReadOptions(use_threads=False, block_size=len(data) + 1),
+            parse_options=pa_json.ParseOptions(explicit_schema=wide, unexpected_field_behavior="ignore"),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+    if table.num_rows != len(values) or any(c.null_count for c in table.columns):
+        return None  # a line held several records, or a field is missing (or null): decided one by one
+    for f in schema:
+        # Python takes an integer into a float column only where the float holds it exactly; the reader
+        # parses either as a float: magnitudes where the two could differ are decided one by one
+        exact = _EXACT_INT.get(f.type)
+        if exact is not None and pc.max(pc.abs(table.column(f.name))).as_py() >= exact:
+            return None
+    try:
+        return table.cast(schema).combine_chunks().to_batches()[0]  # safe casts: out of range raises
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+
+
+def _decode_each(
+    msgs: Sequence[Message], schema: pa.Schema, partition_id: str, dead: DeadLetters
+) -> tuple[pa.RecordBatch, pa.Array, int]:
     rows: list[dict[str, Any]] = []
     keep: list[Message] = []
     failed = 0
