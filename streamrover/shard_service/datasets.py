@@ -117,5 +117,6 @@ class DatasetOps(StreamOps):
         self.source_errors.pop(name, None)
         for staged in [k for k in self.staged_commits if k[0] == name]:
             del self.staged_commits[staged]
+        self.retired_staged = {k for k in self.retired_staged if k[0] != name}
         self.restore_revoked.difference_update(sids)
         return revoked, len(sids)

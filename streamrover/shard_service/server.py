@@ -26,7 +26,7 @@ from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.reported import ReportedMetrics
 from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions, status_of
-from streamrover.shard_service.staged_rpc import commit_staged
+from streamrover.shard_service.staged_rpc import commit_staged, delete_trained_files
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import (
@@ -369,7 +369,9 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
         with self.cond:
             committed = self.core.cut_commit(request.cut_id)
             self._commit_upstream()
-            return pb.CutCommitResponse(committed=convert.cursor_to_pb(committed))
+            trained = self.core.trained_staged_files()
+        delete_trained_files(trained)  # I/O outside the lock
+        return pb.CutCommitResponse(committed=convert.cursor_to_pb(committed))
 
     @_rpc
     def GetCursor(self, request: pb.GetCursorRequest, context: Any) -> pb.GetCursorResponse:

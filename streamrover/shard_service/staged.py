@@ -16,7 +16,7 @@ from streamrover.shard_service.api import FailedPreconditionError, InvalidArgume
 from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.planner import plan_epoch
 from streamrover.shard_service.streams import StreamOps
-from streamrover.sources.staged import STAGING_DIR, FileFacts, is_staged
+from streamrover.sources.staged import STAGING_DIR, FileFacts, in_staging, is_staged, retention
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,29 @@ class StagedOps(StreamOps):
             for f in files
         ]
         return staging, tuple(keep)
+
+    def trained_staged_files(self) -> dict[str, list[str]]:
+        """Per staging dir: committed files retention may delete now (see ``sr.staged_retention``).
+
+        A file qualifies when the limit offsets are committed upstream by (the committed cursor, no further
+        than the previous durable checkpoint's) covers every one of its rows. Each is returned once per master
+        run (:attr:`retired_staged`); one whose deletion failed is not retried before the master restarts.
+        """
+        out: dict[str, list[str]] = {}
+        for ds in self.datasets.values():
+            staging = ds.spec.options.get(STAGING_DIR, "")
+            if not staging or not is_staged(ds.spec.uri) or retention(ds.spec.options) != "delete":
+                continue
+            todo = [p for p in ds.partitions if (ds.name, p.id) not in self.retired_staged]
+            if not todo:
+                continue
+            done = self.committed_positions(ds)
+            for plan in todo:
+                if done.get(plan.id, 0) >= plan.end:
+                    self.retired_staged.add((ds.name, plan.id))
+                    if in_staging(staging, plan.id):
+                        out.setdefault(staging, []).append(plan.id)
+        return out
 
     def commit_staged(self, name: str, producer: str, part: str, epoch: int, files: list[FileFacts]) -> StagedOutcome:
         """Commit the checked ``files`` under the key, or answer that the key was committed before."""

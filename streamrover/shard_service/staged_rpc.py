@@ -12,7 +12,14 @@ from streamrover.shard_service.api import InvalidArgumentError
 from streamrover.shard_service.staged import StagedOutcome
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import SourceError
-from streamrover.sources.staged import FileFacts, delete_files, inspect_file, staging_garbage, validate_key_part
+from streamrover.sources.staged import (
+    FileFacts,
+    delete_files,
+    delete_trained,
+    inspect_file,
+    staging_garbage,
+    validate_key_part,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamrover.shard_service.server import ShardServicer
@@ -49,6 +56,17 @@ def collect_garbage(outcome: StagedOutcome, producer: str, part: str, epoch: int
     except OSError as exc:  # the commit stands; the next commit of this (producer, part) tries again
         log.warning("staging under %s/%s/%s not collected: %s", outcome.staging_dir, producer, part, exc)
         return 0
+
+
+def delete_trained_files(files: dict[str, list[str]]) -> int:
+    """Retention: delete trained committed files (``StagedOps.trained_staged_files``). Failures are logged."""
+    deleted = 0
+    for staging_dir, urls in files.items():
+        try:
+            deleted += delete_trained(staging_dir, urls)
+        except OSError as exc:  # the files stay; nothing depends on their deletion
+            log.warning("trained staged files under %s not deleted: %s", staging_dir, exc)
+    return deleted
 
 
 def commit_staged(self: ShardServicer, request: pb.CommitStagedRequest, context: Any) -> pb.CommitStagedResponse:

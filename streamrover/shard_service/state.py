@@ -155,6 +155,7 @@ class CoreState:
         self.skip_lost_once: set[str] = set()  # datasets resumed with skip_lost (memory only)
         # staged datasets (staged.py): (dataset, producer, part, epoch) -> (records, file URIs) of each commit
         self.staged_commits: dict[tuple[str, str, str, int], tuple[int, list[str]]] = {}
+        self.retired_staged: set[tuple[str, str]] = set()  # (dataset, file uri) handed to retention (staged.py)
         self.started = clock()
         self._lease_seq = int(journal.get_meta("lease_seq") or 0)
         self._cut_seq = int(journal.get_meta("cut_seq") or 0)

@@ -11,6 +11,12 @@ Options:
   the master deletes uncommitted staging there (see :func:`staging_garbage`).
 - ``sr.schema``: optional, the records' Arrow schema (:func:`encode_schema`); committed files must
   match it. Without it the first committed file fixes the schema.
+- ``sr.staged_retention``: ``delete`` (the default) or ``keep``. With ``delete`` the master deletes a
+  committed file under ``sr.staging_dir`` once every record of it is trained and held by two durable
+  checkpoints (the limit offsets are committed upstream by: a fallback from a corrupt newest checkpoint
+  to the one before never needs it), with the folders that emptied. A restore to an older cursor than
+  that then finds the file gone (as with a broker's retention); ``keep`` leaves every file to you.
+  Files outside ``sr.staging_dir`` are never deleted.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from streamrover.sources.api import (
 SCHEME = "staged"
 STAGING_DIR = "sr.staging_dir"
 SCHEMA = "sr.schema"
+RETENTION = "sr.staged_retention"
+RETENTIONS = ("delete", "keep")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _OPEN_FILES = 4  # parquet files a worker keeps open
 
@@ -117,6 +125,41 @@ def staging_garbage(staging_dir: str, producer: str, part: str, epoch: int, keep
     return [fs.unstrip_protocol(f) if hasattr(fs, "unstrip_protocol") else f for f in sorted(garbage)]
 
 
+def retention(options: Mapping[str, str]) -> str:
+    """The ``sr.staged_retention`` option (``delete`` by default); SourceError for another value."""
+    value = options.get(RETENTION, "delete")
+    if value not in RETENTIONS:
+        raise SourceError(f"option {RETENTION} must be delete or keep, not {value!r}")
+    return value
+
+
+def in_staging(staging_dir: str, uri: str) -> bool:
+    """Whether ``uri`` is a file under ``staging_dir`` (same filesystem; the files retention may delete)."""
+    fs, root = fsspec.core.url_to_fs(staging_dir)
+    try:
+        other, path = fsspec.core.url_to_fs(uri)
+    except (ValueError, ImportError):
+        return False
+    return type(other) is type(fs) and path.startswith(root.rstrip("/") + "/")
+
+
+def delete_trained(staging_dir: str, urls: Iterable[str]) -> int:
+    """Delete committed files under ``staging_dir`` and the folders they leave empty, up to
+    ``<staging_dir>/<producer>/<part>`` (kept). Missing files are skipped. Returns how many were deleted."""
+    fs, root = fsspec.core.url_to_fs(staging_dir)
+    root = root.rstrip("/")
+    deleted = delete_files(urls)
+    folders = {fsspec.core.url_to_fs(u)[1].rsplit("/", 1)[0] for u in urls}
+    for folder in sorted(folders, key=len, reverse=True):
+        while folder.startswith(root + "/") and folder[len(root) + 1 :].count("/") >= 2:
+            try:
+                fs.rmdir(folder)  # only when empty
+            except OSError:
+                break
+            folder = folder.rsplit("/", 1)[0]
+    return deleted
+
+
 def delete_files(urls: Iterable[str]) -> int:
     """Delete files (fsspec URLs); missing ones are skipped. Returns how many were deleted."""
     deleted = 0
@@ -143,6 +186,7 @@ class StagedSource(Source):
             raise SourceError(f"staged dataset {uri!r}: format must be parquet, got {format!r}")
         self.uri = uri
         self.options = dict(options or {})
+        retention(self.options)
         declared = self.options.get(SCHEMA)
         self._schema: pa.Schema | None = decode_schema(declared) if declared else None
         self._files: OrderedDict[str, pq.ParquetFile] = OrderedDict()

@@ -107,6 +107,37 @@ def test_uncommitted_staging_of_earlier_epochs_is_collected(client: ShardClient,
     assert Path(mine[0]).exists() and Path(later[0]).exists(), "earlier commits' files are kept"
 
 
+def test_trained_files_are_deleted_once_no_restore_can_need_them(client: ShardClient, staging: Path) -> None:
+    a = stage(staging / "job" / "0" / "1" / "a.parquet", range(0, 20))
+    b = stage(staging / "job" / "1" / "1" / "b.parquet", range(20, 30))
+    client.commit_staged("clicks", "job", "0", 1, [a])
+    client.commit_staged("clicks", "job", "1", 1, [b])
+    _, leased = client.lease("clicks", max_shards=4, wait=0)
+    for shard in leased:
+        if shard.lease.partition.id == a[0]:  # b's shard stays leased, not acked
+            list(shard.batches())
+            shard.ack(wait=True)
+    client.commit_cut(client.prepare_cut()[0])
+    assert Path(a[0]).exists(), "one durable checkpoint holds a: a fallback to the one before it needs a"
+    client.commit_cut(client.prepare_cut()[0])
+    assert not Path(a[0]).exists(), "two durable checkpoints hold every record of a: no restore needs it"
+    assert not (staging / "job" / "0" / "1").exists(), "its emptied epoch folder goes with it"
+    assert Path(b[0]).exists(), "b is not trained"
+    assert info(client).records_committed == 20
+
+    keep = {"sr.staging_dir": str(staging), "sr.schema": encode_schema(SCHEMA), "sr.staged_retention": "keep"}
+    client.register_dataset(DatasetSpec("kept", "staged://kept", "parquet", keep, records_per_shard=10))
+    k = stage(staging / "kq" / "driver" / "0" / "k.parquet", range(0, 10))
+    client.commit_staged("kept", "kq", "driver", 0, [k])
+    assert sorted(read_all(client, "kept")) == list(range(10))
+    client.commit_cut(client.prepare_cut()[0])
+    client.commit_cut(client.prepare_cut()[0])
+    assert Path(k[0]).exists(), "sr.staged_retention=keep keeps trained files"
+    bad = dict(keep, **{"sr.staged_retention": "forever"})
+    with pytest.raises(InvalidArgumentError, match="sr.staged_retention must be delete or keep, not 'forever'"):
+        client.register_dataset(DatasetSpec("bad", "staged://bad", "parquet", bad))
+
+
 def test_bad_commits_get_precise_statuses_and_change_nothing(
     tmp_path: Path, client: ShardClient, staging: Path, master: MasterProcess
 ) -> None:
