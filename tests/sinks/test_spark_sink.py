@@ -78,6 +78,7 @@ def test_spark_query_trains_exactly_once_across_driver_kills(tmp_path: Path, kaf
             assert info.total_records == RECORDS and info.records_committed == RECORDS and info.lag == 0
             committed = {p.id for p in info.partitions}
         staged = {str(p) for p in (tmp_path / "staging").rglob("*.parquet")}
-        assert staged == committed, f"uncommitted staging left: {sorted(staged - committed)[:5]}"
+        assert staged <= committed, f"uncommitted staging left: {sorted(staged - committed)[:5]}"
+        # committed files are deleted once two durable checkpoints hold them (sr.staged_retention, test_staged.py)
     finally:
         job.stop()
