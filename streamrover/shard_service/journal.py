@@ -146,7 +146,9 @@ class Journal:
 
     # -- datasets ------------------------------------------------------------
     def put_dataset(self, ds: DatasetRecord) -> None:
-        parts = json.dumps([[p.index, p.id, p.start, p.end] for p in ds.partitions])
+        floors = {i: runs.floor for i, runs in ds.runs.items() if runs.floor is not None}
+        parts = json.dumps([[p.index, p.id, p.start, p.end, *([floors[p.index]] if p.index in floors else [])]
+                            for p in ds.partitions])  # fmt: skip
         for pindex, runs in sorted(ds.runs.items()):  # sparse partitions: the runs changed since the last write
             changed = runs.take_changed()
             if changed is not None:
@@ -174,9 +176,12 @@ class Journal:
         out = []
         rows = self._db.execute("SELECT * FROM datasets ORDER BY name")
         for _name, spec, kind, parts, schema, epochs, dead, failed in rows:
-            partitions = [PartitionPlan(int(i), str(pid), int(s), int(e)) for i, pid, s, e, *_ in json.loads(parts)]
+            rows = json.loads(parts)  # [index, id, start, end] and the runs' floor of a compacted sparse partition
+            partitions = [PartitionPlan(int(i), str(pid), int(s), int(e)) for i, pid, s, e, *_ in rows]
             record = DatasetRecord(DatasetSpec.from_json(spec), SourceKind(kind), partitions, schema, int(epochs))
             record.runs = self._load_runs(record.name)
+            for i, *_, floor in (row for row in rows if len(row) > 4):
+                record.runs.setdefault(int(i), RecordRuns()).floor = int(floor)
             record.dead_letters, record.failed = int(dead), str(failed)
             out.append(record)
         return out

@@ -83,6 +83,7 @@ class StreamOps(UpstreamOps):
                 # (the source reports its newest run at every poll, after a master restart too).
                 if seen.add(p.segments) and len(seen) != before:
                     changed = True
+        changed = self._compact_runs(ds) or changed
         pending = self.state_counts[name][ShardState.TODO]
         planned: list[PlannedShard] = []
         for plan in list(ds.partitions):
@@ -111,6 +112,24 @@ class StreamOps(UpstreamOps):
                 self.journal.put_dataset(ds)
                 self._save_counters()
         return len(planned)
+
+    def _compact_runs(self, ds: DatasetRecord) -> bool:
+        """Fold the runs of sparse partitions below what is committed upstream (one run per ledger is unbounded).
+
+        Below that position nothing is planned, read or restored again (a restore never goes behind the
+        broker's commit) and no count looks there but the whole prefix's, which folding keeps exact;
+        positions accounted as lost keep their runs. Returns whether any partition's runs changed.
+        """
+        if not any(len(runs) > 2 for runs in ds.runs.values()):
+            return False
+        upto = self.committed_positions(ds)
+        lost_from = {k.partition: ivs.to_list()[0][0] for k, ivs in self.lost.only(ds.name).lost_items() if ivs}
+        changed = False
+        for plan in ds.partitions:
+            runs = ds.runs.get(plan.index)
+            if runs is not None and len(runs) > 2:
+                changed = runs.compact(min(upto[plan.id], lost_from.get(plan.id, upto[plan.id]))) or changed
+        return changed
 
     def fail_dataset(self, name: str, reason: str) -> None:
         """The dataset cannot go on (its topic was deleted...): refuse leases with ``reason`` from now on."""

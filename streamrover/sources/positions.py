@@ -11,6 +11,11 @@ needs to size shards, re-plan after a restore and report counts and lag in recor
 Runs are a description, never a boundary: a shard always covers every position of its range, so a
 run the master never learned (a ledger that came and went between two polls) only makes a shard
 hold more records than planned and a count low; it never loses a record.
+
+One run per ledger grows without bound, so the master folds the runs below what it has committed
+upstream (:meth:`RecordRuns.compact`): they become one run of as many records from the first
+run's start, so every rank from that position on is unchanged; runs reported below it later are
+ignored.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from collections.abc import Iterable, Iterator
 class RecordRuns:
     """The runs of positions that hold records, merged (a union: a run learned once is kept)."""
 
-    def __init__(self, runs: Iterable[tuple[int, int]] = ()) -> None:
+    def __init__(self, runs: Iterable[tuple[int, int]] = (), floor: int | None = None) -> None:
+        #: Runs below it were folded by :meth:`compact`: what is reported below it is ignored (None: nothing was).
+        self.floor = floor
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._before: list[int] = []  # records in the runs before run i
@@ -32,8 +39,27 @@ class RecordRuns:
         self.add(runs)
 
     def add(self, runs: Iterable[tuple[int, int]]) -> bool:
-        """Merge ``runs`` in. Returns whether anything changed."""
-        merged = sorted([*zip(self._starts, self._ends), *((a, b) for a, b in runs if a < b)])
+        """Merge ``runs`` in (clipped to :attr:`floor`). Returns whether anything changed."""
+        low = self.floor if self.floor is not None else -(1 << 63)
+        merged = sorted([*zip(self._starts, self._ends), *((max(a, low), b) for a, b in runs if max(a, low) < b)])
+        return self._set(merged)
+
+    def compact(self, position: int) -> bool:
+        """Fold the runs below ``position`` into one run of their ``n`` records from the first run's start.
+
+        Ranks at and above ``position`` stay the same, as does every count of a range that starts at or
+        before the first run (the partition's start) or at or after ``position``. Done when at least two
+        runs start below ``position`` (else nothing would shrink); sets :attr:`floor`. Returns whether
+        anything changed.
+        """
+        if bisect.bisect_left(self._starts, position) < 2:
+            return False
+        first, n = self._starts[0], self.rank(position)
+        kept = [(max(a, position), b) for a, b in self if b > position]
+        self.floor = position
+        return self._set([(first, first + n), *kept])
+
+    def _set(self, merged: list[tuple[int, int]]) -> bool:
         starts: list[int] = []
         ends: list[int] = []
         for a, b in merged:

@@ -328,6 +328,7 @@ class PulsarSource(Source):
             consumer = self._consumer("" if self.mode == "routed" else self._full(pid))
             mid = self._message_id(pid, self.codec.encode(ledger, entry - 1))
             self._call(f"acknowledging {pid} up to {pos}", consumer.acknowledge_cumulative, mid)
+            self._ledgers.forget_before(pid, ledger)  # the master folded the runs below (RecordRuns.compact)
             self._acked[pid] = pos
 
     def schema(self) -> pa.Schema:

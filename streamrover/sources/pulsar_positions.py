@@ -1,7 +1,8 @@
 """Pulsar positions: message ids as int64 positions, and which ledgers' entries a partition holds.
 
 :class:`PositionCodec` maps (ledger id, entry id) to a position (the position model in
-sources/pulsar.py). :class:`LedgerRuns` keeps the runs the master reports (sources/positions.py).
+sources/pulsar.py). :class:`LedgerRuns` keeps the runs the master reports (sources/positions.py),
+from the committed ledger on.
 A partition's managed ledger is a sequence of BookKeeper ledgers with increasing, not consecutive,
 ids (ledger ids are global to the cluster: other topics' ledgers come between); the entries of one
 ledger are dense from 0. Each ledger seen is one run ``[ledger << bits | first, ledger << bits | last + 1)``.
@@ -27,6 +28,12 @@ class LedgerRuns:
             self._seen[pid][ledger] = [first, last]
         else:
             known[0], known[1] = min(known[0], first), max(known[1], last)
+
+    def forget_before(self, pid: str, ledger: int) -> None:
+        """Forget the ledgers before ``ledger``: committed, the master folded their runs (else one per ledger stays)."""
+        ledgers = self._seen.get(pid, {})
+        for old in [lg for lg in ledgers if lg < ledger]:
+            del ledgers[old]
 
     def newest(self, pid: str) -> tuple[int, int] | None:
         """(ledger id, last entry seen) of the newest ledger seen, or None."""

@@ -6,6 +6,8 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from streamrover.shard_service import ShardClient
 from streamrover.shard_service import state as core_state
@@ -13,6 +15,7 @@ from streamrover.shard_service.api import DatasetSpec
 from streamrover.shard_service.core import ShardCore
 from streamrover.shard_service.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
+from streamrover.sources.positions import RecordRuns
 from streamrover.testing.procs import MasterProcess
 
 
@@ -84,3 +87,55 @@ def test_deleted_kv_keys_leave_no_rows_and_versions_are_never_reused(master: Mas
     assert ok and reborn > first, "a key created again must not reuse an old version (a stale CAS would win)"
     assert client.kv_set("again", b"stale", first)[0] is False
     client.close()
+
+
+def test_a_sparse_partitions_runs_stay_bounded_once_committed(tmp_path: Path) -> None:
+    """One run per Pulsar ledger: the runs below the committed positions are folded, counts stay exact."""
+    bits, per_ledger, ledgers = 16, 10, 60
+    spec = DatasetSpec("p", "pulsar://x/t", options={"sr.max_delay_ms": "0"}, records_per_shard=per_ledger)
+    clock = Clock()
+    core = ShardCore(Journal(tmp_path / "j.db"), lease_ttl=60.0, clock=clock)
+    start = 1 << bits
+    core.register_dataset(spec, SourceKind.STREAM, [Partition("t", start, start)], "[]")
+    w = core.join("w").id
+    seen: list[tuple[int, int]] = []
+    for ledger in range(1, ledgers + 1):  # a rollover every poll; the source reports every ledger it saw
+        seen.append((ledger << bits, ledger << bits | per_ledger))
+        core.extend_stream("p", [Partition("t", start, seen[-1][1], segments=tuple(seen))], force=True)
+        for grant in core.lease(w, "p", 16).leases:
+            core.ack(w, grant.shard_id, grant.attempt, grant.end)
+        core.cut_commit(core.cut_prepare().id)  # upstream commits lag one checkpoint
+    ds = core.datasets["p"]
+    total = ledgers * per_ledger
+    assert len(ds.runs[0]) <= 4, f"{len(ds.runs[0])} runs kept for {ledgers} ledgers, all committed"
+    counts = core.counts(ds)
+    assert (counts.records_acked, counts.records_committed, core.lag(ds)[0][2]) == (total, total, 0)
+    assert core.planned_records(ds) == total
+    core.journal.close()
+
+    again = ShardCore(Journal(tmp_path / "j.db"), lease_ttl=60.0, clock=clock)  # a restarted master
+    ds = again.datasets["p"]
+    rows = again.journal._db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+    assert rows <= 4 and len(ds.runs[0]) <= 4, f"{rows} rows of runs journalled"
+    # a restarted source reports the first ledger's first entry again (and everything it walks): ignored
+    newest = seen[-1][1]
+    again.extend_stream("p", [Partition("t", start, newest, segments=((start, start + 1), *seen[-2:]))])
+    assert again.planned_records(ds) == total and again.counts(ds).records_committed == total
+    seen.append(((ledgers + 1) << bits, (ledgers + 1) << bits | 5))  # records still arrive, counted as records
+    again.extend_stream("p", [Partition("t", start, seen[-1][1], segments=tuple(seen))], force=True)
+    assert again.lag(ds)[0][2] == 5 and again.planned_records(ds) == total + 5
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 20)), max_size=8), st.integers(0, 330))
+def test_folded_runs_keep_every_rank_from_the_floor_and_ignore_what_is_reported_below(
+    raw: list[tuple[int, int]], floor: int
+) -> None:
+    runs = RecordRuns((s, s + n) for s, n in raw)
+    before = RecordRuns(list(runs))
+    runs.compact(floor)
+    assert sum(1 for a, _ in runs if a < floor) <= 1  # folded into one
+    runs.add((s, s + n) for s, n in raw)  # reported again (a restarted source): nothing below the floor comes back
+    first = next(iter(before), (0, 0))[0]
+    for x in range(floor, 340):
+        assert runs.rank(x) == before.rank(x) and runs.count(first, x) == before.count(first, x)
+

@@ -130,6 +130,8 @@ def test_a_restarted_masters_source_learns_ledgers_from_the_committed_point(stan
         assert len(runs) == 20 and sum(b - a for a, b in runs) == 20 * ENTRIES_PER_LEDGER
         committed = runs[12][0] + 10  # inside the 13th ledger
         first.commit({part.id: committed})
+        [part] = first.poll()  # the committed ledgers are forgotten (one run per ledger would grow without bound)
+        assert list(part.segments or ()) == runs[12:], f"{len(part.segments or ())} runs still reported"
     finally:
         first.close()
     again = PulsarSource(uri, "", opts)
