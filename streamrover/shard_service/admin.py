@@ -125,5 +125,10 @@ class AdminClient:
         resp = self._call(self._stub.KvSet, request)
         return resp.ok, resp.value, resp.version
 
+    def kv_delete_range(self, key: str, range_end: str) -> int:
+        """Remove every key ``k`` with ``key <= k < range_end``, whatever its version; returns how many."""
+        resp = self._call(self._stub.KvDeleteRange, pb.KvDeleteRangeRequest(key=key, range_end=range_end))
+        return int(resp.deleted)
+
 
 __all__ = ["AdminClient"]

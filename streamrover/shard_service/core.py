@@ -440,3 +440,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
     def kv_delete(self, key: str, expected_version: int) -> tuple[bool, bytes, int]:
         """Compare-and-delete (:meth:`KvStore.delete`)."""
         return self.kv.delete(key, expected_version)
+
+    def kv_delete_range(self, key: str, range_end: str) -> int:
+        """Remove the keys in ``[key, range_end)`` (:meth:`KvStore.delete_range`)."""
+        return self.kv.delete_range(key, range_end)

@@ -313,6 +313,14 @@ class Journal:
     def kv_delete(self, key: str) -> None:
         self._db.execute("DELETE FROM kv WHERE key = ?", (key,))
 
+    def kv_delete_range(self, key: str, range_end: str) -> tuple[int, int]:
+        """Delete the keys in ``[key, range_end)``: (how many, the highest version among them; 0 if none)."""
+        found = self._db.execute("SELECT COUNT(*), MAX(version) FROM kv WHERE key >= ? AND key < ?",
+                                 (key, range_end)).fetchone()  # fmt: skip
+        if found[0]:
+            self._db.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (key, range_end))
+        return int(found[0]), int(found[1] or 0)
+
     def kv_scan(self, prefix: str) -> list[tuple[str, bytes]]:
         """The keys that start with ``prefix`` and their values, in key order."""
         rows = self._db.execute("SELECT key, value FROM kv WHERE substr(key, 1, ?) = ? ORDER BY key",

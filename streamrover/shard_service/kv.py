@@ -42,6 +42,22 @@ class KvStore:
             self.journal.kv_put(key, value, new)
         return True, value, new
 
+    def delete_range(self, key: str, range_end: str) -> int:
+        """Remove every key in ``[key, range_end)``, whatever its version. Returns how many were removed.
+
+        :class:`InvalidArgumentError` unless ``key < range_end``. Versions are never reused, as for :meth:`delete`.
+        """
+        if not key or not range_end > key:
+            raise InvalidArgumentError(
+                f"a key range needs a key and a range end above it, got [{key!r}, {range_end!r})"
+            )
+        with self.journal.transaction():
+            deleted, highest = self.journal.kv_delete_range(key, range_end)
+            if deleted:
+                floor = int(self.journal.get_meta("kv_version_floor") or 0)
+                self.journal.put_meta("kv_version_floor", str(max(floor, highest)))
+        return deleted
+
     def delete(self, key: str, expected_version: int) -> tuple[bool, bytes, int]:
         """Compare-and-delete: remove the key if it is at ``expected_version``; no row (tombstone) stays.
 

@@ -86,6 +86,11 @@ class _KvMethods:
                 ok, value, version = self.core.kv_set(request.key, request.value, request.expected_version)
         return pb.KvSetResponse(ok=ok, value=value, version=version)
 
+    @_rpc
+    def KvDeleteRange(self, request: pb.KvDeleteRangeRequest, context: Any) -> pb.KvDeleteRangeResponse:
+        with self.cond:
+            return pb.KvDeleteRangeResponse(deleted=self.core.kv_delete_range(request.key, request.range_end))
+
 
 class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     """Serialises every call on one condition variable around the :class:`ShardCore`."""

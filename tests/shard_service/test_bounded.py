@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamrover.shard_service import ShardClient
+from streamrover.shard_service import InvalidArgumentError, ShardClient
 from streamrover.shard_service import state as core_state
 from streamrover.shard_service.api import DatasetSpec
 from streamrover.shard_service.core import ShardCore
@@ -139,3 +139,30 @@ def test_folded_runs_keep_every_rank_from_the_floor_and_ignore_what_is_reported_
     for x in range(floor, 340):
         assert runs.rank(x) == before.rank(x) and runs.count(first, x) == before.count(first, x)
 
+
+def test_rendezvous_rounds_leave_the_keys_of_two_rounds_at_most(master: MasterProcess) -> None:
+    """torch's dynamic rendezvous prefixes every round's store keys with the round: done rounds are removed."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from streamrover.trainers.torch.rendezvous import create_rdzv_handler
+
+    handler = create_rdzv_handler(RendezvousParameters("streamrover", master.address, "job", 1, 1, token=master.token))
+    for round_ in range(12):  # an agent's restarts: each one a new round, its ranks assigned through the store
+        store = handler.next_rendezvous().store
+        store.set("torchelastic/role_info/0", f"role-{round_}")
+        store.multi_set(["torchelastic/assigned_ranks/0"], [f"[{round_}, 1, 0, 1]"])
+        assert store.get("torchelastic/assigned_ranks/0") == f"[{round_}, 1, 0, 1]".encode()
+    db = sqlite3.connect(f"file:{master.state_dir / 'journal.db'}?mode=ro", uri=True)
+    keys = [k for (k,) in db.execute("SELECT key FROM kv WHERE key LIKE 'rdzv/job/store/%' ORDER BY key")]
+    db.close()
+    assert len(keys) <= 6, f"{len(keys)} rendezvous store keys kept after 12 rounds: {keys}"
+    assert store.get("torchelastic/role_info/0") == b"role-11"  # the current round's keys are all there
+
+    client = ShardClient(master.address, token=master.token, heartbeat=False)
+    _, _, first = client.kv_set("r/a", b"1", 0)
+    with pytest.raises(InvalidArgumentError, match="range end above it"):
+        client.kv_delete_range("r/b", "r/a")
+    assert client.kv_delete_range("r/", "r0") == 1 and client.kv_get("r/a") is None
+    ok, _, reborn = client.kv_set("r/a", b"2", 0)
+    assert ok and reborn > first, "a key removed by a range delete must not see its version reused"
+    client.close()

@@ -1307,6 +1307,45 @@ class KvSetResponse(google.protobuf.message.Message):
 global___KvSetResponse = KvSetResponse
 
 @typing.final
+class KvDeleteRangeRequest(google.protobuf.message.Message):
+    """Remove every key k with key <= k < range_end (etcd's DeleteRange), whatever its version: a
+    rendezvous removes the keys of its done rounds. A key created again later gets a version above
+    every version a removed key had.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: builtins.int
+    RANGE_END_FIELD_NUMBER: builtins.int
+    key: builtins.str
+    range_end: builtins.str
+    """must be above key"""
+    def __init__(
+        self,
+        *,
+        key: builtins.str = ...,
+        range_end: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["key", b"key", "range_end", b"range_end"]) -> None: ...
+
+global___KvDeleteRangeRequest = KvDeleteRangeRequest
+
+@typing.final
+class KvDeleteRangeResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: builtins.int
+    deleted: builtins.int
+    def __init__(
+        self,
+        *,
+        deleted: builtins.int = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["deleted", b"deleted"]) -> None: ...
+
+global___KvDeleteRangeResponse = KvDeleteRangeResponse
+
+@typing.final
 class StagedFile(google.protobuf.message.Message):
     """--------------------------------------------------------- staged datasets (sinks)
     A staged dataset is fed by a stream engine's sink (Flink, Spark) instead of read from a broker:

@@ -129,6 +129,11 @@ class ShardServiceStub(object):
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetRequest.SerializeToString,
                 response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetResponse.FromString,
                 _registered_method=True)
+        self.KvDeleteRange = channel.unary_unary(
+                '/streamrover.v1.ShardService/KvDeleteRange',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvDeleteRangeRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvDeleteRangeResponse.FromString,
+                _registered_method=True)
         self.CommitStaged = channel.unary_unary(
                 '/streamrover.v1.ShardService/CommitStaged',
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.SerializeToString,
@@ -258,6 +263,12 @@ class ShardServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvDeleteRange(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CommitStaged(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -367,6 +378,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.KvSet,
                     request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetRequest.FromString,
                     response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetResponse.SerializeToString,
+            ),
+            'KvDeleteRange': grpc.unary_unary_rpc_method_handler(
+                    servicer.KvDeleteRange,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvDeleteRangeRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvDeleteRangeResponse.SerializeToString,
             ),
             'CommitStaged': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitStaged,
@@ -892,6 +908,33 @@ class ShardService(object):
             '/streamrover.v1.ShardService/KvSet',
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetRequest.SerializeToString,
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvSetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvDeleteRange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrover.v1.ShardService/KvDeleteRange',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvDeleteRangeRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvDeleteRangeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -125,6 +125,11 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.KvSetResponse,
     ]
 
+    KvDeleteRange: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.KvDeleteRangeRequest,
+        streamrover.shard_service.v1.shard_service_pb2.KvDeleteRangeResponse,
+    ]
+
     CommitStaged: grpc.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.CommitStagedRequest,
         streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse,
@@ -229,6 +234,11 @@ class ShardServiceAsyncStub:
     KvSet: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.KvSetRequest,
         streamrover.shard_service.v1.shard_service_pb2.KvSetResponse,
+    ]
+
+    KvDeleteRange: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.KvDeleteRangeRequest,
+        streamrover.shard_service.v1.shard_service_pb2.KvDeleteRangeResponse,
     ]
 
     CommitStaged: grpc.aio.UnaryUnaryMultiCallable[
@@ -374,6 +384,13 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.KvSetRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.KvSetResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.KvSetResponse]]: ...
+
+    @abc.abstractmethod
+    def KvDeleteRange(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.KvDeleteRangeRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.KvDeleteRangeResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.KvDeleteRangeResponse]]: ...
 
     @abc.abstractmethod
     def CommitStaged(

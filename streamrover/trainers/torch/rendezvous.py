@@ -16,6 +16,7 @@ rank 0's worker hosts a TCPStore each round), so no agent's death leaves a stale
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from datetime import timedelta
@@ -37,6 +38,7 @@ from streamrover.trainers.torch import env
 BACKEND_NAME = "streamrover"
 _PRESENT = b"\x01"
 _DELETED = b"\x00"  # how older builds marked a deleted key (read as absent)
+_ROUND_KEY = re.compile(r"torch\.rendezvous\.[^/]*\.(?P<round>\d+)/(?P<rest>.*)", re.DOTALL)  # dynamic_rendezvous
 
 
 def _kv_error(exc: ShardServiceError) -> RendezvousConnectionError:
@@ -80,6 +82,12 @@ class MasterStore(Store):
 
     Blocking reads (``get``, ``wait``) poll with backoff up to ``timeout``: the KV store
     has no watches, and agents read a handful of keys per rendezvous round.
+
+    The dynamic rendezvous prefixes each round's keys (``torch.rendezvous.RUN.ROUND/...``, a
+    ``PrefixStore``), and its c10d stores live as long as their server; this store is durable, so it
+    keeps them under ``PREFIX/round/ROUND`` (the round zero-padded: rounds sort as numbers) and, when
+    an agent first uses round R, removes the keys of the rounds before R - 1 in one range delete
+    (the previous round stays for an agent still reading its ranks). At most two rounds' keys remain.
     """
 
     def __init__(self, client: ShardClient, prefix: str, timeout: timedelta = timedelta(seconds=300)) -> None:
@@ -88,9 +96,22 @@ class MasterStore(Store):
         self._prefix = prefix
         self._timeout = timeout
         self._wake = threading.Event()  # never set: a timed wait between polls that a test can't mistake for sync
+        self._round = -1  # the newest rendezvous round this store has used
 
     def _key(self, key: str) -> str:
-        return f"{self._prefix}/{key}"
+        found = _ROUND_KEY.match(key)
+        if found is None:
+            return f"{self._prefix}/{key}"
+        round_ = int(found["round"])
+        if round_ > self._round:
+            self._round = round_
+            if round_ >= 2:
+                rounds = f"{self._prefix}/round/"
+                try:
+                    self._client.kv_delete_range(rounds, f"{rounds}{round_ - 1:012d}")
+                except ShardServiceError as exc:
+                    raise _kv_error(exc) from exc
+        return f"{self._prefix}/round/{round_:012d}/{found['rest']}"
 
     def _read(self, key: str) -> tuple[bytes | None, int]:
         try:
