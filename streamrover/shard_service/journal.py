@@ -11,6 +11,14 @@ operating system before the RPC answers, which survives the master process
 being killed at any point (SIGKILL); an operating-system crash or power loss
 may lose the last transactions. ``durability="fsync"`` (``synchronous=FULL``)
 survives those too, at the cost of an fsync per state change.
+
+Group commit (``group_commit = True``, set by the master's :class:`~.group_commit.CommitLock`):
+a transaction that ends while others are about to start is not committed on its own. It stays
+in the open SQLite transaction (as a savepoint, so that a failing one rolls back only its own
+writes), and the group's last transaction commits them all with one COMMIT (one write to the
+WAL; one fsync with ``durability="fsync"``). ``written`` counts the transactions ended,
+``durable`` those committed: an answer built from the state after transaction ``n`` may leave
+only once ``durable >= n`` (the lock waits for that).
 """
 
 from __future__ import annotations
@@ -85,6 +93,11 @@ class Journal:
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
         self._depth = 0
+        self.group_commit = False  # True: an ended transaction waits in the open group for commit()
+        self._group_open = False  # an SQLite transaction holds ended, not yet committed transactions
+        self.written = 0  # transactions ended (committed, or waiting in the open group)
+        self.durable = 0  # transactions committed
+        self.commits = 0  # COMMITs made (with group commit, fewer than transactions)
         self._meta: dict[str, str] = {}  # meta values as written (a lease rewrites five counters, mostly unchanged)
         self.failed = ""  # why a write failed (then every later transaction is refused)
         version = self.get_meta("schema_version")
@@ -94,11 +107,17 @@ class Journal:
             raise JournalError(f"journal {self.path} has schema version {version}; this build reads {SCHEMA_VERSION}")
 
     def close(self) -> None:
+        if self._group_open and not self.failed:
+            self.commit()
         self._db.close()
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """One atomic unit: everything written inside is committed together, or not at all."""
+        """One atomic unit: everything written inside is committed together, or not at all.
+
+        With ``group_commit`` it is committed by :meth:`commit` (with the transactions around it),
+        not when it ends: nothing built from its state may be answered before ``durable`` reaches it.
+        """
         if self._depth:
             self._depth += 1
             try:
@@ -109,20 +128,61 @@ class Journal:
         if self.failed:
             raise JournalWriteError(self.failed)
         self._depth = 1
+        in_group = self._group_open  # earlier transactions wait in the open one: this one is a savepoint in it
         try:
-            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("SAVEPOINT tx" if in_group else "BEGIN IMMEDIATE")
             try:
                 yield
             except BaseException:
-                self._rollback()
+                self._undo(in_group)
                 raise
-            self._db.execute("COMMIT")
+            if in_group:
+                self._db.execute("RELEASE tx")
+            elif self.group_commit:
+                self._group_open = True
+            else:
+                self._db.execute("COMMIT")
+                self.commits += 1
+                self.durable = self.written + 1
+            self.written += 1
         except (sqlite3.Error, OSError) as exc:  # a write failed (an OSError from below SQLite, e.g. a VFS, too)
-            self._rollback()
-            self.failed = f"journal {self.path} write failed: {exc}"
-            raise JournalWriteError(self.failed) from exc
+            self._fail(exc)
         finally:
             self._depth = 0
+
+    def commit(self) -> None:
+        """Commit the open group (group commit): every transaction ended so far becomes durable at once."""
+        if not self._group_open:
+            return
+        self._group_open = False
+        try:
+            self._db.execute("COMMIT")
+        except (sqlite3.Error, OSError) as exc:
+            self._fail(exc)
+        self.commits += 1
+        self.durable = self.written
+
+    def _fail(self, exc: BaseException) -> None:
+        """A write failed: roll back what is not committed (the whole open group), refuse every later write."""
+        self._group_open = False
+        self._rollback()
+        self.failed = f"journal {self.path} write failed: {exc}"
+        raise JournalWriteError(self.failed) from exc
+
+    def _undo(self, in_group: bool) -> None:
+        """A transaction raised: roll back its own writes (only the savepoint when earlier ones share the group)."""
+        if not in_group:
+            self._group_open = False
+            self._rollback()
+            return
+        self._meta.clear()
+        try:
+            self._db.execute("ROLLBACK TO tx")
+            self._db.execute("RELEASE tx")
+        except sqlite3.Error as exc:  # SQLite rolled the whole transaction back by itself: the group is lost
+            self._group_open = False
+            self._rollback()
+            self.failed = f"journal {self.path} lost the transactions waiting for their commit: {exc}"
 
     def _rollback(self) -> None:
         self._meta.clear()  # what the rolled back transaction wrote is gone

@@ -22,6 +22,7 @@ from streamrover.shard_service.api import (
 )
 from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.core import AckItem, ShardCore
+from streamrover.shard_service.group_commit import CommitLock
 from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.reported import ReportedMetrics
@@ -67,7 +68,7 @@ class _KvMethods:
     """The key-value RPCs (coordination state such as rendezvous)."""
 
     core: ShardCore
-    cond: threading.Condition
+    cond: CommitLock
 
     @_rpc
     def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
@@ -100,7 +101,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     ) -> None:
         self.core = core
         self.sessions = WorkerSessions(self, max_sessions)
-        self.cond = threading.Condition()
+        self.cond = CommitLock(core.journal)  # one lock around the core; journal commits grouped (.group_commit)
         self.reported = ReportedMetrics()  # what trainers report (loss, AUC...): in memory, not journalled
         self.fatal = ""  # why the service stopped answering (a journal write failed)
         self._on_fatal = on_fatal
@@ -150,17 +151,16 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     def _reap(self) -> None:
         """Expire leases and dead workers at their deadlines, and wake waiting lease calls."""
-        with self.cond:
-            while not self._closed:
-                deadline = self.core.next_deadline()
-                timeout = None if deadline is None else max(deadline - self.core.clock(), 0.0) + 0.01
-                self.cond.wait(timeout)
-                try:
+        try:
+            with self.cond:
+                while not self._closed:
+                    deadline = self.core.next_deadline()
+                    timeout = None if deadline is None else max(deadline - self.core.clock(), 0.0) + 0.01
+                    self.cond.wait(timeout)  # (it commits the open group first: a commit can fail here)
                     if not self._closed and self.core.expire():
                         self.cond.notify_all()
-                except JournalWriteError as exc:
-                    self.fail_stop(str(exc))
-                    return
+        except JournalWriteError as exc:
+            self.fail_stop(str(exc))
 
     # ----------------------------------------------------------------- datasets
     def _info(self, ds: DatasetRecord) -> pb.DatasetInfo:

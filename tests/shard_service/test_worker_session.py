@@ -76,16 +76,23 @@ def test_a_session_worker_is_fenced_exactly_as_a_unary_one(tmp_path: Path, maste
 
 def test_master_sigkill_mid_stream_loses_no_answered_ack(tmp_path: Path) -> None:
     with MasterProcess(tmp_path / "master", lease_ttl=30.0) as master:  # no lease expires while the master restarts
-        _stream_through_a_master_kill(tmp_path, master)
+        _stream_through_a_master_kill(tmp_path, master, workers=1)
 
 
-def _stream_through_a_master_kill(tmp_path: Path, master: MasterProcess) -> None:
-    with _client(master, session=True, heartbeat=True) as client:
-        dataset = register_rows(tmp_path, client, records_per_shard=10)  # 100 shards of 10 rows
+def test_master_sigkill_under_concurrent_acks_loses_no_answered_ack(tmp_path: Path) -> None:
+    """Four workers ack at once: their acks share group commits (journal.py), and still none answered is lost."""
+    with MasterProcess(tmp_path / "master", lease_ttl=30.0) as master:
+        _stream_through_a_master_kill(tmp_path, master, workers=4)
+
+
+def _stream_through_a_master_kill(tmp_path: Path, master: MasterProcess, workers: int) -> None:
+    clients = [_client(master, session=True, heartbeat=True) for _ in range(workers)]
+    try:
+        dataset = register_rows(tmp_path, clients[0], records_per_shard=10)  # 100 shards of 10 rows
         answered: list[tuple[int, int]] = []  # (start, end) of every shard whose finishing ack was answered
         errors: list[BaseException] = []
 
-        def work() -> None:
+        def work(client: ShardClient) -> None:
             try:
                 for shard in client.shards(dataset, prefetch=1):
                     result = shard.ack(shard.lease.end, wait=True)
@@ -94,19 +101,24 @@ def _stream_through_a_master_kill(tmp_path: Path, master: MasterProcess) -> None
             except BaseException as exc:  # reported by the test thread
                 errors.append(exc)
 
-        worker = threading.Thread(target=work, name="session-worker")
-        worker.start()
+        threads = [threading.Thread(target=work, args=(c,), name=f"session-worker-{i}") for i, c in enumerate(clients)]
+        for t in threads:
+            t.start()
         wait_until(lambda: len(answered) >= 30 or bool(errors), 60, "30 shards acked over the stream")
-        master.kill()  # SIGKILL while the worker streams acks
+        master.kill()  # SIGKILL while the workers stream acks
         before_kill = list(answered)
-        master.start()  # same state dir and port: the stream reconnects and the worker goes on
-        worker.join(timeout=120)
-        assert not worker.is_alive(), "the worker did not finish after the master restart"
+        master.start()  # same state dir and port: the streams reconnect and the workers go on
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a worker did not finish after the master restart"
         assert not errors, errors
-        assert client._transport.streaming
+        assert all(c._transport.streaming for c in clients)
         with _client(master, session=False) as admin:
             _, acked = admin.get_cursor()
             info = admin.describe_dataset(dataset)
+    finally:
+        for c in clients:
+            c.close()
     assert 30 <= len(before_kill) < 100, "the kill came after the run had ended"
     ((_, intervals),) = list(acked.items())
     assert all(intervals.covers(a, b) for a, b in before_kill)  # nothing answered before the kill was lost
