@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="datasets, shards, workers and rates (or, given JOB, a job's nodes)")
     st.add_argument("job", nargs="?", default=None, help="a job started with `streamrover run`: show its status")
     st.add_argument("--json", action="store_true", help="with JOB: the status document as JSON")
-    st.add_argument("--home", default=None, help="with JOB: the jobs directory (default: $STREAMROVER_HOME)")
+    operator_cli.add_platform_args(st)  # with JOB: where it runs
     st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS")
     _client_args(st)
     operator_cli.add_parsers(sub)

@@ -8,12 +8,18 @@
     streamrover jobs stop JOB                 (also: streamrover stop JOB)
     streamrover jobs scale JOB N              (also: streamrover scale JOB N)
     streamrover jobs schema                   the job spec's JSON schema
+
+``list``, ``status``, ``stop`` and ``scale`` take the platform as ``run`` does (``--platform``, default
+``$STREAMROVER_PLATFORM`` or ``local``): ``local`` and ``ray`` jobs live in the jobs home (their
+controller runs on this machine); a ``k8s`` job is its ``StreamTrainJob`` (``--namespace``,
+``--kubeconfig``), read and patched by :mod:`streamrover.operator.k8s_jobs` with the same meaning.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,33 +32,41 @@ from rich.table import Table
 PLATFORMS = ("local", "ray", "k8s")
 
 
+def add_platform_args(parser: argparse.ArgumentParser, home: bool = True) -> None:
+    """``--platform``, ``--namespace``, ``--kubeconfig`` (and ``--home``): where a job lives."""
+    default = os.environ.get("STREAMROVER_PLATFORM") or "local"
+    parser.add_argument("--platform", choices=PLATFORMS, default=default,
+                        help=f"where the job runs (default: $STREAMROVER_PLATFORM or local; now {default})")
+    if home:
+        parser.add_argument("--home", default=None, help="local/ray: the jobs directory (default: $STREAMROVER_HOME)")
+    parser.add_argument("--namespace", "-n", default="default", help="k8s: the namespace of the StreamTrainJob")
+    parser.add_argument("--kubeconfig", default=None, help="k8s: the cluster (default: $KUBECONFIG or in-cluster)")
+
+
 def add_parsers(sub: Any) -> None:
     """Add ``run``, ``jobs``, ``stop`` and ``scale`` to the ``streamrover`` command's subparsers."""
     run = sub.add_parser("run", help="run a job spec (YAML) on a platform")
     run.add_argument("spec", help="the job spec file (see `streamrover jobs schema`)")
-    run.add_argument("--platform", choices=PLATFORMS, default="local", help="where the nodes run (default: local)")
     run.add_argument("--detach", "-d", action="store_true", help="run the job's controller in the background")
-    run.add_argument("--home", default=None, help="jobs directory (default: $STREAMROVER_HOME)")
-    run.add_argument("--namespace", "-n", default="default", help="k8s: the namespace of the StreamTrainJob")
-    run.add_argument("--kubeconfig", default=None, help="k8s: the cluster (default: $KUBECONFIG or in-cluster)")
+    add_platform_args(run)
 
     jobs = sub.add_parser("jobs", help="jobs started with `streamrover run`")
     jsub = jobs.add_subparsers(dest="jobs_command", required=True)
-    lst = jsub.add_parser("list", help="every job under the jobs home")
-    lst.add_argument("--home", default=None)
+    lst = jsub.add_parser("list", help="every job under the jobs home (k8s: every StreamTrainJob in the namespace)")
+    add_platform_args(lst)
     sch = jsub.add_parser("schema", help="print the job spec's JSON schema")
     sch.add_argument("--home", default=None)
     for name, helptext in (("status", "a job's nodes, restarts and decisions"), ("stop", "stop a job gracefully")):
         for parser in (jsub.add_parser(name, help=helptext),) + ((sub.add_parser(name, help=helptext),)
                                                                   if name == "stop" else ()):  # fmt: skip
             parser.add_argument("job")
-            parser.add_argument("--home", default=None)
+            add_platform_args(parser)
             if name == "status":
                 parser.add_argument("--json", action="store_true")
     for parser in (jsub.add_parser("scale", help="ask for N nodes"), sub.add_parser("scale", help="ask for N nodes")):
         parser.add_argument("job")
         parser.add_argument("nodes", type=int)
-        parser.add_argument("--home", default=None)
+        add_platform_args(parser)
 
 
 def handles(args: argparse.Namespace) -> bool:
@@ -74,6 +88,8 @@ def main(args: argparse.Namespace, console: Console) -> int:
 
             print(schema_text(), end="")
             return 0
+        if getattr(args, "platform", "local") == "k8s":
+            return _k8s_command(command, args, console)
         if command == "list":
             return _list(args, console)
         if command == "status":
@@ -145,6 +161,65 @@ def _run_k8s(spec: Any, args: argparse.Namespace, console: Console) -> int:
 
     phase = k8s.follow(spec.name, args.namespace, api, report)
     return 0 if phase in ("succeeded", "stopped") else 1
+
+
+def _k8s_command(command: str, args: argparse.Namespace, console: Console) -> int:
+    """``list``, ``status``, ``stop``, ``scale`` of ``StreamTrainJob`` resources (see :mod:`.k8s_jobs`)."""
+    from streamrover.operator import k8s, k8s_jobs
+
+    api, ns = k8s.api_client(args.kubeconfig), args.namespace
+    if command == "list":
+        table = Table(title=f"StreamTrainJobs in {ns}")
+        for col in ("job", "phase", "platform", "nodes", "relaunches", "updated", "reason"):
+            table.add_column(col)
+        for body in k8s_jobs.list_jobs(api, ns):
+            st = body.get("status") or {}
+            table.add_row(body["metadata"]["name"], _phase(k8s_jobs.phase(body)), "k8s",
+                          f"{st.get('replicas', 0)}/{st.get('desiredNodes', '?')}", str(st.get("relaunches", 0)),
+                          str(st.get("updatedAt", "")), str(st.get("reason", "")))  # fmt: skip
+        console.print(table)
+        return 0
+    if command == "status":
+        body = k8s_jobs.get_job(api, ns, args.job)
+        return _show_k8s_status(body, args.json, console)
+    if command == "stop":
+        ended = k8s_jobs.stop(api, ns, args.job)
+        if ended is not None:
+            console.print(f"job {args.job!r} is not running ({ended})")
+        else:
+            console.print(f"stopping job {args.job!r} (its nodes leave, then the master)")
+        return 0
+    if command == "scale":
+        k8s_jobs.scale(api, ns, args.job, args.nodes)
+        console.print(f"job {args.job!r}: asked for {args.nodes} nodes")
+        return 0
+    raise AssertionError(command)
+
+
+def _show_k8s_status(body: dict[str, Any], as_json: bool, console: Console) -> int:
+    st, meta = body.get("status") or {}, body["metadata"]
+    if as_json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return 0
+    nodes = ((body.get("spec") or {}).get("job") or {}).get("trainer", {}).get("nodes") or {}
+    bounds = f"{nodes.get('min', 1)}:{nodes.get('max', 1)}" if isinstance(nodes, dict) else str(nodes)
+    console.print(f"job [bold]{meta['name']}[/bold] {_phase(st.get('phase', 'pending'))} {st.get('reason', '')}  "
+                  f"platform k8s  namespace {meta['namespace']}  master {st.get('master', '?')}  nodes "
+                  f"{st.get('replicas', 0)}/{st.get('desiredNodes', '?')} ({bounds})  relaunches "
+                  f"{st.get('relaunches', 0)}  lag {st.get('lag', '?')}  acked {st.get('recordsAcked', '?')}  "
+                  f"checkpoint {st.get('lastCheckpoint', '?')}")  # fmt: skip
+    table = Table(title="nodes")
+    for col in ("node", "state", "memory", "detail"):
+        table.add_column(col)
+    for n in st.get("nodes", []):
+        table.add_row(n.get("node", ""), n.get("state", ""), n.get("memory") or "", n.get("detail", ""))
+    console.print(table)
+    events = Table(title="decisions")
+    events.add_column("event")
+    for e in st.get("events", [])[-15:]:
+        events.add_row(e)
+    console.print(events)
+    return 0
 
 
 def _list(args: argparse.Namespace, console: Console) -> int:

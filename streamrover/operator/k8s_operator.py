@@ -5,8 +5,9 @@ Deployment in ``deploy/k8s/`` runs it). For each resource a kopf daemon runs the
 :class:`~streamrover.operator.controller.JobController` as ``streamrover run`` does locally, with
 the :class:`~streamrover.operator.k8s.K8sPlatform`: it creates the master (pod + service + journal
 volume) and the worker pods, relaunches failed pods, applies scale decisions (the autoscaler's, and
-``spec.replicas`` through the ``scale`` subresource: ``kubectl scale streamtrainjob/NAME --replicas=N``)
-and writes the status subresource (phase, nodes, replicas, lag, last checkpoint, recent decisions).
+``spec.replicas`` through the ``scale`` subresource: ``kubectl scale streamtrainjob/NAME --replicas=N``),
+stops the job gracefully on ``spec.stop: true`` (``streamrover stop NAME --platform k8s``) and writes
+the status subresource (phase, nodes, replicas, lag, last checkpoint, recent decisions).
 
 When the resource is deleted the daemon stops without deleting anything: the garbage collector
 deletes the pods, service, secret and claim, which the resource owns. Configuration comes from the
@@ -34,6 +35,7 @@ import kopf
 from streamrover.operator.controller import JobController
 from streamrover.operator.jobs import JobDir
 from streamrover.operator.k8s import GROUP, PLURAL, TOKEN_KEY, VERSION, K8sConfig, K8sPlatform
+from streamrover.operator.k8s_jobs import stop_requested
 from streamrover.operator.spec import JobSpec, SpecError, parse_spec
 
 log = logging.getLogger(__name__)
@@ -86,8 +88,8 @@ class ResourceJob(JobDir):
 
 def resource_status(doc: dict[str, Any]) -> dict[str, Any]:
     """The status subresource from the controller's status document."""
-    nodes = [{"node": n["node_id"], "state": n["state"], "memory": n.get("memory"), "detail": n.get("detail", "")}
-             for n in doc.get("nodes", [])]  # fmt: skip
+    nodes = [{"node": n["node_id"], "state": n["state"], "memory": n.get("memory"), "detail": n.get("detail", ""),
+              "oomKills": n.get("oom_kills", 0)} for n in doc.get("nodes", [])]  # fmt: skip
     out = {"phase": doc.get("phase", "starting"), "reason": doc.get("reason", ""), "nodes": nodes,
            "replicas": sum(1 for n in nodes if n["state"] in ("pending", "running")),
            "desiredNodes": doc.get("desired_nodes"), "master": doc.get("master", ""),
@@ -154,6 +156,9 @@ def run_job(api: Any, body: dict[str, Any], stopped: Any, config: K8sConfig, wor
     name, namespace = meta["name"], meta["namespace"]
     if (body.get("status") or {}).get("phase") in ("succeeded", "failed", "stopped"):
         return  # a finished job is not run again when the operator restarts
+    if stop_requested(body):
+        patch_status(api, namespace, name, {"phase": "stopped", "reason": "stopped on request before it started"})
+        return
     try:
         spec = parse_spec((body.get("spec") or {}).get("job"), f"{namespace}/{name} spec.job")
         if spec.name != name:
@@ -184,6 +189,8 @@ def run_job(api: Any, body: dict[str, Any], stopped: Any, config: K8sConfig, wor
             controller.request_stop()
             thread.join()
             return
+        if stop_requested(body):  # `streamrover stop`: the controller stops the nodes, then the master
+            controller.request_stop()
     if errors:
         patch_status(api, namespace, name, {"phase": "failed", "reason": f"the controller failed: {errors[0]}"})
         raise kopf.PermanentError(str(errors[0]))

@@ -73,6 +73,7 @@ class ControlPlane:
         self.root, self.bin = root, bin_dir
         self.pki = root / "pki"
         self.kubeconfig = root / "kubeconfig"
+        self._api: Any = None
         etcd, peer, self.port, kwok = free_ports(4)
         self.etcd_url = f"http://127.0.0.1:{etcd}"
         self.server = f"https://127.0.0.1:{self.port}"
@@ -149,10 +150,12 @@ class ControlPlane:
         self.started_in["all"] = time.monotonic() - t0
 
     def api(self) -> Any:
-        """A kubernetes ``ApiClient`` for this cluster."""
+        """The test's kubernetes ``ApiClient`` for this cluster (one: each holds a connection pool)."""
         from kubernetes import config
 
-        return config.new_client_from_config(config_file=str(self.kubeconfig))
+        if self._api is None:
+            self._api = config.new_client_from_config(config_file=str(self.kubeconfig))
+        return self._api
 
     def core(self) -> Any:
         from kubernetes import client

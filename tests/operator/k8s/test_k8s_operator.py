@@ -3,8 +3,11 @@
 * lifecycle (namespace ``lifecycle``, worker pods on the kwok node: scheduled, "Running", nothing
   executes; the master runs on the node agent): a ``StreamTrainJob`` applied -> master pod, service,
   secret and worker pods, all owned by it; a worker pod deleted -> a new one for its slot; the
-  scale subresource -> the pod count follows up and down; the operator SIGKILLed and the resource
-  deleted -> the controller-manager's garbage collector deletes every pod, service and secret;
+  scale subresource (``streamrover jobs scale --platform k8s``, and a direct patch) -> the pod count
+  follows up and down; ``streamrover jobs status|list|stop --platform k8s`` read the status
+  subresource and stop a second job gracefully (its pods gone, the resource kept, phase stopped);
+  the operator SIGKILLed and the resource deleted -> the controller-manager's garbage collector
+  deletes every pod, service and secret;
 * training (namespace ``training``, everything on the node agent, which runs the pods as local
   processes): ``streamrover run job.yaml --platform k8s`` -> the torch ledger job trains from Kafka to
   an exact ledger; its worker pod deleted mid-run is relaunched and the ledger is still exact.
@@ -12,6 +15,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import time
@@ -57,22 +62,39 @@ def _owned(obj: Any, uid: str) -> bool:
     return any(r.uid == uid and r.kind == "StreamTrainJob" and r.controller for r in refs)
 
 
-def test_pods_are_owned_relaunched_scaled_and_garbage_collected(k8s: ControlPlane, node_agent: Any,
-                                                                tmp_path: Path) -> None:  # fmt: skip
-    ns, name = "lifecycle", "life"
+def _cli(k8s: ControlPlane, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """``streamrover ARGV --kubeconfig K`` in this process: its exit code and what it printed."""
+    from streamrover.cli import main
+
+    capsys.readouterr()
+    code = main([*argv, "--kubeconfig", str(k8s.kubeconfig)])
+    out = capsys.readouterr()
+    return code, " ".join(re.sub("[\u2500-\u257f]", " ", out.out + out.err).split())  # no table borders
+
+
+def test_pods_are_owned_relaunched_scaled_and_garbage_collected(k8s: ControlPlane, node_agent: Any, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    ns, name, other = "lifecycle", "life", "life-stopped"
     write_parquet_dataset(tmp_path / "data", rows=4000, files=2, row_group_size=500)
-    spec = {
-        "name": name, "master": {"lease_ttl": 10, "port": free_port()},
-        "datasets": [{"name": "rows", "uri": str(tmp_path / "data"), "records_per_shard": 500}],
-        "trainer": {"script": str(tmp_path / "never-run.py"), "nodes": "1:3"},
-        "checkpoint": {"url": str(tmp_path / "ckpt")},
-        "restart": {"heartbeat_timeout": 3600},  # kwok pods run nothing: no agent heartbeat
-    }  # fmt: skip
+
+    def spec(job: str) -> dict[str, Any]:
+        return {
+            "name": job, "master": {"lease_ttl": 10, "port": free_port()},
+            "datasets": [{"name": "rows", "uri": str(tmp_path / "data"), "records_per_shard": 500}],
+            "trainer": {"script": str(tmp_path / "never-run.py"), "nodes": "1:3"},
+            "checkpoint": {"url": str(tmp_path / f"ckpt-{job}")},
+            "restart": {"heartbeat_timeout": 3600},  # kwok pods run nothing: no agent heartbeat
+        }  # fmt: skip
+
     operator = Operator(k8s, ns, "type=kwok")
     operator.start()
     core = k8s.core()
+    k8s_args = ("--platform", "k8s", "-n", ns)
+    monkeypatch.setenv("COLUMNS", "400")  # rich wraps and folds to the terminal's width
     try:
-        submit(parse_spec(spec), ns, k8s.api(), replicas=2)
+        submit(parse_spec(spec(name)), ns, k8s.api(), replicas=2)
+        submit(parse_spec(spec(other)), ns, k8s.api(), replicas=1)  # stopped below with `streamrover stop`
         uid = _job(k8s, ns, name)["metadata"]["uid"]
         wait_until(lambda: _names(_pods(k8s, ns, name)) == {f"{name}-n0", f"{name}-n1"}, 120,
                    f"two worker pods Running\n{operator.logs()}")  # fmt: skip
@@ -96,8 +118,36 @@ def test_pods_are_owned_relaunched_scaled_and_garbage_collected(k8s: ControlPlan
                                for e in _job(k8s, ns, name)["status"].get("events", [])), 60, "the relaunch event")
 
         custom = _custom(k8s)
-        custom.patch_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, name, {"spec": {"replicas": 3}})
+        assert _cli(k8s, capsys, "jobs", "scale", name, "4", *k8s_args) == (
+            2, f"error: 4 nodes is outside job '{name}''s bounds 1:3")
+        assert _cli(k8s, capsys, "jobs", "scale", name, "3", *k8s_args) == (0, f"job '{name}': asked for 3 nodes")
         wait_until(lambda: len(_pods(k8s, ns, name)) == 3, 120, "three worker pods")
+        assert custom.get_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, name)["spec"]["replicas"] == 3
+        wait_until(lambda: _job(k8s, ns, name)["status"].get("replicas") == 3, 60, "status.replicas 3")
+        code, out = _cli(k8s, capsys, "status", name, "--json", *k8s_args)
+        assert code == 0 and json.loads(out)["replicas"] == 3 and json.loads(out)["phase"] == "running", out
+        code, out = _cli(k8s, capsys, "jobs", "status", name, *k8s_args)
+        assert code == 0 and f"job {name} running" in out and "nodes 3/3 (1:3)" in out and "n1.1" in out, out
+        assert _cli(k8s, capsys, "jobs", "status", "nosuch", *k8s_args) == (
+            2, f"error: no StreamTrainJob 'nosuch' in namespace '{ns}' (jobs: {name}, {other})")
+
+        # stop = the local `stop`: the nodes leave, then the master; the resource (and its status) stays
+        wait_until(lambda: len(_pods(k8s, ns, other)) == 1, 120, f"{other}'s worker pod Running")
+        monkeypatch.setenv("STREAMROVER_PLATFORM", "k8s")  # the platform from the environment, not --platform
+        assert _cli(k8s, capsys, "stop", other, "-n", ns) == (
+            0, f"stopping job '{other}' (its nodes leave, then the master)")
+        monkeypatch.delenv("STREAMROVER_PLATFORM")
+        wait_until(lambda: (_job(k8s, ns, other).get("status") or {}).get("phase") == "stopped", 120,
+                   f"{other} stopped\n{operator.logs()}")  # fmt: skip
+        wait_until(lambda: not core.list_namespaced_pod(ns, label_selector=f"{LABEL_JOB}={other}").items, 60,
+                   f"{other}'s pods gone (the master's deletion is asked last)")  # fmt: skip
+        assert _job(k8s, ns, other)["status"]["reason"] == "stopped on request"
+        assert _cli(k8s, capsys, "jobs", "stop", other, *k8s_args) == (0, f"job '{other}' is not running (stopped)")
+        assert _cli(k8s, capsys, "jobs", "scale", other, "2", *k8s_args) == (
+            2, f"error: job '{other}' is not running (stopped)")
+        code, out = _cli(k8s, capsys, "jobs", "list", *k8s_args)
+        assert code == 0 and f"{name} running k8s 3/3" in out and f"{other} stopped k8s 0/" in out, out
+
         custom.patch_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, name, {"spec": {"replicas": 1}})
         wait_until(lambda: _names(_pods(k8s, ns, name, phase=None)) == {f"{name}-n0"}, 180, "one worker pod left")
         wait_until(lambda: _job(k8s, ns, name)["status"].get("replicas") == 1, 60, "status.replicas 1")
