@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
 from streamrover.sources.api import SourceError
@@ -139,7 +139,7 @@ def _decode_all(msgs: Sequence[Message], schema: pa.Schema) -> pa.RecordBatch | 
         # Python takes an integer into a float column only where the float holds it exactly; the reader
         # parses either as a float: magnitudes where the two could differ are decided one by one
         exact = _EXACT_INT.get(f.type)
-        if exact is not None and pc.max(pc.abs(table.column(f.name))).as_py() >= exact:
+        if exact is not None and np.abs(table.column(f.name).to_numpy()).max() >= exact:
             return None
     try:
         return table.cast(schema).combine_chunks().to_batches()[0]  # safe casts: out of range raises
