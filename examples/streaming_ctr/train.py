@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drift-at", type=int, nargs="*", default=[], help="the stream's drift points (for the oracle)")
     p.add_argument("--batch-size", type=int, default=256, help="records per rank and step")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--prefetch", type=int, default=8,
+                   help="batches read ahead by the reading thread (8 x 256 is about a shard: the next lease's round "
+                        "trip is hidden behind the steps)")  # fmt: skip
     p.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
                    help="score each record with the hidden model too (--no-oracle: the oracle columns stay 0)")
     p.add_argument("--ckpt-every", type=int, default=int(os.environ.get("STREAMROVER_CKPT_EVERY", "50")))
@@ -91,9 +94,10 @@ def apply_step(state: CtrState, rows: np.ndarray, window: int) -> None:
     applied_ms = float(rows[:, 5].max())  # the step's update is in the model on every rank by then
     state.ledger.index_add_(0, torch.from_numpy(ids), torch.ones(len(ids), dtype=torch.int32))
     state.ledger_sums += torch.tensor([len(ids), int(ids.sum())], dtype=torch.int64)
-    n_windows = state.windows.shape[0]
-    state.windows += torch.from_numpy(metrics.window_rows(ids // window, rows[:, 1], rows[:, 2], rows[:, 3],
-                                                          rows[:, 4], applied_ms, n_windows))  # fmt: skip
+    rows_of = np.clip(ids // window, 0, state.windows.shape[0] - 1)
+    lo, hi = int(rows_of.min()), int(rows_of.max()) + 1  # a step's records fall in one or two windows: add only those
+    state.windows[lo:hi] += torch.from_numpy(metrics.window_rows(rows_of - lo, rows[:, 1], rows[:, 2], rows[:, 3],
+                                                                 rows[:, 4], applied_ms, hi - lo))  # fmt: skip
     state.freshness += torch.from_numpy(metrics.freshness_counts(rows[:, 4], applied_ms))
     if state.applied_span[0] == 0:
         state.applied_span[0] = applied_ms
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.Adam(state.net.parameters(), lr=args.lr)
     session = srt.attach(state, optimizer, ckpt_every=args.ckpt_every)
     oracle = ClickStream(args.seed, tuple(args.drift_at))
-    dataset = session.dataset(args.dataset, batch_size=args.batch_size, idle_timeout=0.5, columns=COLUMNS)
+    dataset = session.dataset(args.dataset, batch_size=args.batch_size, idle_timeout=0.5, columns=COLUMNS,
+                              prefetch=args.prefetch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started, written = time.time(), 0.0
