@@ -23,12 +23,12 @@ AGENT_NODE = "agent-node-0"
 DEPLOY = repo_root() / "deploy" / "k8s"
 
 
-def apply_manifests(api: Any, paths: list[Path]) -> None:
-    """``kubectl apply -f`` for the install manifests (create; the cluster is fresh)."""
+def apply_manifests(api: Any, paths: list[Path], **options: Any) -> None:
+    """``kubectl apply -f`` for the install manifests (create; the cluster is fresh), ``options`` to each create."""
     from kubernetes import utils
 
     for path in paths:
-        utils.create_from_yaml(api, yaml_objects=list(yaml.safe_load_all(path.read_text())))
+        utils.create_from_yaml(api, yaml_objects=list(yaml.safe_load_all(path.read_text())), **options)
 
 
 def service_account_kubeconfig(cp: ControlPlane, namespace: str, name: str, path: Path) -> Path:
@@ -60,6 +60,9 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
             c.type == "Established" and c.status == "True"
             for c in ext.read_custom_resource_definition("streamtrainjobs.streamrover.io").status.conditions or []),
             timeout=60, procs=cp.procs)  # fmt: skip
+        # the operator's Deployment cannot run here (no image): the API server validates it (server-side dry run,
+        # unknown fields refused), as `kubectl apply --dry-run=server` would; nothing is created
+        apply_manifests(api, [DEPLOY / "30-operator.yaml"], dry_run="All", field_validation="Strict")
         accounts = cp.core().list_namespaced_service_account
         for ns in ("lifecycle", "training"):
             cp.core().create_namespace({"metadata": {"name": ns}})
