@@ -10,7 +10,12 @@ for the pods the scheduler binds to it what a kubelet would, through the real AP
   ``status.podIP`` / ``metadata.name`` / ``metadata.namespace``) and ``$(VAR)`` expanded in the
   command as the kubelet does, on top of this agent's own environment (the "image");
 * reports ``Running`` (pod IP 127.0.0.1), then ``Succeeded``/``Failed`` with the container's exit
-  code (128 + signal for a signal, like a container runtime; ``OOMKilled`` is not simulated);
+  code (128 + signal for a signal, like a container runtime);
+* enforces the container's **memory limit** as the kubelet does: the container runs in a memory
+  cgroup of that limit (:mod:`streamrover.operator.cgroups`, the local platform's; where none can be
+  made, resident memory of its processes is watched instead), so the kernel's OOM killer acts; on
+  an OOM kill the whole container is killed (the kubelet's ``memory.oom.group`` on cgroup v2, its
+  default since 1.32) and reported ``terminated: {reason: OOMKilled, exitCode: 137}``;
 * on deletion sends SIGTERM to the process group, SIGKILL after the grace period, then
   finishes the deletion (``grace_period_seconds=0``) as the kubelet does.
 
@@ -33,9 +38,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import psutil
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from streamrover.operator.cgroups import NodeCgroup, memory_cgroups
+from streamrover.operator.spec import parse_memory
 from tests.operator.k8s.cluster import fake_node
 
 
@@ -51,6 +59,30 @@ class _Running:
     started: str
     kill_at: float | None = None
     reported: bool = False
+    memory: int | None = None  # the container's memory limit
+    cgroup: NodeCgroup | None = None  # None with a limit: watched (no writable memory cgroup here)
+    oom_killed: bool = False
+
+    def over_limit(self) -> bool:
+        """Whether the OOM killer acted in the container's cgroup (or, watched, its processes exceed the limit)."""
+        if self.memory is None:
+            return False
+        if self.cgroup is not None:
+            return self.cgroup.oom_kills() > 0
+        try:
+            procs = [psutil.Process(self.proc.pid)]
+            return sum(p.memory_info().rss for p in procs + procs[0].children(recursive=True)) > self.memory
+        except psutil.Error:
+            return False
+
+    def kill_all(self) -> None:
+        """SIGKILL every process of the container (its cgroup's, and its process group)."""
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 class NodeAgent:
@@ -61,6 +93,8 @@ class NodeAgent:
         self.running: dict[tuple[str, str], _Running] = {}
         self.done: set[str] = set()  # uids whose process ended and was reported
         self._beat = 0.0
+        self._cgroups = memory_cgroups()
+        self._stale: list[NodeCgroup] = []  # cgroups to remove once their processes are gone
 
     def register(self) -> None:
         body = fake_node(self.node, {"streamrover.io/agent": "true", **self.labels}, kwok=False)
@@ -84,6 +118,7 @@ class NodeAgent:
     def step(self) -> None:
         if time.monotonic() - self._beat > 10:
             self.heartbeat()
+        self._stale = [cg for cg in self._stale if not cg.remove()]
         pods = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node}").items
         seen = set()
         for pod in pods:
@@ -94,10 +129,14 @@ class NodeAgent:
                 self._deleting(pod, run)
             elif run is None and pod.metadata.uid not in self.done and pod.status.phase in (None, "Pending"):
                 self._start(pod)
-            elif run is not None and run.proc.poll() is not None and not run.reported:
-                self._ended(pod, run)
+            elif run is not None and not run.reported:
+                if not run.oom_killed and run.over_limit():
+                    run.oom_killed = True
+                    run.kill_all()
+                if run.proc.poll() is not None:
+                    self._ended(pod, run)
         for key in [k for k in self.running if k not in seen]:  # force-deleted: nothing left to report to
-            self._kill(self.running.pop(key).proc, signal.SIGKILL)
+            self._forget(self.running.pop(key))
 
     def _env(self, pod: Any, container: Any) -> dict[str, str]:
         env = dict(os.environ)
@@ -124,12 +163,20 @@ class NodeAgent:
                 Path(volume.host_path.path).mkdir(parents=True, exist_ok=True)
         cwd = self.workdir / pod.metadata.namespace / pod.metadata.name
         cwd.mkdir(parents=True, exist_ok=True)
+        limits = (container.resources.limits if container.resources else None) or {}
+        memory = parse_memory(limits["memory"]) if "memory" in limits else None
+        cgroup = None
+        if memory is not None and self._cgroups is not None:
+            cgroup = self._cgroups.create(f"node-agent.{pod.metadata.namespace}.{pod.metadata.name}", memory)
+            # the shell joins the cgroup, then execs the container's command: nothing of it starts outside
+            join = f"echo $$ > {cgroup.path / 'cgroup.procs'} && exec \"$@\""
+            argv = ["/bin/sh", "-c", join, "container", *argv]
         with open(cwd / "container.log", "ab") as log:
             proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         started = _now()
-        self.running[(pod.metadata.namespace, pod.metadata.name)] = _Running(proc, pod.metadata.uid, container.name,
-                                                                             started)  # fmt: skip
+        self.running[(pod.metadata.namespace, pod.metadata.name)] = _Running(
+            proc, pod.metadata.uid, container.name, started, memory=memory, cgroup=cgroup)
         state = {"running": {"startedAt": started}}
         self._report(pod, "Running", container.name, state, ready=True, started=started)
 
@@ -137,12 +184,16 @@ class NodeAgent:
         code = run.proc.returncode
         exit_code = 128 - code if code < 0 else code  # a signal, as a container runtime reports it
         reason = "Completed" if code == 0 else "Error"
+        if run.oom_killed or run.over_limit():  # the kernel's OOM kill may have ended it before a step saw it
+            run.kill_all()
+            reason, exit_code, code = "OOMKilled", 137, -9
         state = {"terminated": {"exitCode": exit_code, "reason": reason, "startedAt": run.started,
                                 "finishedAt": _now(), **({"signal": -code} if code < 0 else {})}}  # fmt: skip
         self._report(pod, "Succeeded" if code == 0 else "Failed", run.container, state, ready=False,
                      started=run.started)  # fmt: skip
         run.reported = True
         self.done.add(run.uid)
+        self._remove_cgroup(run)
 
     def _report(self, pod: Any, phase: str, container: str, state: dict[str, Any], ready: bool, started: str) -> None:
         status = {"phase": phase, "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}], "hostIP": "127.0.0.1",
@@ -167,13 +218,22 @@ class NodeAgent:
             self._kill(run.proc, signal.SIGKILL)
             run.proc.wait()
         if run is not None:
-            self._kill(run.proc, signal.SIGKILL)  # what is left of its process group
+            self._forget(run)  # what is left of its processes
         self.running.pop(key, None)
         try:
             self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+    def _forget(self, run: _Running) -> None:
+        run.kill_all()
+        run.proc.wait()
+        self._remove_cgroup(run)
+
+    def _remove_cgroup(self, run: _Running) -> None:
+        if run.cgroup is not None and not run.cgroup.remove():  # EBUSY: processes still exiting: a later step
+            self._stale.append(run.cgroup)
 
     @staticmethod
     def _kill(proc: subprocess.Popen[bytes], sig: int) -> None:
@@ -184,7 +244,7 @@ class NodeAgent:
 
     def close(self) -> None:
         for run in self.running.values():
-            self._kill(run.proc, signal.SIGKILL)
+            self._forget(run)
 
 
 def main() -> None:

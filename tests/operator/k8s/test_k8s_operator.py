@@ -9,8 +9,11 @@
   the operator SIGKILLed and the resource deleted -> the controller-manager's garbage collector
   deletes every pod, service and secret;
 * training (namespace ``training``, everything on the node agent, which runs the pods as local
-  processes): ``streamrover run job.yaml --platform k8s`` -> the torch ledger job trains from Kafka to
-  an exact ledger; its worker pod deleted mid-run is relaunched and the ledger is still exact.
+  processes in a memory cgroup of the pod's limit): ``streamrover run job.yaml --platform k8s`` -> the
+  torch ledger job trains from Kafka to an exact ledger; its worker pod deleted mid-run is relaunched;
+  then a worker allocates past the pod's memory limit: the kernel OOM-kills it, the agent reports the
+  container ``OOMKilled`` (exit 137) as a kubelet would, and the operator relaunches the node in a pod
+  with twice the limit; the ledger is still exact.
 """
 
 from __future__ import annotations
@@ -178,7 +181,11 @@ def test_the_ledger_job_trains_exactly_through_k8s_and_survives_its_pod_deleted(
     topic = kafka_topic(kafka_broker, RECORDS)
     out = tmp_path / "out"
     out.mkdir()
-    spec = ledger_spec(name, f"kafka://{kafka_broker.bootstrap}/{topic}", RECORDS, out, nodes=1)
+    hog = tmp_path / "hog"  # once it exists, rank 0 holds 1 GiB more (tests/operator/hog_ledger_train.py)
+    spec = ledger_spec(name, f"kafka://{kafka_broker.bootstrap}/{topic}", RECORDS, out, nodes=1, nproc_per_node=1,
+                       memory="1536Mi", env={"HOG_FILE": str(hog), "HOG_MB": "1024"})  # fmt: skip
+    spec["trainer"]["launcher_args"] += ["--standby-workers", "0"]  # a smaller node: agent + one worker
+    spec["restart"] = {"oom": {"factor": 2, "max_memory": "3Gi"}}
     spec["checkpoint"]["url"] = str(tmp_path / "ckpt")
     spec["master"]["port"] = free_port()
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
@@ -189,9 +196,12 @@ def test_the_ledger_job_trains_exactly_through_k8s_and_survives_its_pod_deleted(
                             "--platform", "k8s", "--namespace", ns], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
+    custom = _custom(k8s)  # one client: a new one per poll leaks its connection pool (fds run out)
+
     def status() -> dict[str, Any]:
         try:
-            return dict(_job(k8s, ns, name).get("status") or {})
+            found = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+            return dict(found.get("status") or {})
         except Exception:  # not created yet
             return {}
 
@@ -202,6 +212,19 @@ def test_the_ledger_job_trains_exactly_through_k8s_and_survives_its_pod_deleted(
         started = time.monotonic()
         wait_until(lambda: _names(_pods(k8s, ns, name)) == {pod_name(name, "n0.1")}, 120, "n0 relaunched as n0.1")
         print(f"pod deleted -> relaunched pod running {time.monotonic() - started:.2f} s")
+
+        hog.touch()  # n0.1's worker allocates at once: past the pod's 1.5Gi with the agent and torch
+        started = time.monotonic()
+        wait_until(lambda: _names(_pods(k8s, ns, name)) == {pod_name(name, "n0.2")}, 300,
+                   f"n0.1 OOM-killed, relaunched as n0.2\n{operator.logs()}")  # fmt: skip
+        print(f"over the memory limit -> relaunched pod running {time.monotonic() - started:.2f} s")
+        killed = k8s.core().read_namespaced_pod(pod_name(name, "n0.1"), ns)
+        terminated = killed.status.container_statuses[0].state.terminated
+        assert (killed.status.phase, terminated.reason, terminated.exit_code) == ("Failed", "OOMKilled", 137)
+        wait_until(lambda: any(e.startswith("oom n0.1: OOM-killed at ") and e.endswith("relaunching with 3Gi")
+                               for e in status().get("events", [])), 60, "the OOM event")  # fmt: skip
+        (bigger,) = _pods(k8s, ns, name)
+        assert bigger.spec.containers[0].resources.limits["memory"] in ("3Gi", str(3 * 2**30)), bigger.spec
         output, _ = run.communicate(timeout=600)
         assert run.returncode == 0, f"{output}\n{operator.logs()}"
         doc = status()
