@@ -18,11 +18,13 @@ Decisions, each with its inputs:
 * **out** when the lag is above the target and ``needed`` > nodes (at most MAX), as soon
   as the rates are measured afresh at the current node count (a step up needs no cooldown:
   the lag is growing);
-* **in** by one node when the lag has stayed under half the target (hysteresis) for
-  ``cooldown_seconds``, fewer nodes would still keep up, and not within ``cooldown_seconds``
-  of the previous decision. With no lag, a node's measured rate is the supply, not what it
-  can do: so "would keep up" uses the per-node rate last measured while the lag was at least
-  half the target (the nodes were busy), and is assumed when no such rate was measured yet;
+* **in**, in one decision, to the fewest nodes that keep up with ``P`` at 90% of a busy
+  node's rate, when the lag has stayed under half the target (hysteresis) for
+  ``cooldown_seconds`` and not within ``cooldown_seconds`` of the previous decision (each
+  scale-in is a rendezvous of the nodes that stay: one step pays one pause). With no lag, a
+  node's measured rate is the supply, not what it can do: so "keep up" uses the per-node rate
+  last measured while the lag was at least half the target (the nodes were busy); while no
+  such rate was measured, one node fewer;
 * never while the rates are unknown (under ``min(window / 2, 5 s)`` of samples since the
   node count last changed: a rendezvous pauses training).
 
@@ -114,14 +116,16 @@ class Autoscaler:
         if lag >= target / 2 and per_node > (self.capacity or 0.0) / 2:  # busy, not paused
             self.capacity = per_node
         cooling = self.last_decision_at is not None and at - self.last_decision_at < self.spec.cooldown_seconds
-        fewer_keep_up = self.capacity is None or produce <= self.capacity * (nodes - 1) * 0.9
-        calm = lag < target / 2 and nodes > self.min_nodes and fewer_keep_up
+        # the nodes that keep up with the production at 90% of a busy node's rate (one fewer while that is unknown)
+        fits = math.ceil(produce / (self.capacity * 0.9)) if self.capacity else nodes - 1
+        fits = max(fits, self.min_nodes)
+        calm = lag < target / 2 and nodes > self.min_nodes and fits < nodes
         self.calm_since = (self.calm_since or at) if calm else None
         to, why = nodes, ""
         if lag > target and needed > nodes:
             to, why = needed, "lag above target"
         elif calm and self.calm_since is not None and at - self.calm_since >= self.spec.cooldown_seconds:
-            to, why = max(nodes - 1, self.min_nodes), "lag under half the target for a cooldown"
+            to, why = fits, "lag under half the target for a cooldown"
         if to == nodes or (cooling and to < nodes):
             return None
         decision = Decision(at, nodes, to, lag, target, produce, consume, per_node, needed, why)

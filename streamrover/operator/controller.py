@@ -60,7 +60,10 @@ class JobController:
         self.spec = spec
         self.job = job
         if isinstance(platform, str):
-            options = {"max_nodes": spec.trainer.nodes.max, "cpu": spec.trainer.cpu} if platform == "ray" else {}
+            lo, hi = spec.scale_bounds
+            options: dict[str, Any] = {"standby_agents": hi - lo}  # warm agents for a scale-out (local)
+            if platform == "ray":
+                options = {"max_nodes": spec.trainer.nodes.max, "cpu": spec.trainer.cpu}
             self.platform = create_platform(platform, workdir=job.path / "logs", **options)
         else:
             self.platform = platform

@@ -38,9 +38,13 @@ from streamrover.operator.api import (
     UnknownNodeError,
 )
 from streamrover.operator.cgroups import CgroupRoot, NodeCgroup, memory_cgroups
+from streamrover.trainers.standby import StandbyPool
 
 log = logging.getLogger(__name__)
 MEMORY_ENV = "STREAMROVER_NODE_MEMORY"  # the node's memory limit in bytes, for scripts that size themselves
+# what a standby agent imports (``dlrover-run``: torch and torchelastic); each only if installed
+AGENT_MODULES = ("torch", "torch.distributed.run", "streamrover.trainers.torch.agent",
+                 "streamrover.trainers.torch.rendezvous")
 
 
 @dataclass
@@ -58,8 +62,13 @@ class LocalPlatform(Platform):
     name = "local"
 
     def __init__(self, workdir: str | Path, cgroups: bool = True, watch_interval: float = 0.25,
-                 preexec: Callable[[], None] | None = None, reap: bool = True) -> None:  # fmt: skip
+                 preexec: Callable[[], None] | None = None, reap: bool = True,
+                 standby_agents: int = 0) -> None:  # fmt: skip
         self.workdir = Path(workdir)
+        # warm agents (torch imported) a scale-out or relaunch starts its nodes in; not with a preexec (ray)
+        self._standby: StandbyPool | None = None
+        if standby_agents > 0 and preexec is None:
+            self._standby = StandbyPool(standby_agents, flags=(), warm=AGENT_MODULES, env=_env({}))
         self._preexec = preexec  # run in each child before exec (the ray platform: die with the actor)
         self.workdir.mkdir(parents=True, exist_ok=True)
         # what this platform started, so a successor on the same workdir can end what a killed controller left
@@ -146,8 +155,10 @@ class LocalPlatform(Platform):
             env[MEMORY_ENV] = str(launch.memory)
         try:
             with open(workdir / f"node-{launch.node_id}.log", "ab") as logf:
-                proc = subprocess.Popen(command, env=_env(env), stdout=logf, stderr=subprocess.STDOUT,
-                                        cwd=workdir, start_new_session=True, preexec_fn=self._preexec)  # fmt: skip
+                proc = self._start_warm(launch, env, logf, workdir)
+                if proc is None:
+                    proc = subprocess.Popen(command, env=_env(env), stdout=logf, stderr=subprocess.STDOUT,
+                                            cwd=workdir, start_new_session=True, preexec_fn=self._preexec)  # fmt: skip
         except OSError as exc:
             if cgroup is not None:
                 cgroup.remove()
@@ -159,6 +170,25 @@ class LocalPlatform(Platform):
         if cgroup is None and launch.memory is not None:
             self._start_watchdog()
         return self.observe(launch.node_id)
+
+    def _start_warm(self, launch: NodeLaunch, env: dict[str, str], logf: IO[bytes],
+                    workdir: Path) -> subprocess.Popen[bytes] | None:  # fmt: skip
+        """The node's agent in a warm standby (its imports done), or None: start it afresh.
+
+        Only a node without a memory limit (a standby's memory so far was charged outside the node's cgroup),
+        whose extra environment is streamrover's own (torch read its environment when the standby imported it).
+        """
+        if self._standby is None or launch.memory is not None or any(not k.startswith("STREAMROVER_") for k in env):
+            return None
+        proc = self._standby.start(launch.command, _env(env), logf, logf, cwd=workdir)
+        self._standby.schedule_fill()  # a spare for the next scale-out or relaunch, once this node has started
+        if proc is not None:
+            log.info("node %s starts in a warm standby agent (pid %d)", launch.node_id, proc.pid)
+        return proc
+
+    def warm_agents(self) -> int:
+        """How many standby agents are warm now (their imports done)."""
+        return self._standby.ready() if self._standby is not None else 0
 
     def _node(self, node_id: str) -> _Node:
         with self._lock:
@@ -221,6 +251,8 @@ class LocalPlatform(Platform):
 
     def close(self) -> None:
         self._closed.set()
+        if self._standby is not None:
+            self._standby.close()
         with self._lock:
             nodes = list(self._nodes.values())
         for node in nodes:

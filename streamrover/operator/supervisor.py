@@ -16,7 +16,7 @@ reads the heartbeat its agent writes to the master (``nodes/<run id>/<node id>``
 * every relaunch counts against ``restart.per_job``; when it is spent the job **fails**,
   with the reason in ``status``;
 * **scale** to N nodes within the bounds: new slots are launched, or the highest slots
-  leave gracefully (SIGTERM: the agent stops its workers, the rendezvous closes the
+  leave gracefully, all at once (SIGTERM: the agent stops its workers, the rendezvous closes the
   round, the others re-rendezvous; rank 0 restores the newest checkpoint and resets the
   cursor, which hands every lease back);
 * the job has **succeeded** once a node's agent exited 0 and every node has ended.
@@ -32,6 +32,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -312,12 +313,18 @@ class Supervisor:
 
     def _reconcile(self) -> None:
         active = {s: n for s, n in self.slots.items() if not self.nodes[n].state.ended}
-        for slot in sorted(active, reverse=True):
-            if slot >= self.desired:
-                self.event("scale-in", active[slot], "leaving gracefully")
-                self._apply(self.nodes[active[slot]], self.platform.stop_node(active[slot], grace=self.stop_grace))
-                self.nodes[active[slot]].handled = True
-                del self.slots[slot]
+        leaving = [active[slot] for slot in sorted(active, reverse=True) if slot >= self.desired]
+        for node_id in leaving:
+            self.event("scale-in", node_id, "leaving gracefully")
+        # all at once: each node that leaves makes the others re-rendezvous, so one after the other is a pause each
+        stopped = []
+        if leaving:
+            with ThreadPoolExecutor(len(leaving), thread_name_prefix="scale-in") as pool:
+                stopped = list(pool.map(lambda n: self.platform.stop_node(n, grace=self.stop_grace), leaving))
+        for node_id, status in zip(leaving, stopped, strict=True):
+            self._apply(self.nodes[node_id], status)
+            self.nodes[node_id].handled = True
+            del self.slots[self.nodes[node_id].slot]
         for slot in range(self.desired):
             if slot not in self.slots or self.nodes[self.slots[slot]].state is NodeState.STOPPED:
                 self._launch(slot, self.spec.trainer.memory, "scale-out")

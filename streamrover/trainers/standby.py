@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,10 @@ class StandbyPool:
         flags: tuple[str, ...] = ("-u",),
         refill_delay: float = 3.0,
         warm: tuple[str, ...] = WARM_MODULES,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.size = max(size, 0)
+        self.env = env  # the standbys' environment (None: ours)
         self.warm = tuple(warm)
         self.interpreter = interpreter
         self.flags = tuple(flags)
@@ -165,6 +167,7 @@ class StandbyPool:
                     str(os.getpid()),  # the standby exits if its agent died before it armed its death signal
                 ],
                 pass_fds=(child.fileno(),),
+                env=self.env,
                 start_new_session=True,  # as torchelastic's SubprocessHandler: the agent kills the group
             )
         finally:
@@ -210,13 +213,16 @@ class StandbyPool:
         return {"path": rest[0], "argv": rest[1:]}
 
     def start(
-        self, args: tuple[str, ...] | list[str], env: dict[str, str], stdout: IO[Any] | None, stderr: IO[Any] | None
-    ) -> subprocess.Popen[bytes] | None:
-        """Run ``args`` (a full command line) in a standby; None if no standby can (start it as usual)."""
+        self, args: tuple[str, ...] | list[str], env: dict[str, str], stdout: IO[Any] | None, stderr: IO[Any] | None,
+        cwd: str | os.PathLike[str] | None = None, before: Callable[[int], None] | None = None,
+    ) -> subprocess.Popen[bytes] | None:  # fmt: skip
+        """Run ``args`` (a full command line) in a standby, in ``cwd`` (default: ours); None if no standby can
+        (start it as usual). ``before(pid)`` runs before the standby is handed the work (e.g. to move it into a
+        cgroup); if it raises, the standby is discarded and the error goes to the caller."""
         command = self.command(args)
         if command is None:
             return None
-        message = json.dumps({**command, "env": env, "cwd": os.getcwd(),
+        message = json.dumps({**command, "env": env, "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
                               "stdout": stdout is not None, "stderr": stderr is not None}).encode()  # fmt: skip
         if len(message) > _MAX_SEND:
             return None
@@ -229,13 +235,16 @@ class StandbyPool:
             try:
                 if standby.proc.poll() is not None:
                     raise BrokenPipeError("standby exited")
+                if before is not None:
+                    try:
+                        before(standby.proc.pid)
+                    except BaseException:
+                        self._kill(standby)
+                        raise
                 socket.send_fds(standby.sock, [message], fds)
             except OSError as exc:
                 log.warning("standby %d unusable (%s); trying another", standby.proc.pid, exc)
-                standby.sock.close()
-                if standby.proc.poll() is None:
-                    standby.proc.kill()
-                standby.proc.wait()
+                self._kill(standby)
                 continue
             # Keep our end open while the worker lives: closing a Unix socket with unread data (the standby's
             # "ready", if we have not read it yet) resets the peer, and a reset beats queued data to its recv.
@@ -243,6 +252,13 @@ class StandbyPool:
                 self._started.append(standby)
             self.served += 1
             return standby.proc
+
+    @staticmethod
+    def _kill(standby: _Standby) -> None:
+        standby.sock.close()
+        if standby.proc.poll() is None:
+            standby.proc.kill()
+        standby.proc.wait()
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:

@@ -9,9 +9,11 @@ when it stops, and the job ends once it trained them all).
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,12 @@ def rate_step_spec(name: str, broker: Any, out: Path, capacity: int, nodes: str,
     args = spec["trainer"]["args"]
     args[args.index("--batch-size") + 1] = BATCH
     args += ["--step-seconds", STEP_SECONDS, "--until-file", str(out / "produced")]
+    # A joining node waits in torch's wait list, polling every second: with a last call of 1 s the group re-formed
+    # without it (under load, a scale-out 1 -> 3 went 1, 2, 2, 3 groups: a full restart each). 5 s lets every
+    # waiting node in; a slow heartbeat (2 s, 5 missed) keeps a loaded agent from being dropped as dead.
+    spec["trainer"]["launcher_args"] = ["--monitor-interval", "0.2", "--rdzv-conf",
+                                        "keep_alive_interval=2,keep_alive_max_attempt=5,last_call_timeout=5,"
+                                        "join_timeout=300"]  # fmt: skip
     if autoscaling is not None:
         spec["autoscaling"] = autoscaling
     return spec, topic
@@ -155,3 +163,59 @@ class Monitor:
             node_s += a.nodes * (b.at - a.at)
             lag_s += a.lag * (b.at - a.at)
         return node_s, lag_s
+
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def _stamps(path: Path, needle: str = "") -> list[float]:
+    """Wall-clock times of a node log's lines (the agent's logging format) that contain ``needle``."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        found = _STAMP.match(line)
+        if found and needle in line:
+            out.append(datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f").timestamp())  # local time, as logged
+    return out
+
+
+def scale_out_phases(job: RunningJob) -> dict[str, float] | None:
+    """Where the first scale-out's pause went, from the job's own records: seconds from the decision to
+
+    ``launched`` (the supervisor launched the last new node), ``agents up`` (the last new agent logged that its
+    imports are done), ``workers up`` (rank 0's worker of the first group of the new size started: the
+    rendezvous is done), ``gloo``, ``restored`` (rank 0 joined the shard service, restored and broadcast),
+    ``first step`` (that group trained its first step); ``rounds``: how many groups formed between the
+    decision and that one (1: the new nodes joined in one rendezvous). None if the job never scaled out.
+    """
+    events = job.status().get("events", [])
+    steps = [(e, re.match(r"(\d+) -> (\d+) nodes \(autoscaler", e["message"])) for e in events if e["kind"] == "scale"]
+    decision = next(((e, int(m[2])) for e, m in steps if m and int(m[2]) > int(m[1])), None)
+    if decision is None:
+        return None
+    t0, world = float(decision[0]["at"]), decision[1]
+    new = [e for e in events if e["kind"] == "launch" and e["message"] == "scale-out" and e["at"] >= t0]
+    if not new:
+        return None
+    logs = job.dir.path / "logs"
+    out = {"launched": max(e["at"] for e in new) - t0}
+    ups = [_stamps(logs / f"node-{e['node']}.log", "agent of node") for e in new]
+    if all(ups):
+        out["agents up"] = max(u[0] for u in ups) - t0
+    path = job.out / "loss.txt"
+    attempts = [(i, line) for i, line in enumerate(path.read_text().splitlines() if path.exists() else [])
+                if line.startswith("# attempt") and float(line.rsplit(" at ", 1)[1]) >= t0]  # fmt: skip
+    lines = path.read_text().splitlines() if path.exists() else []
+    for n, (i, line) in enumerate(attempts, 1):
+        if f" world {world} " not in line:
+            continue
+        words = line.split("; ", 1)[1].rsplit(" at ", 1)[0].split()
+        timing = dict(zip(words[::2], map(float, words[1::2]), strict=True))
+        out["workers up"] = timing["up"] - t0
+        out["gloo"] = out["workers up"] + timing["gloo"]
+        out["restored"] = float(line.rsplit(" at ", 1)[1]) - t0
+        first = next((x for x in lines[i + 1 :] if x.startswith("# first step at ")), None)
+        if first is not None:
+            out["first step"] = float(first.rsplit(" ", 1)[1]) - t0
+        out["rounds"] = n
+        break
+    return out

@@ -30,7 +30,7 @@ def _feed(scaler: Autoscaler, start: float, seconds: int, nodes: int, produce: f
     return out, nodes, lag
 
 
-def test_a_rate_step_scales_out_to_what_keeps_up_and_back_in_after_cooldowns() -> None:
+def test_a_rate_step_scales_out_to_what_keeps_up_and_back_in_after_a_cooldown() -> None:
     scaler = _scaler()
     decisions, nodes, lag = _feed(scaler, 0, 40, 1, produce=1_000, per_node=1_200, lag=0, consumed=0)
     assert not decisions and nodes == 1, "one node keeps up with 1,000/s"
@@ -40,8 +40,8 @@ def test_a_rate_step_scales_out_to_what_keeps_up_and_back_in_after_cooldowns() -
     assert decisions[-1].at - 42 <= 30, "at 3 nodes within 30 s of the rate step"
     assert "produced" in decisions[0].describe() and decisions[0].per_node_rate > 0
     decisions, nodes, lag = _feed(scaler, 104, 200, nodes, produce=1_000, per_node=1_200, lag=lag)
-    assert [d.nodes_to for d in decisions] == [2, 1], decisions
-    assert decisions[1].at - decisions[0].at >= 30, "one step in per cooldown"
+    assert [d.nodes_to for d in decisions] == [1], "one node keeps up with 1,000/s again: one step in"
+    assert decisions[0].at - 104 >= 30, "after a cooldown of the lag under half the target"
 
 
 def test_between_half_the_target_and_the_target_nothing_changes() -> None:
@@ -88,3 +88,22 @@ def test_a_rate_step_goes_to_the_nodes_it_needs_in_one_decision_and_a_pause_is_n
     trickle = [scaler.observe(300 + t, 1_500 + 80 * t, 50_000 + t // 2, 2) for t in range(0, 31, 2)]
     assert not [d for d in trickle if d is not None], trickle
     assert scaler.capacity == 160.0, "a trickle is not a node's capacity"
+
+
+def test_once_the_rate_falls_the_job_scales_in_to_what_keeps_up_in_one_decision() -> None:
+    """Each scale-in is a rendezvous of the nodes that stay (a pause): 3 -> 2 -> 1 pays two pauses and holds a
+    second node for another cooldown; 3 -> 1 pays one. The nodes that keep up are counted at the per-node rate
+    measured while busy, with a 10% margin."""
+    scaler = _scaler(target=2_000, cooldown=10.0)
+    _feed(scaler, 0, 30, 3, produce=320, per_node=160, lag=6_000, consumed=0)  # draining a backlog: busy
+    assert scaler.capacity is not None and scaler.capacity > 100
+    decisions, nodes, _ = _feed(scaler, 32, 120, 3, produce=80, per_node=160, lag=900)
+    assert [(d.nodes_from, d.nodes_to) for d in decisions] == [(3, 1)], decisions
+    assert nodes == 1 and decisions[0].why == "lag under half the target for a cooldown"
+
+
+def test_scale_in_keeps_the_nodes_the_rate_still_needs() -> None:
+    scaler = _scaler(target=2_000, cooldown=10.0, hi=4)
+    _feed(scaler, 0, 30, 4, produce=600, per_node=160, lag=8_000, consumed=0)
+    decisions, _, _ = _feed(scaler, 32, 120, 4, produce=200, per_node=160, lag=900)
+    assert [(d.nodes_from, d.nodes_to) for d in decisions] == [(4, 2)], "200/s needs 2 nodes of 160/s (90%: 144/s)"

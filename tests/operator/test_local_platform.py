@@ -1,10 +1,11 @@
-"""The local platform's master launch with awkward tokens (real master processes, a few seconds)."""
+"""The local platform: the master launch with awkward tokens, nodes in warm standby agents (real processes)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from streamrover.operator.api import MasterLaunch, NodeState
+from streamrover.operator.api import MasterLaunch, NodeLaunch, NodeState
 from streamrover.operator.local import LocalPlatform
 from streamrover.shard_service import ShardClient
 from tests.helpers import wait_until
@@ -39,4 +40,38 @@ def test_what_the_master_prints_after_its_address_goes_to_its_log_and_it_stays_u
             assert client.list_datasets() == []
     finally:
         platform.stop_master()
+        platform.close()
+
+
+def test_a_node_starts_in_a_warm_standby_agent_with_its_environment_directory_and_log(tmp_path: Path) -> None:
+    """A scale-out's new agents paid ``import torch`` first (~17 s of a 57 s pause at load 10-20): the platform
+    keeps standby agents with it imported; a node starts in one as its own process, with its log, working
+    directory and environment, and its exit code observed. An environment torch may read (not streamrover's
+    own) gets a fresh process: torch read its environment when the standby imported it."""
+    script = tmp_path / "node.py"
+    script.write_text("import os, sys\nprint(os.getpid(), os.getcwd(), os.environ.get('STREAMROVER_X'), "
+                      "'torch' in sys.modules, flush=True)\nsys.exit(3)\n")  # fmt: skip
+    platform = LocalPlatform(tmp_path / "logs", cgroups=False, standby_agents=1)
+    logs = tmp_path / "logs"
+
+    def ended(node_id: str) -> bool:
+        return platform.observe(node_id).state.ended
+
+    try:
+        platform.launch_node(NodeLaunch("job", "n0", [sys.executable, str(script)], {"STREAMROVER_X": "0"}))
+        wait_until(lambda: ended("n0"), 60, "n0 (started afresh: no standby was warm yet) to exit")
+        assert (logs / "node-n0.log").read_text().split()[2:] == ["0", "False"]
+        wait_until(lambda: platform.warm_agents() == 1, 120, "a warm standby agent")
+        first = platform.launch_node(NodeLaunch("job", "n1", [sys.executable, str(script)], {"STREAMROVER_X": "1"},
+                                                workdir=tmp_path / "n1"))  # fmt: skip
+        wait_until(lambda: ended("n1"), 60, "n1 to exit")
+        pid, cwd, x, warm = (tmp_path / "n1" / "node-n1.log").read_text().split()
+        assert (int(pid), cwd, x, warm) == (first.pid, str(tmp_path / "n1"), "1", "True")
+        status = platform.observe("n1")
+        assert (status.state, status.exit_code) == (NodeState.FAILED, 3)
+        wait_until(lambda: platform.warm_agents() == 1, 120, "the pool refilled")
+        platform.launch_node(NodeLaunch("job", "n2", [sys.executable, str(script)], {"OMP_NUM_THREADS": "1"}))
+        wait_until(lambda: ended("n2"), 60, "n2 to exit")
+        assert (logs / "node-n2.log").read_text().split()[3] == "False", "not in the standby: a fresh process"
+    finally:
         platform.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -113,7 +114,7 @@ def test_scale_bounds_and_scale_in_stops_the_highest_slots() -> None:
     assert [launch.node_id for launch in platform.launches] == ["n0", "n1", "n2"]
     sup.scale(1)
     sup.tick()
-    assert platform.stops == ["n2", "n1"] and sup.status()["desired_nodes"] == 1
+    assert sorted(platform.stops) == ["n1", "n2"] and sup.status()["desired_nodes"] == 1
     assert [n["node_id"] for n in sup.status()["nodes"]] == ["n0"]
     sup.scale(2)
     sup.tick()
@@ -141,3 +142,25 @@ def test_a_silent_node_counts_lost_and_is_relaunched() -> None:
     sup.tick()
     assert platform.stops == ["n0"] and platform.launches[-1].node_id == "n0.1"
     assert any(e.kind == "heartbeat" for e in sup.events)
+
+
+def test_a_scale_in_by_two_nodes_stops_them_at_once() -> None:
+    """Each node that leaves makes the others re-rendezvous: stopped one after the other (each stop waits for its
+    agent to leave), the second leaves while the survivors re-form with it, a second pause; signalled together,
+    one. The scripted stop waits until the other leaving node was asked too (a barrier: one at a time breaks it)."""
+    sup, platform = _supervisor()
+    sup.scale(3)
+    sup.tick()
+    barrier = threading.Barrier(2, timeout=10)
+    stop = platform.stop_node
+
+    def stop_together(node_id: str, grace: float = 30.0) -> NodeStatus:
+        barrier.wait()
+        return stop(node_id, grace)
+
+    platform.stop_node = stop_together  # type: ignore[method-assign]
+    sup.scale(1)
+    sup.tick()
+    assert sorted(platform.stops) == ["n1", "n2"] and not barrier.broken
+    assert [n["node_id"] for n in sup.status()["nodes"]] == ["n0"]
+    assert [e.node for e in sup.events if e.kind == "scale-in"] == ["n2", "n1"]

@@ -50,24 +50,30 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--until-file", default=None)
     args = parser.parse_args()
+    up = time.time()  # this worker's start (its imports done); the attempt line says where its start-up went
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    gloo = time.time() - up
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = LedgerModel(args.records, args.hidden)
     ddp = DDP(model.net)
     optimizer = torch.optim.Adam(model.net.parameters(), lr=0.01)
 
+    ddp_s = time.time() - up - gloo
     session = srt.attach(model, optimizer, ckpt_every=args.ckpt_every)
     dataset = session.dataset(args.dataset, batch_size=args.batch_size, idle_timeout=0.5, columns=["id", "x", "y"])
     out = Path(args.out)
     log = open(out / "loss.txt", "a") if rank == 0 else None
     if log is not None:
+        timings = " ".join(f"{k} {v:.2f}" for k, v in {"gloo": gloo, "ddp": ddp_s, **session.timings}.items())
         log.write(f"# attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} world {dist.get_world_size()} "
-                  f"resumed at {session.step} from {session.restored_from}\n")  # fmt: skip
+                  f"resumed at {session.step} from {session.restored_from}; up {up:.3f} {timings} "
+                  f"at {time.time():.3f}\n")  # fmt: skip
     until = Path(args.until_file) if args.until_file else None
     target = args.records if until is None else None  # None: not known yet (the producer has not finished)
     done = target is not None and bool(model.ledger.sum() >= target)
+    first = True
     for batch in DataLoader(dataset, batch_size=None):
         if done:
             break
@@ -90,6 +96,9 @@ def main() -> None:
             time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))  # the step's modelled compute
         step = session.step_done()
         if log is not None and len(ids):
+            if first:  # when this attempt's group trained its first step (the scale-out phases read it)
+                log.write(f"# first step at {time.time():.3f}\n")
+                first = False
             log.write(f"{step} {loss.item():.6f}\n")
             log.flush()
         done = target is not None and bool(model.ledger.sum() >= target)

@@ -200,6 +200,8 @@ class StreamroverAgent(LocalElasticAgent):
 
     def run(self, role: str = "default") -> RunResult:
         self._start_saver()
+        if self._standby is not None:  # warm while this node waits in its first rendezvous (a joining node's
+            self._standby.schedule_fill(0.0)  # group forms only after the others stopped theirs)
         try:
             result = super().run(role)
             self._succeeded = not result.is_failed()

@@ -41,6 +41,7 @@ from streamrover.trainers.torch.agent import HealthReporter, StreamroverAgent
 from streamrover.trainers.torch.rendezvous import BACKEND_NAME, master_client, register
 
 log = logging.getLogger(__name__)
+EXIT_BARRIER_TIMEOUT = 30.0  # seconds a finished node waits for the others of its group to finish too
 
 
 def build_parser() -> ArgumentParser:
@@ -148,6 +149,9 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=int(config.shutdown_timeout or 30),
+        # torchelastic's default 300 s: a node that finished right after a scale-in waited out the left nodes'
+        # arrival for 5 min. The group's ranks end at the same step; the store is the master's, no agent's.
+        exit_barrier_timeout=EXIT_BARRIER_TIMEOUT,
         saver_address=address,
         health=health,
         ckpt_namespace=namespace,
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     register()
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    log.info("dlrover-run agent of node %s up (pid %d)", args.node_id, os.getpid())  # its imports are done
     # Workers bootstrap their own store each attempt (rank 0's worker hosts it). Torch's shared agent store
     # is reused across restarts without a per-attempt prefix when MASTER_ADDR names this host (so a
     # restarted group reads the dead group's gloo addresses), and it dies with the agent that hosts it.
