@@ -80,6 +80,7 @@ class JobController:
             self.autoscaler = Autoscaler(spec.autoscaling, *spec.scale_bounds)
         self.sample_every = 2.0
         self._sampled_at = 0.0
+        self._published: int | None = None  # the desired node count the agents were told
 
     def request_stop(self, *_: Any) -> None:
         self._stop.set()
@@ -141,6 +142,7 @@ class JobController:
                         sup.event("scale-refused", "", str(exc))
                 sup.tick()
                 self._autoscale(client)
+                self._publish_desired(client)
                 self._write(self._status())
             return 0 if sup.phase in (JobPhase.SUCCEEDED, JobPhase.STOPPED) else 1
         finally:
@@ -159,6 +161,23 @@ class JobController:
             why = status.detail or status.exit_code
             self.supervisor.event("master", "master", f"{status.state.value} ({why}); relaunching it on the same port")
             self.platform.launch_master(launch)
+
+    def _publish_desired(self, client: Any) -> None:
+        """Tell the agents how many nodes the job wants (the rendezvous's join gate: trainers/torch/rendezvous.py
+        holds a group restart back until every node launched together waits to join)."""
+        from streamrover.shard_service import ShardServiceError
+
+        if self.supervisor is None or self.supervisor.desired == self._published:
+            return
+        key, value = f"rdzv/{self.run_id}/desired", str(self.supervisor.desired).encode()  # desired_key()
+        try:
+            found = client.kv_get(key)
+            ok, _, _ = client.kv_set(key, value, found[1] if found else 0)
+        except ShardServiceError as exc:  # the master may be restarting: next tick
+            log.info("could not publish the desired node count: %s", exc)
+            return
+        if ok:
+            self._published = self.supervisor.desired
 
     def _autoscale(self, client: Any) -> None:
         """Feed the autoscaler the master's lag and acked counts; apply what it decides."""

@@ -19,6 +19,8 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -203,6 +205,57 @@ class MasterStore(Store):
         raise NotImplementedError("the master's store does not count keys")
 
 
+def desired_key(run_id: str) -> str:
+    """The master's KV key where the job controller keeps how many nodes the job wants (decimal text)."""
+    return f"rdzv/{run_id}/desired"
+
+
+@dataclass
+class JoinGate:
+    """Holds a group restart for joining nodes back until every node the job wants is waiting, or ``grace`` s.
+
+    torchelastic restarts a node's workers as soon as one node waits to join. Nodes launched together (a
+    scale-out 1 -> 3) reach the wait list seconds apart under load: the group re-formed with the first (world
+    2), then again with the next, a full restart of every worker each time. ``desired`` says how many nodes the
+    job wants (None: nobody says; nothing is held back); ``admit`` is what ``num_nodes_waiting`` then returns.
+    """
+
+    desired: Callable[[], int | None]
+    grace: float = 20.0
+    _since: float | None = None
+
+    def admit(self, waiting: int, participants: int, now: float) -> int:
+        if waiting <= 0:
+            self._since = None
+            return waiting
+        if self._since is None:
+            self._since = now
+        wanted = self.desired()
+        if wanted is None or participants + waiting >= wanted or now - self._since >= self.grace:
+            return waiting
+        return 0
+
+
+class _DesiredNodes:
+    """The job's wanted node count from the master's KV store, read at most once a second."""
+
+    def __init__(self, client: ShardClient, run_id: str) -> None:
+        self._client, self._key = client, desired_key(run_id)
+        self._read_at = -1.0
+        self._value: int | None = None
+
+    def __call__(self) -> int | None:
+        now = time.monotonic()
+        if now - self._read_at >= 1.0:
+            self._read_at = now
+            try:
+                found = self._client.kv_get(self._key)
+                self._value = int(found[0]) if found else None
+            except (ShardServiceError, ValueError):
+                self._value = None  # unknown: hold nothing back
+        return self._value
+
+
 def master_client(endpoint: str, token: str | None, name: str) -> ShardClient:
     """A client of the master for an agent: no heartbeat (an agent is not a shard worker)."""
     return ShardClient(endpoint, token=token, name=name, heartbeat=False, timeout=120.0)
@@ -216,7 +269,18 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     client = master_client(params.endpoint, token, f"rdzv:{params.run_id}")
     store = MasterStore(client, f"rdzv/{params.run_id}/store")
     backend = MasterRendezvousBackend(client, params.run_id)
-    return create_handler(store, backend, params)
+    handler = create_handler(store, backend, params)
+    gate = JoinGate(_DesiredNodes(client, params.run_id), grace=float(params.get("join_grace", 20.0)))
+    waiting = handler.num_nodes_waiting
+
+    def num_nodes_waiting() -> int:  # what the agent's monitor asks every interval
+        count = waiting()  # (syncs the state)
+        holder = getattr(handler, "_state_holder", None)
+        participants = len(holder.state.participants) if holder is not None else 0
+        return gate.admit(count, participants, time.monotonic())
+
+    handler.num_nodes_waiting = num_nodes_waiting  # type: ignore[method-assign]
+    return handler
 
 
 def register() -> None:
