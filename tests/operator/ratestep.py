@@ -39,10 +39,12 @@ def rate_step_spec(name: str, broker: Any, out: Path, capacity: int, nodes: str,
     args += ["--step-seconds", STEP_SECONDS, "--until-file", str(out / "produced")]
     # A joining node waits in torch's wait list, polling every second: with a last call of 1 s the group re-formed
     # without it (under load, a scale-out 1 -> 3 went 1, 2, 2, 3 groups: a full restart each). 5 s lets every
-    # waiting node in; a slow heartbeat (2 s, 5 missed) keeps a loaded agent from being dropped as dead.
+    # waiting node in. Heartbeats at torch's default (5 s, 3 missed): each is a compare-and-set of the one
+    # rendezvous state, and under load a joining agent whose read-modify-write took longer than the gap
+    # between the others' heartbeats lost every one (a node never joined in 2 min, its main thread busy).
     spec["trainer"]["launcher_args"] = ["--monitor-interval", "0.2", "--rdzv-conf",
-                                        "keep_alive_interval=2,keep_alive_max_attempt=5,last_call_timeout=5,"
-                                        "join_timeout=300"]  # fmt: skip
+                                        "keep_alive_interval=5,keep_alive_max_attempt=3,last_call_timeout=5,"
+                                        "join_timeout=300,cas_backoff_max_seconds=0.5"]  # fmt: skip
     if autoscaling is not None:
         spec["autoscaling"] = autoscaling
     return spec, topic

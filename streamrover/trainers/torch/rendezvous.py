@@ -218,10 +218,11 @@ class JoinGate:
     scale-out 1 -> 3) reach the wait list seconds apart under load: the group re-formed with the first (world
     2), then again with the next, a full restart of every worker each time. ``desired`` says how many nodes the
     job wants (None: nobody says; nothing is held back); ``admit`` is what ``num_nodes_waiting`` then returns.
+    Holding back costs no training: the group trains on meanwhile.
     """
 
     desired: Callable[[], int | None]
-    grace: float = 20.0
+    grace: float = 60.0  # free: the group trains on while it holds
     _since: float | None = None
 
     def admit(self, waiting: int, participants: int, now: float) -> int:
@@ -270,7 +271,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     store = MasterStore(client, f"rdzv/{params.run_id}/store")
     backend = MasterRendezvousBackend(client, params.run_id)
     handler = create_handler(store, backend, params)
-    gate = JoinGate(_DesiredNodes(client, params.run_id), grace=float(params.get("join_grace", 20.0)))
+    gate = JoinGate(_DesiredNodes(client, params.run_id), grace=float(params.get("join_grace", 60.0)))
     waiting = handler.num_nodes_waiting
 
     def num_nodes_waiting() -> int:  # what the agent's monitor asks every interval
