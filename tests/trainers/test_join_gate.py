@@ -1,7 +1,11 @@
-"""The join gate: a group restart for joining nodes waits until every node the job wants is waiting (pure)."""
+"""The rendezvous's join gate (a group restart for joining nodes waits until every node the job wants is waiting;
+pure) and the master store's timeout."""
 
 from __future__ import annotations
 
+import pytest
+
+from streamrover.testing.procs import MasterProcess
 from streamrover.trainers.torch.rendezvous import JoinGate
 
 
@@ -28,3 +32,21 @@ def test_a_node_that_never_comes_holds_the_restart_back_for_the_grace_only() -> 
     wanted[0] = None  # no job controller says what it wants (a hand-started dlrover-run): nothing held back
     gate = JoinGate(lambda: wanted[0], grace=20.0)
     assert gate.admit(1, 1, now=0.0) == 1
+
+
+def test_the_store_waits_as_long_as_its_timeout_says(master: MasterProcess) -> None:
+    """torchelastic's exit barrier sets the store's timeout (``store_timeout``) and waits without one: the master's
+    store ignored it and waited its own 300 s (a node finished right after a scale-in sat 5 min in the barrier)."""
+    from datetime import timedelta
+
+    from streamrover.shard_service import ShardClient
+    from streamrover.trainers.torch.rendezvous import MasterStore
+
+    with ShardClient(master.address, token=master.token, heartbeat=False) as client:
+        store = MasterStore(client, "rdzv/job/store")
+        store.set_timeout(timedelta(seconds=1))
+        assert store.timeout == timedelta(seconds=1)
+        with pytest.raises(TimeoutError, match="within 1 s"):
+            store.wait(["never"])
+        with pytest.raises(TimeoutError, match="within 2 s"):
+            store.wait(["never"], timedelta(seconds=2))  # an explicit timeout still wins

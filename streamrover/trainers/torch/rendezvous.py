@@ -96,7 +96,7 @@ class MasterStore(Store):
         super().__init__()
         self._client = client
         self._prefix = prefix
-        self._timeout = timeout
+        self.set_timeout(timeout)  # what a wait without its own timeout waits (torchelastic's barriers set it)
         self._wake = threading.Event()  # never set: a timed wait between polls that a test can't mistake for sync
         self._round = -1  # the newest rendezvous round this store has used
 
@@ -137,7 +137,7 @@ class MasterStore(Store):
         return ok, (current[1:] if current[:1] == _PRESENT else None), now
 
     def _poll(self, keys: list[str], timeout: timedelta | None) -> dict[str, bytes]:
-        limit = (timeout or self._timeout).total_seconds()
+        limit = (timeout or self.timeout).total_seconds()
         give_up = time.monotonic() + limit
         delay = 0.01
         found: dict[str, bytes] = {}
