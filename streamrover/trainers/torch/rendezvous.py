@@ -137,7 +137,7 @@ class MasterStore(Store):
         return ok, (current[1:] if current[:1] == _PRESENT else None), now
 
     def _poll(self, keys: list[str], timeout: timedelta | None) -> dict[str, bytes]:
-        limit = (timeout or self.timeout).total_seconds()
+        limit = (timeout or self.timeout).total_seconds()  # type: ignore[attr-defined]  # (c10d Store property)
         give_up = time.monotonic() + limit
         delay = 0.01
         found: dict[str, bytes] = {}
