@@ -1,6 +1,7 @@
 """The service's bookkeeping: the mutable records of datasets, shards, workers and cuts (not data records).
 
-The core keeps them in memory, the journal on disk.
+The core keeps them in memory, the journal on disk; the core's answers (a lease's outcome, a dataset's counts)
+and its batched ack are at the end.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from streamrover.shard_service.api import (
     DEFAULT_RECORDS_PER_SHARD,
     MAX_AUTO_RECORDS_PER_SHARD,
     DatasetSpec,
+    LeaseGrant,
+    LeaseStatus,
     PartitionPlan,
     ShardState,
 )
@@ -124,3 +127,37 @@ class CutRecord:
     step: int | None
     cursor: DataCursor
     state: CutState
+
+
+@dataclass(frozen=True)
+class LeaseOutcome:
+    """The answer to a lease request: its status, the leases granted, and when to ask again (seconds) when WAIT."""
+
+    status: LeaseStatus
+    leases: list[LeaseGrant]
+    retry_after: float = 0.0
+
+
+@dataclass(frozen=True)
+class AckItem:
+    """One ack of a batch (:meth:`ShardCore.ack_batch`): the arguments of :meth:`ShardCore.ack`."""
+
+    worker_id: str
+    shard_id: str
+    attempt: int
+    position: int
+    step: int | None = None
+    dead_letters: int = 0
+
+
+@dataclass(frozen=True)
+class DatasetCounts:
+    """A dataset's shards by state and its records acked and committed (for status)."""
+
+    todo: int
+    leased: int
+    acked: int
+    committed: int
+    records_acked: int
+    records_committed: int
+    finished: bool

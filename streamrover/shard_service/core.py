@@ -1,24 +1,29 @@
-"""The shard service core: datasets, leases, fenced acks, and the durable cursor.
+"""The shard service core: workers, leases, fenced acks, composed with its parts.
 
-Single-threaded by contract: the server holds one lock around every call. Each
-public method that changes state writes it to the journal in one transaction
-before it returns, so a process killed at any point restarts (:meth:`ShardCore.open`)
-with nothing lost or doubled. Lease deadlines and worker liveness are not
-journalled: a restarted master gives every lease and worker one fresh TTL.
+Single-threaded by contract: the server holds one lock around every call. Each public method that changes
+state writes it to the journal in one transaction before it returns, so a process killed at any point restarts
+with nothing lost or doubled. Lease deadlines and worker liveness are not journalled: a restarted master gives
+every lease and worker one fresh TTL.
 
-Cut, commit and restore live in ``cuts.py``, stream planning in ``streams.py``.
+The core is the shard table (``state.py``: datasets, shards, queues, workers, every shard state change) and the
+parts it composes, each with its own state: ``cut_book`` (``cuts.py``: cuts, the committed cursor, the durable
+limits), ``streams`` (``streams.py`` and ``upstream.py``: planning from polls, lag, upstream commits, data
+deleted upstream), ``staged`` (``staged.py``: files committed by sinks), ``kv`` (``kv.py``). What spans parts
+is here or in ``datasets.py``: registering and removing datasets, restore, the acked cursor.
 """
 
 from __future__ import annotations
 
-import heapq
+import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from streamrover.cursor import PartitionKey
-from streamrover.shard_service import fencing
+from streamrover.cursor import DataCursor, PartitionKey
+from streamrover.shard_service import datasets, fencing
 from streamrover.shard_service.api import (
+    DEFAULT_LEASE_TTL,
     AckResult,
+    DatasetSpec,
     FailedPreconditionError,
     LeaseGrant,
     LeaseStatus,
@@ -26,55 +31,36 @@ from streamrover.shard_service.api import (
     ShardServiceError,
     ShardState,
 )
-from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
-from streamrover.shard_service.cuts import CutOps
-from streamrover.shard_service.datasets import DatasetOps
+from streamrover.shard_service.bookkeeping import (
+    AckItem,
+    CutRecord,
+    DatasetCounts,
+    DatasetRecord,
+    LeaseOutcome,
+    ShardRecord,
+    WorkerRecord,
+)
+from streamrover.shard_service.cuts import CutBook
+from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.kv import KvStore
 from streamrover.shard_service.planner import grid_cells_covered
-from streamrover.shard_service.staged import StagedOps
-from streamrover.shard_service.state import RATE_WINDOW
-from streamrover.shard_service.streams import StreamOps
-from streamrover.sources.api import SourceKind
-
-# how many queued shards a lease looks past for one of a partition no other worker reads
-AFFINITY_SCAN = 64
-
-
-@dataclass(frozen=True)
-class LeaseOutcome:
-    """The answer to a lease request: its status, the leases granted, and when to ask again (seconds) when WAIT."""
-
-    status: LeaseStatus
-    leases: list[LeaseGrant]
-    retry_after: float = 0.0
+from streamrover.shard_service.staged import StagedCommits, StagedOutcome
+from streamrover.shard_service.state import CoreState
+from streamrover.shard_service.streams import StreamPlanner
+from streamrover.shard_service.tallies import RATE_WINDOW
+from streamrover.sources.api import Partition, SourceKind
+from streamrover.sources.staged import FileFacts
 
 
-@dataclass(frozen=True)
-class AckItem:
-    """One ack of a batch (:meth:`ShardCore.ack_batch`): the arguments of :meth:`ShardCore.ack`."""
+class ShardCore(CoreState):
+    """The service's state machine over a :class:`Journal`: the shard table, composed with its parts."""
 
-    worker_id: str
-    shard_id: str
-    attempt: int
-    position: int
-    step: int | None = None
-    dead_letters: int = 0
-
-
-@dataclass(frozen=True)
-class DatasetCounts:
-    """A dataset's shards by state and its records acked and committed (for status)."""
-
-    todo: int
-    leased: int
-    acked: int
-    committed: int
-    records_acked: int
-    records_committed: int
-    finished: bool
-
-
-class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
-    """The service's state machine over a :class:`Journal`."""
+    def __init__(self, journal: Journal, lease_ttl: float = DEFAULT_LEASE_TTL, clock: Callable[[], float] = time.time):
+        super().__init__(journal, lease_ttl, clock)
+        self.kv = KvStore(journal)
+        self.cut_book = CutBook(journal, self.clock)
+        self.streams = StreamPlanner(self, self.cut_book)
+        self.staged = StagedCommits(self, self.streams)
 
     # ------------------------------------------------------------------ workers
     def join(self, name: str, worker_id: str = "") -> WorkerRecord:
@@ -116,7 +102,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         for key in [k for k in self.tails if k[0] == w.id]:
             del self.tails[key]
         self.journal.delete_worker(w.id)
-        self._save_counters()
+        self.save_counters()
         return returned
 
     def _return_lease(self, s: ShardRecord) -> None:
@@ -144,7 +130,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
                     count += 1
             for w in dead:
                 count += self._drop_worker(w)
-            self._save_counters()
+            self.save_counters()
         return count
 
     def next_deadline(self) -> float | None:
@@ -189,7 +175,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         grants: list[LeaseGrant] = []
         with self.journal.transaction():
             while len(grants) < max(max_shards, 1):
-                s = self._pop_todo(ds, w)
+                s = self.pop_todo(ds, w)
                 if s is None:
                     break
                 self.tails[(w.id, ds.name)] = (s.epoch, s.pindex, s.end)
@@ -204,7 +190,7 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
                 w.last_request_id = request_id
                 w.last_lease_ids = [g.shard_id for g in grants]
                 self.journal.put_worker(w)
-                self._save_counters()
+                self.save_counters()
         if grants:
             return LeaseOutcome(LeaseStatus.OK, grants)
         if self.finished(ds):
@@ -212,67 +198,6 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         deadline = self.next_deadline()
         retry = 1.0 if deadline is None else min(max(deadline - now, 0.05), 1.0)
         return LeaseOutcome(LeaseStatus.WAIT, [], retry)
-
-    def _pop_todo(self, ds: DatasetRecord, w: WorkerRecord | None = None) -> ShardRecord | None:
-        """The next shard to lease: queue order, with lease affinity for ``w`` unless the dataset is shuffled.
-
-        Affinity: a worker gets the shard that starts where the last shard it was granted ends
-        (its reader is positioned there: a Kafka consumer keeps its prefetched records), unless
-        a returned shard waits (those go first); otherwise the first shard in queue order of a
-        partition that no other worker is reading, so that workers do not leapfrog along one
-        partition. Neither changes what is leased, only in which order and to whom.
-        """
-        queue = self.queues[ds.name]
-        prefer = w is not None and not ds.spec.shuffle
-        while True:
-            head = self._queue_head(queue)
-            if prefer and w is not None and (head is None or head[0] >= 0):  # (front priorities are < 0)
-                tail = self.tails.get((w.id, ds.name))
-                sid = self.todo_at.get((ds.name, *tail)) if tail is not None else None
-                if sid is not None:
-                    return self.shards[sid]  # its queue entry is now stale and skipped later
-            skipped: list[tuple[float, str]] = []
-            found: ShardRecord | None = None
-            while queue:
-                prio, sid = heapq.heappop(queue)
-                s = self.shards.get(sid)
-                if s is None or s.state is not ShardState.TODO or s.priority != prio:
-                    continue  # stale
-                if prefer and prio >= 0 and len(skipped) < AFFINITY_SCAN and self._read_by_others(s, w):
-                    skipped.append((prio, sid))
-                    continue
-                found = s
-                break
-            if found is None and skipped:
-                found = self.shards[skipped.pop(0)[1]]
-            for item in skipped:
-                heapq.heappush(queue, item)
-            if found is not None:
-                return found
-            if ds.kind is SourceKind.BATCH and ds.epochs_planned < ds.spec.epochs:
-                self._plan_next_epoch(ds)
-                continue
-            return None
-
-    def _queue_head(self, queue: list[tuple[float, str]]) -> tuple[float, str] | None:
-        """The first live entry of a queue (stale entries in front of it are dropped)."""
-        while queue:
-            prio, sid = queue[0]
-            s = self.shards.get(sid)
-            if s is not None and s.state is ShardState.TODO and s.priority == prio:
-                return prio, sid
-            heapq.heappop(queue)
-        return None
-
-    def _read_by_others(self, s: ShardRecord, w: WorkerRecord | None) -> bool:
-        """Whether another worker than ``w`` holds a lease on ``s``'s partition (in ``s``'s epoch)."""
-        key = (s.dataset, s.epoch, s.pindex)
-        mine = 0 if w is None else sum(1 for sid in w.leases if self._reading_key(sid) == key)
-        return self.reading.get(key, 0) > mine
-
-    def _reading_key(self, sid: str) -> tuple[str, int, int] | None:
-        s = self.shards.get(sid)
-        return None if s is None else (s.dataset, s.epoch, s.pindex)
 
     def _grant(self, ds: DatasetRecord, s: ShardRecord) -> LeaseGrant:
         part = ds.partitions[s.pindex]
@@ -428,19 +353,97 @@ class ShardCore(DatasetOps, CutOps, StagedOps, StreamOps):
         span = min(RATE_WINDOW, max(now - self.started, 1e-3))
         return records / span, acks / span
 
-    # ------------------------------------------------------------------ key-value (kv.py)
-    def kv_get(self, key: str) -> tuple[bytes, int] | None:
-        """(value, version) of ``key`` in the service's key-value store, or None when absent."""
-        return self.kv.get(key)
+    # ------------------------------------------------------------------ datasets (datasets.py)
+    def register_dataset(
+        self, spec: DatasetSpec, kind: SourceKind, partitions: list[Partition], schema_json: str
+    ) -> tuple[DatasetRecord, bool]:
+        """Register a dataset; returns (its record, whether it was created) (:func:`datasets.register`)."""
+        return datasets.register(self, self.streams, spec, kind, partitions, schema_json)
 
-    def kv_set(self, key: str, value: bytes, expected_version: int) -> tuple[bool, bytes, int]:
-        """Compare-and-set (:meth:`KvStore.set`)."""
-        return self.kv.set(key, value, expected_version)
+    def remove_dataset(self, name: str) -> tuple[int, int]:
+        """Forget dataset ``name``; returns (leases revoked, shards removed) (:func:`datasets.remove`)."""
+        return datasets.remove(self, self.cut_book, self.streams, self.staged, name)
 
-    def kv_delete(self, key: str, expected_version: int) -> tuple[bool, bytes, int]:
-        """Compare-and-delete (:meth:`KvStore.delete`)."""
-        return self.kv.delete(key, expected_version)
+    # ------------------------------------------------------------------ cuts (cuts.py)
+    @property
+    def committed(self) -> DataCursor:
+        """The committed cursor (the cut book's)."""
+        return self.cut_book.committed
 
-    def kv_delete_range(self, key: str, range_end: str) -> int:
-        """Remove the keys in ``[key, range_end)`` (:meth:`KvStore.delete_range`)."""
-        return self.kv.delete_range(key, range_end)
+    @property
+    def cuts(self) -> dict[int, CutRecord]:
+        """The cuts remembered, by id (the cut book's)."""
+        return self.cut_book.cuts
+
+    def acked_cursor(self, step: int | None = None) -> DataCursor:
+        """The committed cursor plus every ack with ``step <= step`` (all acks when None)."""
+        cursor = self.cut_book.committed.copy()
+        self.add_acks(cursor, step)
+        cursor.update(self.streams.upstream.lost)  # positions skipped as deleted upstream: the lost part (upstream.py)
+        return cursor
+
+    def cut_prepare(self, step: int | None = None, persisting: bool = False) -> CutRecord:
+        """The cut of ``step``: a new one, or the one already taken for ``step`` since the last commit or restore.
+
+        All ranks' acks with ``step <= step`` must be recorded before the first rank asks (a barrier after
+        each rank flushed its acks): later calls for the same step return the first call's cursor.
+        ``persisting``: its checkpoint will be persisted, so the cut is kept until it or a newer cut commits
+        (a slow persist still commits); other prepared cuts beyond ``cuts.MAX_PREPARED_CUTS`` are evicted.
+        """
+        return self.cut_book.prepare(step, persisting, self.acked_cursor)
+
+    def cut_commit(self, cut_id: int) -> DataCursor:
+        """Commit cut ``cut_id`` (its checkpoint is durable): the committed cursor, its shards compacted away."""
+        return self.cut_book.commit(cut_id, self.fold)
+
+    def restore(
+        self,
+        cursor: DataCursor | None = None,
+        cut_id: int | None = None,
+        *,
+        discard_committed: bool = False,
+        from_memory: bool = False,
+    ) -> tuple[int, int]:
+        """Reset to ``cursor`` (or the cursor of cut ``cut_id``). Returns (leases revoked, records requeued).
+
+        Everything outside the cursor is to be read again: leases are revoked and the uncovered ranges are
+        re-planned as fresh shards. ``from_memory``: ``cursor`` is of a shared-memory snapshot, not on storage:
+        the upstream commit limit stays at the newest durable checkpoint's cursor. An empty cursor while the
+        committed cursor is not empty is refused unless ``discard_committed`` (it throws all committed progress away).
+        """
+        if cursor is None:
+            cursor = self.cut_book.cursor_of(cut_id)
+        self.cut_book.check_reset(cursor, discard_committed)
+        fencing.check_restorable(cursor, self.datasets)
+        lost = self.streams.upstream.lost
+        lost.update(DataCursor(lost=dict(cursor.lost_items())))  # (a checkpoint taken on another master's state)
+        with self.journal.transaction():
+            revoked = self.revoke_leases()
+            requeued = sum(self.replan(ds, cursor.only(ds.name), lost) for ds in list(self.datasets.values()))
+            self.cut_book.reset(cursor, from_memory)
+            self.streams.upstream.save_lost()
+            self.save_counters()
+        return revoked, requeued
+
+    # ------------------------------------------------------------------ streams (streams.py, upstream.py)
+    def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
+        """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
+        return self.streams.extend_stream(name, polled, force)
+
+    def lag(self, ds: DatasetRecord) -> list[tuple[int, int, int]]:
+        """Per partition: (available end, committed end, lag in records between them)."""
+        return self.streams.lag(ds)
+
+    def committed_positions(self, ds: DatasetRecord) -> dict[str, int]:
+        """Per partition id: how far to commit upstream (:meth:`StreamPlanner.committed_positions`)."""
+        return self.streams.committed_positions(ds)
+
+    # ------------------------------------------------------------------ staged datasets (staged.py)
+    @property
+    def staged_commits(self) -> dict[tuple[str, str, str, int], tuple[int, list[str]]]:
+        """(dataset, producer, part, epoch) -> (records, file URIs) of each staged commit."""
+        return self.staged.staged_commits
+
+    def commit_staged(self, name: str, producer: str, part: str, epoch: int, files: list[FileFacts]) -> StagedOutcome:
+        """Commit the checked ``files`` under the key, or answer that the key was committed before."""
+        return self.staged.commit_staged(name, producer, part, epoch, files)

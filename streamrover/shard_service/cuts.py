@@ -1,4 +1,8 @@
-"""Cut, commit and restore: binding model states to data cursors (ARCHITECTURE.md, the exactly-once contract).
+"""The cut book: cuts, the committed cursor and the durable limits (ARCHITECTURE.md, the exactly-once contract).
+
+A part of the core (``ShardCore.cut_book``) with its own state: the cut records, the committed cursor, the
+durable and upstream cursors, the cut counters. It reads the shards only through what the core passes to a call
+(the acked cursor to cut, the fold of a committed cursor into the shards).
 
 - ``cut_prepare(step)``: the cursor of a model state = the committed cursor plus
   every ack with ``step <= step`` (all acks when ``step`` is None). Idempotent per step:
@@ -6,21 +10,19 @@
   one (the first call fixes the cursor), so the ranks' parts form one checkpoint.
 - ``cut_commit(cut_id)``: the checkpoint holding that cursor is durable; it
   becomes the committed cursor, and shards inside it are compacted away.
-- ``restore(cursor)``: everything outside the cursor is to be read again: leases
-  are revoked and the uncovered ranges are re-planned as fresh shards.
+- ``restore(cursor)`` (the core, with :meth:`CutBook.reset`): everything outside the cursor is to be read
+  again: leases are revoked and the uncovered ranges are re-planned as fresh shards.
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Callable
 
-from streamrover.cursor import DataCursor, IntervalSet
+from streamrover.cursor import DataCursor
 from streamrover.shard_service import fencing
-from streamrover.shard_service.api import FailedPreconditionError, NotFoundError, ShardState
-from streamrover.shard_service.bookkeeping import CutRecord, CutState, DatasetRecord
-from streamrover.shard_service.planner import plan_epoch
-from streamrover.shard_service.state import CoreState
-from streamrover.sources.api import SourceKind
+from streamrover.shard_service.api import FailedPreconditionError, NotFoundError
+from streamrover.shard_service.bookkeeping import CutRecord, CutState
+from streamrover.shard_service.journal import Journal
 
 KEEP_COMMITTED_CUTS = 8
 MAX_PREPARED_CUTS = 32  # cuts of snapshots not (yet) to be persisted: the oldest beyond this are evicted
@@ -30,30 +32,37 @@ REMEMBER_FORGOTTEN = 256
 PENDING = (CutState.PREPARED, CutState.PERSISTING)
 
 
-class CutOps(CoreState):
-    def acked_cursor(self, step: int | None = None) -> DataCursor:
-        """The committed cursor plus every ack with ``step <= step`` (all acks when None)."""
-        cursor = self.committed.copy()
-        for sid in self.unfolded:
-            s = self.shards[sid]
-            pos = s.start
-            for ack_step, ack_pos in s.acks:
-                if step is not None and ack_step is not None and ack_step > step:
-                    break
-                pos = ack_pos
-            if pos > s.start:
-                cursor.add(self._key(s), s.start, pos)
-        cursor.update(self.lost)  # positions skipped as deleted upstream: in the cursor's lost part (upstream.py)
-        return cursor
 
-    def cut_prepare(self, step: int | None = None, persisting: bool = False) -> CutRecord:
-        """The cut of ``step``: a new one, or the one already taken for ``step`` since the last commit or restore.
+class CutBook:
+    """The cuts taken, the committed cursor, and the durable limits of upstream commits, over the journal."""
 
-        All ranks' acks with ``step <= step`` must be recorded before the first rank asks (a barrier after
-        each rank flushed its acks): later calls for the same step return the first call's cursor.
-        ``persisting``: its checkpoint will be persisted, so the cut is kept until it or a newer cut commits
-        (a slow persist still commits); other prepared cuts beyond :data:`MAX_PREPARED_CUTS` are evicted.
-        """
+    def __init__(self, journal: Journal, clock: Callable[[], float]) -> None:
+        self.journal = journal
+        self.clock = clock
+        self.committed = journal.load_cursor()
+        self.cuts: dict[int, CutRecord] = {cut.id: cut for cut in journal.load_cuts()}
+        self.forgotten_cuts: dict[int, str] = {}  # recently forgotten uncommitted cuts -> why (memory only, bounded)
+        self.cut_commit_error = ""  # the last refused cut commit since the last successful one, and why
+        self.last_commit_time = 0.0  # when the last cut committed (memory only)
+        self._cut_seq = int(journal.get_meta("cut_seq") or 0)
+        self.last_committed_cut = int(journal.get_meta("last_committed_cut") or 0)
+        durable = journal.get_meta("durable_cursor")  # the newest checkpoint storage holds: the upstream limit
+        self.durable = DataCursor.from_json(durable) if durable else self.committed.copy()
+        upstream = journal.get_meta("upstream_cursor")  # the durable checkpoint before it: what upstream may hold
+        self.upstream = DataCursor.from_json(upstream) if upstream else self.durable.copy()
+
+    @property
+    def seq(self) -> int:
+        """The id of the newest cut taken (prepared or restored); a restore takes one."""
+        return self._cut_seq
+
+    def _save_counters(self) -> None:
+        self.journal.put_meta("cut_seq", str(self._cut_seq))
+        self.journal.put_meta("last_committed_cut", str(self.last_committed_cut))
+
+    def prepare(self, step: int | None, persisting: bool, acked: Callable[[int | None], DataCursor]) -> CutRecord:
+        """The cut of ``step``: a new one of cursor ``acked(step)``, or the one already taken for ``step`` since
+        the last commit or restore (the core's :meth:`~streamrover.shard_service.core.ShardCore.cut_prepare`)."""
         if step is not None:
             same = self._cut_of_step(step)
             if same is not None:
@@ -62,7 +71,7 @@ class CutOps(CoreState):
                     with self.journal.transaction():
                         self.journal.put_cut(same)
                 return same
-        cursor = self.acked_cursor(step)
+        cursor = acked(step)
         self._cut_seq += 1
         cut = CutRecord(self._cut_seq, step, cursor, CutState.PERSISTING if persisting else CutState.PREPARED)
         self.cuts[cut.id] = cut
@@ -96,17 +105,20 @@ class CutOps(CoreState):
                 return cut
         return None
 
-    def cut_commit(self, cut_id: int) -> DataCursor:
-        """Commit cut ``cut_id`` (its checkpoint is durable); a refusal is kept for ``status`` with its reason."""
+    def commit(self, cut_id: int, fold: Callable[[DataCursor], None]) -> DataCursor:
+        """Commit cut ``cut_id`` (its checkpoint is durable); a refusal is kept for ``status`` with its reason.
+
+        ``fold(committed)`` folds the new committed cursor into the shards, in the commit's journal transaction.
+        """
         try:
-            committed = self._cut_commit(cut_id)
+            committed = self._commit(cut_id, fold)
         except (NotFoundError, FailedPreconditionError) as exc:
             self.cut_commit_error = str(exc)
             raise
         self.cut_commit_error = ""
         return committed
 
-    def _cut_commit(self, cut_id: int) -> DataCursor:
+    def _commit(self, cut_id: int, fold: Callable[[DataCursor], None]) -> DataCursor:
         cut = self.cuts.get(cut_id)
         if cut is None:
             if cut_id in self.forgotten_cuts:
@@ -135,7 +147,7 @@ class CutOps(CoreState):
             self.committed = cut.cursor.copy()
             self.journal.put_cursor(self.committed)
             self._set_durable(self.committed, previous=self.durable)
-            self._fold_committed()
+            fold(self.committed)
             self._forget_cuts(keep_after=cut_id)
             self._save_counters()
         return self.committed.copy()
@@ -153,22 +165,9 @@ class CutOps(CoreState):
         self.journal.put_meta("durable_cursor", self.durable.to_json())
         self.journal.put_meta("upstream_cursor", self.upstream.to_json())
 
-    def persisting_cuts(self) -> int:
+    def persisting(self) -> int:
         """Prepared cuts whose checkpoints are being persisted."""
         return sum(1 for c in self.cuts.values() if c.state is CutState.PERSISTING)
-
-    def _fold_committed(self) -> None:
-        for sid in sorted(self.unfolded):
-            s = self.shards[sid]
-            covered = self.committed.get(self._key(s))
-            s.acks = [(st, pos) for st, pos in s.acks if not covered.covers(s.start, pos)]
-            if s.state is ShardState.ACKED and covered.covers(s.start, s.end):
-                self._drop_shard(sid)
-                self.journal.delete_shard(sid)
-                continue
-            if not s.acks:
-                self.unfolded.discard(sid)
-            self.journal.put_shard(s)
 
     def _forget_cuts(self, keep_after: int) -> None:
         committed = sorted(c.id for c in self.cuts.values() if c.state is CutState.COMMITTED)
@@ -177,26 +176,16 @@ class CutOps(CoreState):
             del self.cuts[cid]
             self.journal.delete_cut(cid)
 
-    # ------------------------------------------------------------------ restore
-    def restore(
-        self,
-        cursor: DataCursor | None = None,
-        cut_id: int | None = None,
-        *,
-        discard_committed: bool = False,
-        from_memory: bool = False,
-    ) -> tuple[int, int]:
-        """Reset to ``cursor`` (or the cursor of cut ``cut_id``). Returns (leases revoked, records requeued).
+    # ------------------------------------------------------------------ restore (the core's restore)
+    def cursor_of(self, cut_id: int | None) -> DataCursor:
+        """The cursor of remembered cut ``cut_id``; :class:`NotFoundError` when it is not remembered."""
+        cut = self.cuts.get(cut_id or 0)
+        if cut is None:
+            raise NotFoundError(f"cut {cut_id} is not remembered; restore from the checkpoint's cursor instead")
+        return cut.cursor
 
-        ``from_memory``: ``cursor`` is of a shared-memory snapshot, not on storage: the upstream commit limit
-        stays at the newest durable checkpoint's cursor. An empty cursor while the committed cursor is not
-        empty is refused unless ``discard_committed`` (it throws all committed progress away).
-        """
-        if cursor is None:
-            cut = self.cuts.get(cut_id or 0)
-            if cut is None:
-                raise NotFoundError(f"cut {cut_id} is not remembered; restore from the checkpoint's cursor instead")
-            cursor = cut.cursor
+    def check_reset(self, cursor: DataCursor, discard_committed: bool) -> None:
+        """Refuse a reset to an empty cursor while the committed one is not empty, unless ``discard_committed``."""
         if not cursor.keys() and self.committed.keys() and not discard_committed:
             parts = len(self.committed.keys())
             raise FailedPreconditionError(
@@ -206,59 +195,42 @@ class CutOps(CoreState):
                 "and restart; to start over on purpose pass discard_committed "
                 "(`streamrover restore --empty --discard-committed`)"
             )
-        fencing.check_restorable(cursor, self.datasets)
-        self.lost.update(DataCursor(lost=dict(cursor.lost_items())))  # (a checkpoint taken on another master's state)
-        revoked = 0
-        requeued = 0
-        with self.journal.transaction():
-            for sid in sorted(self.leased):
-                s = self.shards[sid]
-                w = self.workers.get(s.worker or "")
-                if w is not None:
-                    w.leases.discard(sid)
-                    w.revoked.add((sid, s.attempt))
-                revoked += 1
-            self.leased.clear()
-            for ds in self.datasets.values():
-                requeued += self._replan(ds, cursor.only(ds.name))
-            self.committed = cursor.copy()
-            self.journal.put_cursor(self.committed)
-            self.journal.put_meta("lost_cursor", self.lost.to_json())
-            # A memory snapshot is not on storage: the limits stay where they were, and are journalled even before
-            # any cut committed (a restart would otherwise take the restored cursor for durable).
-            if from_memory:
-                self._set_durable(self.durable, previous=self.upstream)
-            else:
-                self._set_durable(cursor)
-            for cid in [c.id for c in self.cuts.values() if c.state in PENDING]:
-                self._forget_cut(cid, f"discarded by a restore (cut {self._cut_seq + 1})")
-            self._cut_seq += 1
-            restored = CutRecord(self._cut_seq, None, cursor.copy(), CutState.COMMITTED)
-            self.cuts[restored.id] = restored
-            self.journal.put_cut(restored)
-            self.last_committed_cut = restored.id
-            self._forget_cuts(keep_after=restored.id)
-            self._save_counters()
-        return revoked, requeued
 
-    def _replan(self, ds: DatasetRecord, cursor: DataCursor) -> int:
-        for sid in sorted(self.by_dataset[ds.name]):
-            self.restore_revoked.add(sid)
-            self._drop_shard(sid)
-        self._new_dataset_indexes(ds.name)
-        self.journal.delete_shards_of(ds.name)
-        done = {(k.epoch, k.partition): ivs.copy() for k, ivs in cursor.items()}
-        for k, ivs in self.lost.only(ds.name).lost_items():  # deleted upstream: never planned again
-            done.setdefault((k.epoch, k.partition), IntervalSet()).update(ivs)
-        if ds.kind is SourceKind.BATCH:
-            ds.epochs_planned = max([k.epoch + 1 for k in cursor.keys()] + [1])
-        planned = list(
-            itertools.chain.from_iterable(
-                plan_epoch(ds.partitions, e, ds.shard_size, ds.spec.shuffle, ds.spec.seed, done, ds.runs)
-                for e in range(ds.epochs_planned)
-            )
-        )
-        self._add_planned(ds, planned)
-        self.journal.put_dataset(ds)
-        self.restore_revoked -= self.by_dataset[ds.name]
-        return sum(p.records for p in planned)
+    def reset(self, cursor: DataCursor, from_memory: bool) -> None:
+        """``cursor`` is committed by a restore (in the caller's transaction): pending cuts are discarded, and a
+        committed cut of the cursor is taken. ``from_memory``: the durable limits stay where they were."""
+        self.committed = cursor.copy()
+        self.journal.put_cursor(self.committed)
+        # A memory snapshot is not on storage: the limits stay where they were, and are journalled even before
+        # any cut committed (a restart would otherwise take the restored cursor for durable).
+        if from_memory:
+            self._set_durable(self.durable, previous=self.upstream)
+        else:
+            self._set_durable(cursor)
+        for cid in [c.id for c in self.cuts.values() if c.state in PENDING]:
+            self._forget_cut(cid, f"discarded by a restore (cut {self._cut_seq + 1})")
+        self._cut_seq += 1
+        restored = CutRecord(self._cut_seq, None, cursor.copy(), CutState.COMMITTED)
+        self.cuts[restored.id] = restored
+        self.journal.put_cut(restored)
+        self.last_committed_cut = restored.id
+        self._forget_cuts(keep_after=restored.id)
+        self._save_counters()
+
+    def forget_dataset(self, name: str) -> None:
+        """Drop dataset ``name`` from the committed and durable cursors and every cut (its removal's transaction)."""
+        if name in self.committed.datasets():
+            self.committed = without_dataset(self.committed, name)
+            self.journal.put_cursor(self.committed)
+        if name in self.durable.datasets():
+            self.durable = without_dataset(self.durable, name)
+            self.journal.put_meta("durable_cursor", self.durable.to_json())
+        for cut in self.cuts.values():  # a cut committed later must not bring the dataset back
+            if name in cut.cursor.datasets():
+                cut.cursor = without_dataset(cut.cursor, name)
+                self.journal.put_cut(cut)
+
+
+def without_dataset(cursor: DataCursor, name: str) -> DataCursor:
+    """``cursor`` less every entry of dataset ``name``."""
+    return DataCursor({k: v for k, v in cursor.items() if k.dataset != name})

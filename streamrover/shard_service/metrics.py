@@ -92,13 +92,13 @@ class JobCollector(Collector):
             acks.add_metric([], core.ack_log.acks_total)
             acked.add_metric([], core.ack_log.records_total)
             rps, aps = core.rates()
-            cut, cut_step = core.last_committed_cut, None
+            cut, cut_step = core.cut_book.last_committed_cut, None
             record = core.cuts.get(cut)
             if record is not None:
                 cut_step = record.step
-            persisting = core.persisting_cuts()
-            commit_error = core.cut_commit_error
-            commit_time = core.last_commit_time
+            persisting = core.cut_book.persisting()
+            commit_error = core.cut_book.cut_commit_error
+            commit_time = core.cut_book.last_commit_time
             uptime = now - core.started
             nodes = core.kv.scan(NODES_PREFIX)
         yield from (lag, ds_lag, shards, records, planned, dead, failed, finished, workers, w_leases, w_records,

@@ -79,7 +79,7 @@ class StreamPoller:
         log.error("dataset %s failed: %s", self.name, reason)
         with self.servicer.cond:
             if self.name in self.servicer.core.datasets:  # (not if it was removed meanwhile)
-                self.servicer.core.fail_dataset(self.name, reason)
+                self.servicer.core.streams.fail_dataset(self.name, reason)
             self.servicer.cond.notify_all()
 
     def _run(self) -> None:
@@ -132,7 +132,8 @@ class StreamPoller:
         with cond:
             if self._stop.is_set():  # removed (or resumed anew) while polling: plan nothing
                 return
-            lost = core.check_upstream(self.name, polled)  # records deleted upstream, ends gone back
+            # records deleted upstream, ends gone back
+            lost = core.streams.upstream.check(self.name, polled, core.acked_cursor)
             if lost:
                 raise _DataLost(lost)
             if core.extend_stream(self.name, polled):
@@ -143,7 +144,7 @@ class StreamPoller:
             raise _Missing(f"planned partition(s) {', '.join(gone)} missing from the source")
         self._missing_since = None
         with cond:
-            core.source_errors.pop(self.name, None)
+            core.streams.source_errors.pop(self.name, None)
         self._commit(source, polled)
 
     def _commit(self, source: MasterSource, polled: list[Partition]) -> None:
@@ -175,5 +176,5 @@ class StreamPoller:
 
     def _report(self, message: str) -> None:
         with self.servicer.cond:
-            since = self.servicer.core.source_errors.get(self.name, ("", time.time()))[1]
-            self.servicer.core.source_errors[self.name] = (message, since)
+            since = self.servicer.core.streams.source_errors.get(self.name, ("", time.time()))[1]
+            self.servicer.core.streams.source_errors[self.name] = (message, since)

@@ -73,7 +73,7 @@ class _KvMethods:
     @_rpc
     def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
         with self.cond:
-            found = self.core.kv_get(request.key)
+            found = self.core.kv.get(request.key)
         if found is None:
             return pb.KvGetResponse(found=False)
         return pb.KvGetResponse(found=True, value=found[0], version=found[1])
@@ -82,15 +82,15 @@ class _KvMethods:
     def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
         with self.cond:
             if request.delete:
-                ok, value, version = self.core.kv_delete(request.key, request.expected_version)
+                ok, value, version = self.core.kv.delete(request.key, request.expected_version)
             else:
-                ok, value, version = self.core.kv_set(request.key, request.value, request.expected_version)
+                ok, value, version = self.core.kv.set(request.key, request.value, request.expected_version)
         return pb.KvSetResponse(ok=ok, value=value, version=version)
 
     @_rpc
     def KvDeleteRange(self, request: pb.KvDeleteRangeRequest, context: Any) -> pb.KvDeleteRangeResponse:
         with self.cond:
-            return pb.KvDeleteRangeResponse(deleted=self.core.kv_delete_range(request.key, request.range_end))
+            return pb.KvDeleteRangeResponse(deleted=self.core.kv.delete_range(request.key, request.range_end))
 
 
 class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
@@ -172,7 +172,8 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             for msg, (avail, committed_end, part_lag) in zip(partitions, self.core.lag(ds)):
                 msg.available_end, msg.committed_end, msg.lag = avail, committed_end, part_lag
                 lag += part_lag
-        error = ds.failed or self.core.source_errors.get(ds.name, ("", 0.0))[0] or self.core.upstream_note(ds)
+        streams = self.core.streams
+        error = ds.failed or streams.source_errors.get(ds.name, ("", 0.0))[0] or streams.upstream.note(ds)
         return pb.DatasetInfo(
             spec=convert.spec_to_pb(ds.spec),
             kind=kind,
@@ -190,7 +191,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             schema_json=ds.schema_json,
             records_acked=counts.records_acked,
             records_committed=counts.records_committed,
-            lost_records=self.core.lost_records(ds),
+            lost_records=self.core.streams.upstream.lost_records(ds),
         )
 
     @_rpc
@@ -219,7 +220,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     @_rpc
     def ResumeDataset(self, request: pb.ResumeDatasetRequest, context: Any) -> pb.ResumeDatasetResponse:
         with self.cond:
-            resumed = self.core.resume_dataset(request.name, skip_lost=request.skip_lost)
+            resumed = self.core.streams.resume_dataset(request.name, skip_lost=request.skip_lost)
             ds = self.core.dataset(request.name)
             old = self.pollers.get(ds.name) if resumed and ds.kind is SourceKind.STREAM else None
         if old is not None:
@@ -374,7 +375,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
         with self.cond:
             committed = self.core.cut_commit(request.cut_id)
             self._commit_upstream()
-            trained = self.core.trained_staged_files()
+            trained = self.core.staged.trained_staged_files()
         delete_trained_files(trained)  # I/O outside the lock
         return pb.CutCommitResponse(committed=convert.cursor_to_pb(committed))
 
@@ -427,10 +428,10 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
                 workers=workers,
                 records_per_second=rps,
                 acks_per_second=aps,
-                last_committed_cut=self.core.last_committed_cut,
+                last_committed_cut=self.core.cut_book.last_committed_cut,
                 uptime_seconds=now - self.core.started,
-                cut_commit_error=self.core.cut_commit_error,
-                persisting_cuts=self.core.persisting_cuts(),
+                cut_commit_error=self.core.cut_book.cut_commit_error,
+                persisting_cuts=self.core.cut_book.persisting(),
             )
 
     @_rpc

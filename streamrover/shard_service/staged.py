@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from streamrover.shard_service.api import FailedPreconditionError, InvalidArgumentError, PartitionPlan
 from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.planner import plan_epoch
-from streamrover.shard_service.streams import StreamOps
+from streamrover.shard_service.state import CoreState
+from streamrover.shard_service.streams import StreamPlanner
 from streamrover.sources.staged import STAGING_DIR, FileFacts, in_staging, is_staged, retention
 
 
@@ -30,10 +31,29 @@ class StagedOutcome:
     keep: tuple[str, ...] = ()
 
 
-class StagedOps(StreamOps):
+class StagedCommits:
+    """Staged commits, a part of the core (``ShardCore.staged``): its own state is the committed keys with
+    their records and files (journalled); it adds partitions and shards through the shard table."""
+
+    def __init__(self, table: CoreState, streams: StreamPlanner) -> None:
+        self.table = table
+        self.streams = streams  # the committed positions (retention), the ends (a staged file's rows)
+        self.available = streams.available  # (dataset, partition index) -> end
+        self.retired_staged: set[tuple[str, str]] = set()  # (dataset, file uri) handed to retention (memory only)
+        # (dataset, producer, part, epoch) -> (records, file URIs) of each commit
+        self.staged_commits: dict[tuple[str, str, str, int], tuple[int, list[str]]] = {}
+        for dataset, producer, part, epoch, records, files in table.journal.load_staged():
+            self.staged_commits[(dataset, producer, part, epoch)] = (records, files)
+
+    def forget_dataset(self, name: str) -> None:
+        """Forget the commits of dataset ``name`` (it was removed; its journal rows with it)."""
+        for staged in [k for k in self.staged_commits if k[0] == name]:
+            del self.staged_commits[staged]
+        self.retired_staged = {k for k in self.retired_staged if k[0] != name}
+
     def staged_dataset(self, name: str) -> DatasetRecord:
         """The dataset ``name``, which must be a staged one (NOT_FOUND, else FAILED_PRECONDITION)."""
-        ds = self.dataset(name)
+        ds = self.table.dataset(name)
         if not is_staged(ds.spec.uri):
             raise FailedPreconditionError(
                 f"dataset {name!r} is not a staged dataset (its uri is {ds.spec.uri!r}); "
@@ -69,14 +89,14 @@ class StagedOps(StreamOps):
         run (:attr:`retired_staged`); one whose deletion failed is not retried before the master restarts.
         """
         out: dict[str, list[str]] = {}
-        for ds in self.datasets.values():
+        for ds in self.table.datasets.values():
             staging = ds.spec.options.get(STAGING_DIR, "")
             if not staging or not is_staged(ds.spec.uri) or retention(ds.spec.options) != "delete":
                 continue
             todo = [p for p in ds.partitions if (ds.name, p.id) not in self.retired_staged]
             if not todo:
                 continue
-            done = self.committed_positions(ds)
+            done = self.streams.committed_positions(ds)
             for plan in todo:
                 if done.get(plan.id, 0) >= plan.end:
                     self.retired_staged.add((ds.name, plan.id))
@@ -90,7 +110,7 @@ class StagedOps(StreamOps):
         if earlier is not None:
             return earlier
         ds = self.staged_dataset(name)
-        self.check_usable(ds)
+        self.table.check_usable(ds)
         known = ds.partition_by_id()
         schema = ds.schema_json if ds.schema_json not in ("", "[]") else ""
         for f in files:
@@ -115,9 +135,9 @@ class StagedOps(StreamOps):
         records = sum(f.rows for f in files)
         uris = [f.uri for f in files]
         self.staged_commits[(name, producer, part, epoch)] = (records, uris)
-        with self.journal.transaction():
-            self._add_planned(ds, plan_epoch(plans, 0, ds.shard_size, False, 0))
-            self.journal.put_dataset(ds)
-            self.journal.put_staged(name, producer, part, epoch, records, uris)
-            self._save_counters()
+        with self.table.journal.transaction():
+            self.table.add_planned(ds, plan_epoch(plans, 0, ds.shard_size, False, 0))
+            self.table.journal.put_dataset(ds)
+            self.table.journal.put_staged(name, producer, part, epoch, records, uris)
+            self.table.save_counters()
         return StagedOutcome(False, records, *self._garbage_scope(ds, producer, part, epoch))

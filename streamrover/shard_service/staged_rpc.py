@@ -59,7 +59,7 @@ def collect_garbage(outcome: StagedOutcome, producer: str, part: str, epoch: int
 
 
 def delete_trained_files(files: dict[str, list[str]]) -> int:
-    """Retention: delete trained committed files (``StagedOps.trained_staged_files``). Failures are logged."""
+    """Retention: delete trained committed files (``StagedCommits.trained_staged_files``). Failures are logged."""
     deleted = 0
     for staging_dir, urls in files.items():
         try:
@@ -80,11 +80,11 @@ def commit_staged(self: ShardServicer, request: pb.CommitStagedRequest, context:
         raise InvalidArgumentError(f"commit of {request.dataset!r}: epoch must be >= 0, got {request.epoch}")
     key = (request.dataset, request.producer, request.part, request.epoch)
     with self.cond:
-        outcome = self.core.staged_commit(*key)
+        outcome = self.core.staged.staged_commit(*key)
     if outcome is None:
         facts = check_files(request)  # I/O outside the lock
         with self.cond:
-            outcome = self.core.commit_staged(*key, facts)
+            outcome = self.core.staged.commit_staged(*key, facts)
             if not outcome.already:
                 self.cond.notify_all()  # lease calls waiting for shards
     collect_garbage(outcome, request.producer, request.part, request.epoch)

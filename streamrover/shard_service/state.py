@@ -1,25 +1,38 @@
-"""The in-memory state of the shard service core, loaded from and written through to the journal."""
+"""The shard table: the core's own state (datasets, shards and their queues, workers), loaded from and written
+through to the journal, and every shard state change (:data:`TRANSITIONS`).
+
+The parts the core composes keep their own state: the cut book (``cuts.py``: cuts, the committed and durable
+cursors), stream planning (``streams.py``, ``upstream.py``), staged commits (``staged.py``), the key-value
+store (``kv.py``). They change shards only through this table's public methods.
+"""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable
 
-from streamrover.cursor import DataCursor, PartitionKey
-from streamrover.shard_service.api import DEFAULT_LEASE_TTL, NotFoundError, ShardState, shard_id_for
-from streamrover.shard_service.bookkeeping import CutRecord, DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
+from streamrover.shard_service.api import (
+    DEFAULT_LEASE_TTL,
+    FailedPreconditionError,
+    NotFoundError,
+    ShardState,
+    shard_id_for,
+)
+from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.shard_service.journal import Journal
-from streamrover.shard_service.kv import KvStore
-from streamrover.shard_service.planner import PlannedShard
+from streamrover.shard_service.planner import PlannedShard, plan_epoch
+from streamrover.shard_service.tallies import AckRates, BoundedSet
+from streamrover.sources.api import SourceKind
 
 # shard ids discarded by restores that an ack is told about precisely ("revoked by a restore"); older
 # ones get the generic refusal. Memory only (a restarted master remembers none): refusals either way.
 MAX_RESTORE_REVOKED = 65_536
-RATE_WINDOW = 5.0  # seconds of acks the rates in status cover
-RATE_BUCKET = 0.1  # seconds per bucket of the ack rates: their memory is RATE_WINDOW / RATE_BUCKET buckets
+# how many queued shards a lease looks past for one of a partition no other worker reads
+AFFINITY_SCAN = 64
 
 
 class IllegalTransitionError(RuntimeError):
@@ -36,90 +49,11 @@ TRANSITIONS: dict[tuple[ShardState, ShardState], tuple[str, Callable[[ShardRecor
 }
 
 
-class BoundedSet:
-    """A set that forgets its oldest members beyond a size (read at each add, so tests may lower it)."""
-
-    def __init__(self, limit: Callable[[], int]) -> None:
-        self._limit = limit
-        self._items: dict[str, None] = {}
-
-    def add(self, item: str) -> None:
-        """Add ``item`` (as the newest member)."""
-        self._items.pop(item, None)
-        self._items[item] = None
-        if len(self._items) > 2 * self._limit():  # adds come in bulk, removals after them: trim lazily
-            self._trim()
-
-    def _trim(self) -> None:
-        excess = len(self._items) - self._limit()
-        if excess > 0:
-            for old in list(itertools.islice(self._items, excess)):
-                del self._items[old]
-
-    def discard(self, item: str) -> None:
-        """Remove ``item`` if present."""
-        self._items.pop(item, None)
-
-    def difference_update(self, items: Iterable[str]) -> None:
-        """Remove every member of ``items``, then forget the oldest beyond the limit."""
-        for item in items:
-            self._items.pop(item, None)
-        self._trim()
-
-    def __isub__(self, items: Iterable[str]) -> BoundedSet:
-        self.difference_update(items)
-        return self
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
-
-
-class AckRates:
-    """Records and acks of the last :data:`RATE_WINDOW` seconds, summed per :data:`RATE_BUCKET`: constant memory."""
-
-    def __init__(self) -> None:
-        self._buckets: deque[list[float]] = deque()  # [bucket number, records, acks], oldest first
-        self.records_total = 0  # since the master started (Prometheus counters)
-        self.acks_total = 0
-
-    def add(self, now: float, records: int) -> None:
-        """Count an ack of ``records`` records at time ``now``."""
-        key = now // RATE_BUCKET
-        self.records_total += records
-        self.acks_total += 1
-        if self._buckets and self._buckets[-1][0] == key:
-            self._buckets[-1][1] += records
-            self._buckets[-1][2] += 1
-        else:
-            self._buckets.append([key, float(records), 1.0])
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        oldest = (now - RATE_WINDOW) // RATE_BUCKET
-        while self._buckets and self._buckets[0][0] < oldest:
-            self._buckets.popleft()
-
-    def totals(self, now: float) -> tuple[float, float]:
-        """(records, acks) in the window that ends ``now``."""
-        self._trim(now)
-        return sum(b[1] for b in self._buckets), sum(b[2] for b in self._buckets)
-
-    def __len__(self) -> int:
-        return len(self._buckets)
-
-
 class CoreState:
-    """Indexes over the records (by dataset, queue order, leased, unfolded acks) and the journal counters."""
+    """The shard table: records of datasets, shards and workers, the indexes over them, and the journal counters."""
 
     def __init__(self, journal: Journal, lease_ttl: float = DEFAULT_LEASE_TTL, clock: Callable[[], float] = time.time):
         self.journal = journal
-        self.kv = KvStore(journal)  # a part of its own: touches only its rows (kv.py)
         self.lease_ttl = lease_ttl
         self.clock = clock
         self.datasets: dict[str, DatasetRecord] = {}
@@ -136,37 +70,14 @@ class CoreState:
         self.tails: dict[tuple[str, str], tuple[int, int, int]] = {}
         self.unfolded: set[str] = set()  # shards with acks not yet in the committed cursor
         self.workers: dict[str, WorkerRecord] = {}
-        self.committed = DataCursor()
-        self.cuts: dict[int, CutRecord] = {}
-        self.forgotten_cuts: dict[int, str] = {}  # recently forgotten uncommitted cuts -> why (memory only, bounded)
-        self.cut_commit_error = ""  # the last refused cut commit since the last successful one, and why
         self.restore_revoked = BoundedSet(lambda: MAX_RESTORE_REVOKED)
         self.ack_log = AckRates()
         self.events: Counter[str] = Counter()  # since start, memory only (metrics): leases_granted, joins, workers_lost
-        self.last_commit_time = 0.0  # when the last cut committed (memory only)
-        self.available: dict[tuple[str, int], int] = {}  # streams: (dataset, partition index) -> end at last poll
-        self.pending_since: dict[tuple[str, int], float] = {}  # streams: since when unplanned records wait
-        self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)
-        # streams, data deleted upstream and ends that go back (upstream.py)
-        lost = journal.get_meta("lost_cursor")
-        self.lost = DataCursor.from_json(lost) if lost else DataCursor()  # its lost part: positions skipped as lost
-        self.end_warnings: dict[str, str] = {}  # dataset -> the last end that went back (memory only)
-        self.earliest_seen: dict[tuple[str, int], tuple[int, int]] = {}  # (dataset, pindex) -> (earliest, cut seq)
-        self.skip_lost_once: set[str] = set()  # datasets resumed with skip_lost (memory only)
-        # staged datasets (staged.py): (dataset, producer, part, epoch) -> (records, file URIs) of each commit
-        self.staged_commits: dict[tuple[str, str, str, int], tuple[int, list[str]]] = {}
-        self.retired_staged: set[tuple[str, str]] = set()  # (dataset, file uri) handed to retention (staged.py)
         self.started = clock()
         self._lease_seq = int(journal.get_meta("lease_seq") or 0)
-        self._cut_seq = int(journal.get_meta("cut_seq") or 0)
         self._front = float(journal.get_meta("front_priority") or 0.0)
         self._back = float(journal.get_meta("back_priority") or 0.0)
-        self.last_committed_cut = int(journal.get_meta("last_committed_cut") or 0)
         self._load()
-        durable = journal.get_meta("durable_cursor")  # the newest checkpoint storage holds: the upstream limit
-        self.durable = DataCursor.from_json(durable) if durable else self.committed.copy()
-        upstream = journal.get_meta("upstream_cursor")  # the durable checkpoint before it: what upstream may hold
-        self.upstream = DataCursor.from_json(upstream) if upstream else self.durable.copy()
 
     # ------------------------------------------------------------------ loading
     def _load(self) -> None:
@@ -188,11 +99,6 @@ class CoreState:
                     self._push(s)
                 else:
                     worker.leases.add(s.id)
-        self.committed = self.journal.load_cursor()
-        for cut in self.journal.load_cuts():
-            self.cuts[cut.id] = cut
-        for dataset, producer, part, epoch, records, files in self.journal.load_staged():
-            self.staged_commits[(dataset, producer, part, epoch)] = (records, files)
 
     def _index(self, s: ShardRecord) -> None:
         self.shards[s.id] = s
@@ -230,7 +136,7 @@ class CoreState:
         else:
             self.leased.discard(s.id)
 
-    def _drop_shard(self, sid: str) -> ShardRecord:
+    def drop_shard(self, sid: str) -> ShardRecord:
         """Remove a shard from memory (the caller deletes its journal row)."""
         s = self.shards.pop(sid)
         self.by_dataset[s.dataset].discard(sid)
@@ -265,13 +171,17 @@ class CoreState:
             s.priority = self._front
         heapq.heappush(self.queues[s.dataset], (s.priority, s.id))
 
-    def _save_counters(self) -> None:
+    def save_counters(self) -> None:
+        """Journal the table's counters (lease attempts, queue priorities); call with a transaction open."""
         j = self.journal
         j.put_meta("lease_seq", str(self._lease_seq))
-        j.put_meta("cut_seq", str(self._cut_seq))
         j.put_meta("front_priority", repr(self._front))
         j.put_meta("back_priority", repr(self._back))
-        j.put_meta("last_committed_cut", str(self.last_committed_cut))
+
+    def add_dataset(self, ds: DatasetRecord) -> None:
+        """Add a new dataset's record (its shards are planned after)."""
+        self.datasets[ds.name] = ds
+        self._new_dataset_indexes(ds.name)
 
     def dataset(self, name: str) -> DatasetRecord:
         """The record of dataset ``name``; :class:`NotFoundError` naming the registered ones otherwise."""
@@ -281,7 +191,8 @@ class CoreState:
             raise NotFoundError(f"dataset {name!r} is not registered (registered: {known})")
         return ds
 
-    def _add_planned(self, ds: DatasetRecord, planned: Iterable[PlannedShard]) -> None:
+    def add_planned(self, ds: DatasetRecord, planned: Iterable[PlannedShard]) -> None:
+        """Add planned shards to ``ds`` (TODO, at the back of its queue) and journal them."""
         for p in planned:
             self._back += 1
             sid = shard_id_for(ds.name, p.epoch, p.partition.index, p.start, p.end)
@@ -289,5 +200,177 @@ class CoreState:
             self._index(s)
             self.journal.put_shard(s)
 
-    def _key(self, s: ShardRecord) -> PartitionKey:
+    def key_of(self, s: ShardRecord) -> PartitionKey:
+        """The cursor key of a shard's records: (dataset, epoch, partition id)."""
         return PartitionKey(s.dataset, s.epoch, self.datasets[s.dataset].partitions[s.pindex].id)
+
+    def shards_of(self, name: str, ordered: bool = False) -> list[ShardRecord]:
+        """The shards of dataset ``name`` (in shard id order when ``ordered``)."""
+        sids = self.by_dataset[name]
+        return [self.shards[sid] for sid in (sorted(sids) if ordered else sids)]
+
+    def check_usable(self, ds: DatasetRecord) -> None:
+        """Raise :class:`FailedPreconditionError` with the reason when the dataset failed."""
+        if ds.failed:
+            raise FailedPreconditionError(f"dataset {ds.name!r} failed: {ds.failed}")
+
+    def plan_next_epoch(self, ds: DatasetRecord) -> None:
+        """Plan the next epoch of a batch dataset (its shards join the back of the queue)."""
+        epoch = ds.epochs_planned
+        ds.epochs_planned += 1
+        spec = ds.spec
+        self.add_planned(ds, plan_epoch(ds.partitions, epoch, ds.shard_size, spec.shuffle, spec.seed))
+        self.journal.put_dataset(ds)
+
+    # ------------------------------------------------------------------ the queue
+    def pop_todo(self, ds: DatasetRecord, w: WorkerRecord | None = None) -> ShardRecord | None:
+        """The next shard to lease: queue order, with lease affinity for ``w`` unless the dataset is shuffled.
+
+        Affinity: a worker gets the shard that starts where the last shard it was granted ends
+        (its reader is positioned there: a Kafka consumer keeps its prefetched records), unless
+        a returned shard waits (those go first); otherwise the first shard in queue order of a
+        partition that no other worker is reading, so that workers do not leapfrog along one
+        partition. Neither changes what is leased, only in which order and to whom.
+        """
+        queue = self.queues[ds.name]
+        prefer = w is not None and not ds.spec.shuffle
+        while True:
+            head = self._queue_head(queue)
+            if prefer and w is not None and (head is None or head[0] >= 0):  # (front priorities are < 0)
+                tail = self.tails.get((w.id, ds.name))
+                sid = self.todo_at.get((ds.name, *tail)) if tail is not None else None
+                if sid is not None:
+                    return self.shards[sid]  # its queue entry is now stale and skipped later
+            skipped: list[tuple[float, str]] = []
+            found: ShardRecord | None = None
+            while queue:
+                prio, sid = heapq.heappop(queue)
+                s = self.shards.get(sid)
+                if s is None or s.state is not ShardState.TODO or s.priority != prio:
+                    continue  # stale
+                if prefer and prio >= 0 and len(skipped) < AFFINITY_SCAN and self._read_by_others(s, w):
+                    skipped.append((prio, sid))
+                    continue
+                found = s
+                break
+            if found is None and skipped:
+                found = self.shards[skipped.pop(0)[1]]
+            for item in skipped:
+                heapq.heappush(queue, item)
+            if found is not None:
+                return found
+            if ds.kind is SourceKind.BATCH and ds.epochs_planned < ds.spec.epochs:
+                self.plan_next_epoch(ds)
+                continue
+            return None
+
+    def _queue_head(self, queue: list[tuple[float, str]]) -> tuple[float, str] | None:
+        """The first live entry of a queue (stale entries in front of it are dropped)."""
+        while queue:
+            prio, sid = queue[0]
+            s = self.shards.get(sid)
+            if s is not None and s.state is ShardState.TODO and s.priority == prio:
+                return prio, sid
+            heapq.heappop(queue)
+        return None
+
+    def _read_by_others(self, s: ShardRecord, w: WorkerRecord | None) -> bool:
+        """Whether another worker than ``w`` holds a lease on ``s``'s partition (in ``s``'s epoch)."""
+        key = (s.dataset, s.epoch, s.pindex)
+        mine = 0 if w is None else sum(1 for sid in w.leases if self._reading_key(sid) == key)
+        return self.reading.get(key, 0) > mine
+
+    def _reading_key(self, sid: str) -> tuple[str, int, int] | None:
+        s = self.shards.get(sid)
+        return None if s is None else (s.dataset, s.epoch, s.pindex)
+
+    # ------------------------------------------------------------------ acks and the committed cursor
+    def add_acks(self, cursor: DataCursor, step: int | None = None) -> None:
+        """Add to ``cursor`` every ack not yet folded into the committed cursor with ``step <= step`` (all: None)."""
+        for sid in self.unfolded:
+            s = self.shards[sid]
+            pos = s.start
+            for ack_step, ack_pos in s.acks:
+                if step is not None and ack_step is not None and ack_step > step:
+                    break
+                pos = ack_pos
+            if pos > s.start:
+                cursor.add(self.key_of(s), s.start, pos)
+
+    def fold(self, committed: DataCursor) -> None:
+        """Fold a newly committed cursor into the shards: acks inside it are dropped, ACKED shards inside it too."""
+        for sid in sorted(self.unfolded):
+            s = self.shards[sid]
+            covered = committed.get(self.key_of(s))
+            s.acks = [(st, pos) for st, pos in s.acks if not covered.covers(s.start, pos)]
+            if s.state is ShardState.ACKED and covered.covers(s.start, s.end):
+                self.drop_shard(sid)
+                self.journal.delete_shard(sid)
+                continue
+            if not s.acks:
+                self.unfolded.discard(sid)
+            self.journal.put_shard(s)
+
+    # ------------------------------------------------------------------ restore and removal
+    def revoke_leases(self) -> int:
+        """Revoke every lease (a restore): workers learn at their next heartbeat. Returns how many."""
+        revoked = 0
+        for sid in sorted(self.leased):
+            s = self.shards[sid]
+            w = self.workers.get(s.worker or "")
+            if w is not None:
+                w.leases.discard(sid)
+                w.revoked.add((sid, s.attempt))
+            revoked += 1
+        self.leased.clear()
+        return revoked
+
+    def replan(self, ds: DatasetRecord, cursor: DataCursor, lost: DataCursor) -> int:
+        """Discard ``ds``'s shards and plan anew what ``cursor`` and ``lost`` lack. Returns the records planned."""
+        for sid in sorted(self.by_dataset[ds.name]):
+            self.restore_revoked.add(sid)
+            self.drop_shard(sid)
+        self._new_dataset_indexes(ds.name)
+        self.journal.delete_shards_of(ds.name)
+        done = {(k.epoch, k.partition): ivs.copy() for k, ivs in cursor.items()}
+        for k, ivs in lost.only(ds.name).lost_items():  # deleted upstream: never planned again
+            done.setdefault((k.epoch, k.partition), IntervalSet()).update(ivs)
+        if ds.kind is SourceKind.BATCH:
+            ds.epochs_planned = max([k.epoch + 1 for k in cursor.keys()] + [1])
+        planned = list(
+            itertools.chain.from_iterable(
+                plan_epoch(ds.partitions, e, ds.shard_size, ds.spec.shuffle, ds.spec.seed, done, ds.runs)
+                for e in range(ds.epochs_planned)
+            )
+        )
+        self.add_planned(ds, planned)
+        self.journal.put_dataset(ds)
+        self.restore_revoked -= self.by_dataset[ds.name]
+        return sum(p.records for p in planned)
+
+    def drop_dataset(self, name: str) -> tuple[int, list[str]]:
+        """Revoke the leases of dataset ``name`` and delete its shards, row and runs from the journal (in the
+        caller's transaction). Returns (leases revoked, shard ids dropped); :meth:`forget_dataset` follows."""
+        sids = sorted(self.by_dataset[name])
+        revoked = 0
+        for sid in sids:
+            s = self.shards[sid]
+            if s.state is ShardState.LEASED:
+                w = self.workers.get(s.worker or "")
+                if w is not None:
+                    w.leases.discard(sid)
+                    w.revoked.add((sid, s.attempt))
+                revoked += 1
+            self.drop_shard(sid)
+        self.journal.delete_shards_of(name)
+        self.journal.delete_dataset(name)
+        self.journal.delete_runs_of(name)
+        return revoked, sids
+
+    def forget_dataset(self, name: str) -> None:
+        """Forget dataset ``name``'s record and indexes once its rows are deleted (:meth:`drop_dataset`)."""
+        del self.datasets[name]
+        for index in (self.by_dataset, self.queues, self.state_counts):
+            index.pop(name, None)
+        for key in [k for k in self.tails if k[1] == name]:
+            del self.tails[key]

@@ -14,10 +14,12 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from streamrover.cursor import PartitionKey
-from streamrover.shard_service.api import FailedPreconditionError, PartitionPlan, ShardState
+from streamrover.shard_service.api import PartitionPlan, ShardState
 from streamrover.shard_service.bookkeeping import DatasetRecord
+from streamrover.shard_service.cuts import CutBook
 from streamrover.shard_service.planner import PlannedShard
-from streamrover.shard_service.upstream import UpstreamOps
+from streamrover.shard_service.state import CoreState
+from streamrover.shard_service.upstream import Upstream
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.options import StreamPlanning, planning_options
 from streamrover.sources.positions import RecordRuns
@@ -55,15 +57,29 @@ def full_shards(
     return shards, start
 
 
-class StreamOps(UpstreamOps):
-    """The core's stream operations: shards planned from polls, a dataset failed and resumed, lag, upstream commits."""
+class StreamPlanner:
+    """Stream planning, a part of the core (``ShardCore.streams``): shards planned from polls, a dataset failed
+    and resumed, lag, what to commit upstream, and (``upstream``) what polls say about deleted data.
+
+    Its own state: the ends of the last polls, since when records wait unplanned, the last source errors
+    (memory only), and the upstream part's. It plans through the shard table (``add_planned``) and reads the
+    committed and durable cursors from the cut book.
+    """
+
+    def __init__(self, table: CoreState, cut_book: CutBook) -> None:
+        self.table = table
+        self.cut_book = cut_book
+        self.available: dict[tuple[str, int], int] = {}  # (dataset, partition index) -> end at last poll
+        self.pending_since: dict[tuple[str, int], float] = {}  # since when unplanned records wait
+        self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)
+        self.upstream = Upstream(table, cut_book, self.available)
 
     def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
         """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
-        ds = self.dataset(name)
+        ds = self.table.dataset(name)
         if ds.kind is not SourceKind.STREAM or ds.failed:
             return 0
-        now = self.clock()
+        now = self.table.clock()
         size = ds.shard_size
         planning = stream_planning(ds)
         max_delay, max_pending = planning.max_delay_ms / 1000.0, planning.max_pending_shards
@@ -84,7 +100,7 @@ class StreamOps(UpstreamOps):
                 if seen.add(p.segments) and len(seen) != before:
                     changed = True
         changed = self._compact_runs(ds) or changed
-        pending = self.state_counts[name][ShardState.TODO]
+        pending = self.table.state_counts[name][ShardState.TODO]
         planned: list[PlannedShard] = []
         for plan in list(ds.partitions):
             key = (name, plan.index)
@@ -107,10 +123,10 @@ class StreamOps(UpstreamOps):
                 ds.partitions[plan.index] = replace(plan, end=end)
                 changed = True
         if planned or changed:
-            with self.journal.transaction():
-                self._add_planned(ds, [replace(p, partition=ds.partitions[p.partition.index]) for p in planned])
-                self.journal.put_dataset(ds)
-                self._save_counters()
+            with self.table.journal.transaction():
+                self.table.add_planned(ds, [replace(p, partition=ds.partitions[p.partition.index]) for p in planned])
+                self.table.journal.put_dataset(ds)
+                self.table.save_counters()
         return len(planned)
 
     def _compact_runs(self, ds: DatasetRecord) -> bool:
@@ -123,7 +139,8 @@ class StreamOps(UpstreamOps):
         if not any(len(runs) > 2 for runs in ds.runs.values()):
             return False
         upto = self.committed_positions(ds)
-        lost_from = {k.partition: ivs.to_list()[0][0] for k, ivs in self.lost.only(ds.name).lost_items() if ivs}
+        lost = self.upstream.lost.only(ds.name).lost_items()
+        lost_from = {k.partition: ivs.to_list()[0][0] for k, ivs in lost if ivs}
         changed = False
         for plan in ds.partitions:
             runs = ds.runs.get(plan.index)
@@ -133,38 +150,33 @@ class StreamOps(UpstreamOps):
 
     def fail_dataset(self, name: str, reason: str) -> None:
         """The dataset cannot go on (its topic was deleted...): refuse leases with ``reason`` from now on."""
-        ds = self.dataset(name)
+        ds = self.table.dataset(name)
         ds.failed = reason
-        with self.journal.transaction():
-            self.journal.put_dataset(ds)
+        with self.table.journal.transaction():
+            self.table.journal.put_dataset(ds)
 
     def resume_dataset(self, name: str, skip_lost: bool = False) -> bool:
         """Clear a dataset's failure (its cause was fixed): leases are granted again. False if it had not failed.
 
         ``skip_lost``: records deleted upstream so far are accounted as lost, as ``sr.on_data_loss=skip`` does.
         """
-        ds = self.dataset(name)
+        ds = self.table.dataset(name)
         if not ds.failed:
             return False
-        self.end_warnings.pop(name, None)
+        self.upstream.end_warnings.pop(name, None)
         if skip_lost:
-            self.skip_lost_once.add(name)
+            self.upstream.skip_lost_once.add(name)
         ds.failed = ""
-        with self.journal.transaction():
-            self.journal.put_dataset(ds)
+        with self.table.journal.transaction():
+            self.table.journal.put_dataset(ds)
         self.source_errors.pop(name, None)
         return True
-
-    def check_usable(self, ds: DatasetRecord) -> None:
-        """Raise :class:`FailedPreconditionError` with the reason when the dataset failed."""
-        if ds.failed:
-            raise FailedPreconditionError(f"dataset {ds.name!r} failed: {ds.failed}")
 
     def lag(self, ds: DatasetRecord) -> list[tuple[int, int, int]]:
         """Per partition: (available end, committed end, lag in records between them)."""
         out = []
         for plan in ds.partitions:
-            committed_end = self.done_positions(ds, plan).prefix_end(plan.start)
+            committed_end = self.upstream.done_positions(ds, plan).prefix_end(plan.start)
             avail = self.available.get((ds.name, plan.index), plan.end)
             out.append((avail, committed_end, ds.records_in(plan.index, committed_end, avail)))
         return out
@@ -184,11 +196,18 @@ class StreamOps(UpstreamOps):
         out: dict[str, int] = {}
         for plan in ds.partitions:
             key = PartitionKey(ds.name, 0, plan.id)
-            lost = self.lost.get_lost(key)
+            lost = self.upstream.lost.get_lost(key)
             ends = []
-            for cursor in (self.committed, self.durable, self.upstream):
+            for cursor in (self.cut_book.committed, self.cut_book.durable, self.cut_book.upstream):
                 done = cursor.get(key)
                 done.update(lost)
                 ends.append(done.prefix_end(plan.start))
             out[plan.id] = min(ends)
         return out
+
+    def forget_dataset(self, name: str) -> None:
+        """Forget what the polls of dataset ``name`` said (it was removed)."""
+        for keyed in (self.available, self.pending_since):
+            for pkey in [k for k in keyed if k[0] == name]:
+                del keyed[pkey]
+        self.source_errors.pop(name, None)

@@ -24,11 +24,13 @@ The master compares every poll with its plan before planning from it:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import InvalidArgumentError, PartitionPlan, ShardState
 from streamrover.shard_service.bookkeeping import DatasetRecord
+from streamrover.shard_service.cuts import CutBook
 from streamrover.shard_service.planner import PlannedShard
 from streamrover.shard_service.state import CoreState
 from streamrover.sources.api import Partition, SourceKind
@@ -43,14 +45,34 @@ def _ranges(ivs: list[tuple[int, int]], limit: int = 3) -> str:
     return shown + (f" and {len(ivs) - limit} more" if len(ivs) > limit else "")
 
 
-class UpstreamOps(CoreState):
-    def acked_cursor(self, step: int | None = None) -> DataCursor:
-        """The committed cursor plus acks (cuts.py's CutOps provides it in ShardCore)."""
-        raise NotImplementedError
+class Upstream:
+    """A part of stream planning (``StreamPlanner.upstream``) with its own state: the positions accounted as
+    lost (journalled), the ends gone back and the earliest positions seen (memory only).
 
-    def check_upstream(self, name: str, polled: list[Partition]) -> str:
-        """Compare a poll with the plan (before planning from it); returns why the dataset must fail, or ''."""
-        ds = self.dataset(name)
+    It reads the plan through the shard table (datasets, a dataset's shards) and the committed cursor through
+    the cut book; it changes shards only to re-plan those that covered lost positions.
+    """
+
+    def __init__(self, table: CoreState, cut_book: CutBook, available: dict[tuple[str, int], int]) -> None:
+        self.table = table
+        self.cut_book = cut_book
+        self.available = available  # the planner's: (dataset, partition index) -> end at last poll
+        lost = table.journal.get_meta(LOST_META)
+        self.lost = DataCursor.from_json(lost) if lost else DataCursor()  # its lost part: positions skipped as lost
+        self.end_warnings: dict[str, str] = {}  # dataset -> the last end that went back (memory only)
+        self.earliest_seen: dict[tuple[str, int], tuple[int, int]] = {}  # (dataset, pindex) -> (earliest, cut seq)
+        self.skip_lost_once: set[str] = set()  # datasets resumed with skip_lost (memory only)
+
+    def save_lost(self) -> None:
+        """Journal the lost positions (with a transaction open)."""
+        self.table.journal.put_meta(LOST_META, self.lost.to_json())
+
+    def check(self, name: str, polled: list[Partition], acked: Callable[[], DataCursor]) -> str:
+        """Compare a poll with the plan (before planning from it); returns why the dataset must fail, or ''.
+
+        ``acked()``: the committed cursor plus every ack (what was trained), asked once at most.
+        """
+        ds = self.table.dataset(name)
         if ds.kind is not SourceKind.STREAM or ds.failed:
             return ""
         policy = ds.spec.options.get("sr.on_data_loss", "fail")
@@ -68,11 +90,11 @@ class UpstreamOps(CoreState):
             self._check_end(ds, plan, p)
             if p.earliest is None or p.earliest <= plan.start:
                 continue
-            mark = (p.earliest, self._cut_seq)
+            mark = (p.earliest, self.cut_book.seq)
             if self.earliest_seen.get((name, plan.index)) == mark:
                 continue
             if trained is None:
-                trained = self.acked_cursor()
+                trained = acked()
             key = PartitionKey(name, 0, p.id)
             covered = trained.get(key)
             covered.update(self.lost.get_lost(key))
@@ -101,8 +123,7 @@ class UpstreamOps(CoreState):
     def _blocked(self, ds: DatasetRecord, pindex: int, skip: bool) -> IntervalSet:
         """Unread positions not to decide on now: of leased shards, and (to skip) of shards with unfolded acks."""
         blocked = IntervalSet()
-        for sid in self.by_dataset[ds.name]:
-            s = self.shards[sid]
+        for s in self.table.shards_of(ds.name):
             if s.pindex == pindex and (s.state is ShardState.LEASED or (skip and s.acks and s.acked_to < s.end)):
                 blocked.add(s.acked_to, s.end)
         return blocked
@@ -111,27 +132,27 @@ class UpstreamOps(CoreState):
         key = PartitionKey(ds.name, 0, plan.id)
         log.error("dataset %s: skipping %s positions %s, deleted upstream before they were trained",
                   ds.name, plan.id, _ranges(lost))  # fmt: skip
-        with self.journal.transaction():
+        with self.table.journal.transaction():
             for a, b in lost:
                 self.lost.add_lost(key, a, b)
-            for sid in sorted(self.by_dataset[ds.name]):
-                s = self.shards[sid]
+            for s in self.table.shards_of(ds.name, ordered=True):
                 if s.pindex != plan.index or s.state is not ShardState.TODO or s.acks or s.acked_to >= earliest:
                     continue
                 # what it acked is committed (no unfolded acks); the rest from ``earliest`` is read anew
-                self._drop_shard(sid)
-                self.journal.delete_shard(sid)
+                self.table.drop_shard(s.id)
+                self.table.journal.delete_shard(s.id)
                 rest = max(s.acked_to, earliest)
                 if rest < s.end:
                     part = ds.partitions[plan.index]
-                    self._add_planned(ds, [PlannedShard(0, part, rest, s.end, ds.records_in(plan.index, rest, s.end))])
+                    records = ds.records_in(plan.index, rest, s.end)
+                    self.table.add_planned(ds, [PlannedShard(0, part, rest, s.end, records)])
             current = ds.partitions[plan.index]
             if current.end < earliest:
                 ds.partitions[plan.index] = replace(current, end=earliest)
                 self.available[(ds.name, plan.index)] = max(self.available.get((ds.name, plan.index), 0), earliest)
-            self.journal.put_dataset(ds)
-            self.journal.put_meta(LOST_META, self.lost.to_json())
-            self._save_counters()
+            self.table.journal.put_dataset(ds)
+            self.save_lost()
+            self.table.save_counters()
 
     def _check_end(self, ds: DatasetRecord, plan: PartitionPlan, p: Partition) -> None:
         before = max(self.available.get((ds.name, plan.index), plan.end), plan.end)
@@ -149,11 +170,11 @@ class UpstreamOps(CoreState):
     def done_positions(self, ds: DatasetRecord, plan: PartitionPlan) -> IntervalSet:
         """A partition's positions that need no reading: committed, or accounted as lost."""
         key = PartitionKey(ds.name, 0, plan.id)
-        done = self.committed.get(key)
+        done = self.cut_book.committed.get(key)
         done.update(self.lost.get_lost(key))
         return done
 
-    def upstream_note(self, ds: DatasetRecord) -> str:
+    def note(self, ds: DatasetRecord) -> str:
         """For status: an end that went back, or the positions skipped as lost ('' if neither)."""
         if ds.name in self.end_warnings:
             return self.end_warnings[ds.name]
