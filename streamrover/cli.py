@@ -252,6 +252,7 @@ def _restore(console: Console, client: Any, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``streamrover`` command line; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["tf-ps-run"]:  # its own parser: everything after the script belongs to the script
         from streamrover.trainers.tensorflow.launcher import main as tf_ps_run

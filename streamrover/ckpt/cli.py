@@ -36,6 +36,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def handles(args: argparse.Namespace) -> bool:
+    """Whether ``args`` is a ``checkpoints`` command (this module runs it)."""
     return bool(args.command == "checkpoints")
 
 

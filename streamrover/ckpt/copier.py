@@ -64,6 +64,7 @@ class CopyJob:
 
     @property
     def chunks(self) -> int:
+        """How many chunks the copy is cut into."""
         return len(self._chunks)
 
     def start(self, helpers: int = 1, name: str = "ckpt-copy") -> None:
@@ -106,6 +107,7 @@ class CopyJob:
             self._done.set()
 
     def done(self) -> bool:
+        """Whether every chunk is copied (or the copy failed)."""
         return self._done.is_set()
 
     def wait(self, help: bool = True) -> None:

@@ -53,6 +53,7 @@ class TensorEntry:
     value: Any  # the torch.Tensor or np.ndarray (None once read back from a header)
 
     def table_row(self, offset: int) -> dict[str, Any]:
+        """The entry's row of a part's tensor table: kind, dtype, shape, ``offset`` and size in bytes."""
         return {
             "kind": self.kind,
             "dtype": self.dtype,
@@ -79,6 +80,7 @@ def torch_dtype_name(value: Any) -> str:
 
 
 def numpy_dtype_name(value: np.ndarray | np.generic) -> str:
+    """The safetensors dtype name of a numpy value's dtype; :class:`UnsupportedStateError` when it has none."""
     try:
         return _NUMPY_TO_ST[value.dtype.name]
     except KeyError:

@@ -30,10 +30,12 @@ _STEP_DIR = re.compile(r"^step-(\d{12})$")
 
 
 def step_dir(step: int) -> str:
+    """The directory name of step ``step``'s checkpoint (zero-padded: names sort as steps do)."""
     return f"step-{step:012d}"
 
 
 def part_names(rank: int) -> tuple[str, str]:
+    """The file names of rank ``rank``'s part: (tensor data, part document)."""
     return f"rank-{rank:05d}.safetensors", f"rank-{rank:05d}.json"
 
 
@@ -48,6 +50,7 @@ def list_steps(storage: Storage) -> list[int]:
 
 
 def complete_steps(storage: Storage) -> list[int]:
+    """Steps whose checkpoint is complete (its manifest is published), ascending."""
     return [s for s in list_steps(storage) if storage.exists(storage.join(step_dir(s), MANIFEST))]
 
 
@@ -105,6 +108,9 @@ def sealed(doc: dict[str, Any]) -> bytes:
 
 
 def unseal(blob: bytes | bytearray, what: str) -> dict[str, Any]:
+    """The JSON document ``blob`` less its ``self_checksum``, once that checks; :class:`CorruptCheckpointError`
+    (naming ``what``) otherwise.
+    """
     try:
         doc = json.loads(bytes(blob))
     except ValueError as exc:
@@ -177,6 +183,9 @@ def build_manifest(storage: Storage, step: int, world_size: int) -> bytes | None
 
 
 def read_manifest(storage: Storage, step: int) -> dict[str, Any]:
+    """Step ``step``'s manifest, verified; :class:`CorruptCheckpointError` if it is missing, corrupt or of another
+    step or format.
+    """
     path = storage.join(step_dir(step), MANIFEST)
     try:
         blob = storage.read(path)

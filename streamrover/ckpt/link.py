@@ -138,9 +138,11 @@ class SaverLink:
             self._sock = None
 
     def ready(self) -> bool:
+        """Whether the saver is connected and has said it is ready."""
         return self._ready.is_set() and self._sock is not None
 
     def send_persist(self, index: int, name: str, generation: int, step: int) -> None:
+        """Ask the saver to persist buffer ``index`` (``name``) holding ``step`` at seqlock ``generation``."""
         assert self._sock is not None
         with self._send_lock:
             wire.send(self._sock, "persist", index=index, name=name, generation=generation, step=step)

@@ -29,6 +29,7 @@ HELPER_FROM_CHUNKS = 4  # a blocking copy of more chunks than this gets a helper
 
 
 def buffer_name(namespace: str, rank: int, index: int) -> str:
+    """The shared-memory name of snapshot buffer ``index`` of ``rank`` in ``namespace``."""
     return f"srckpt-{_SAFE.sub('_', namespace)}-r{rank}-b{index}"
 
 
@@ -79,10 +80,12 @@ class Snapshot:
 
     @property
     def step(self) -> int:
+        """The training step of the snapshot."""
         return int(self.header["step"])
 
     @property
     def seq(self) -> int:
+        """The snapshot's sequence number (the newest snapshot has the highest)."""
         return int(self.header["seq"])
 
 
@@ -111,6 +114,7 @@ class MemoryEngine:
         self.attach()
 
     def names(self) -> list[str]:
+        """The shared-memory names of this rank's buffers."""
         return [buffer_name(self.namespace, self.rank, i) for i in range(self.num_buffers)]
 
     def attach(self) -> None:
@@ -123,6 +127,7 @@ class MemoryEngine:
             self._seq = max(self._seq, newest.seq)
 
     def capacity_needed(self, entries: list[TensorEntry]) -> int:
+        """Bytes a buffer needs to hold tensors ``entries`` (data and header)."""
         _, data_end = plan_layout(entries)
         return data_end + HEADER_RESERVE
 
@@ -153,6 +158,7 @@ class MemoryEngine:
 
     # -- reading -------------------------------------------------------------
     def snapshots(self) -> list[Snapshot]:
+        """The complete snapshots held by this rank's mapped buffers (a buffer being written holds none)."""
         out = []
         for i, buf in enumerate(self.buffers):
             if buf is None:
@@ -163,6 +169,7 @@ class MemoryEngine:
         return out
 
     def newest(self) -> Snapshot | None:
+        """The newest complete snapshot, or None."""
         snaps = self.snapshots()
         return max(snaps, key=lambda s: s.seq) if snaps else None
 
@@ -266,6 +273,7 @@ class MemoryEngine:
             self._prefault = None
 
     def unlink(self) -> None:
+        """Close the buffers and remove them from ``/dev/shm`` (the snapshots are gone)."""
         self._join_prefault()
         for buf in self.buffers:
             if buf is not None:

@@ -202,6 +202,9 @@ class CheckpointSaver:
         self._listener = wire.listen(self.address)
 
     def serve_forever(self) -> None:
+        """Serve trainer sessions until :meth:`stop`, or until no trainer was connected for ``linger`` seconds; then
+        wait for the sessions and remove orphaned buffers.
+        """
         if self._listener is None:
             self.bind()
         assert self._listener is not None
@@ -232,6 +235,7 @@ class CheckpointSaver:
             self._unlink_orphans()
 
     def stop(self) -> None:
+        """Make :meth:`serve_forever` return (after the sessions it serves end)."""
         self._stopping = True
         os.write(self._wake_w, b"x")
 
@@ -286,6 +290,7 @@ class CheckpointSaver:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a checkpoint saver process (``python -m streamrover.ckpt``); returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m streamrover.ckpt", description=__doc__)
     parser.add_argument("--address", required=True, help="abstract socket address (a leading '@' means NUL)")
     parser.add_argument("--linger", type=float, default=600.0, help="seconds to stay up with no trainer connected")

@@ -39,10 +39,12 @@ _HDR = struct.Struct("<QQI")  # header_offset, header_len, header_crc
 
 
 def align(n: int, to: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
     return (n + to - 1) // to * to
 
 
 def shm_path(name: str) -> str:
+    """The ``/dev/shm`` path of shared-memory object ``name``."""
     return os.path.join(SHM_DIR, name)
 
 
@@ -147,6 +149,7 @@ class SharedBuffer:
             pass
 
     def unlink(self) -> None:
+        """Remove the buffer from ``/dev/shm`` (mappings stay valid until closed); gone already is fine."""
         try:
             os.unlink(shm_path(self.name))
         except FileNotFoundError:
@@ -154,6 +157,7 @@ class SharedBuffer:
 
     # -- seqlock ---------------------------------------------------------------
     def generation(self) -> int:
+        """The seqlock generation: odd while a write is in progress, even when the content is whole."""
         value: int = _GEN.unpack_from(self.mm, 8)[0]
         return value
 

@@ -35,8 +35,13 @@ CHECKSUM_ALGO = "crc32"  # zlib, ~4 GB/s on one core; "sha256" (or any hashlib n
 
 
 class Hasher(Protocol):
-    def update(self, data: Any, /) -> None: ...
-    def hexdigest(self) -> str: ...
+    """What a checksum needs of a hash: :mod:`hashlib`'s interface."""
+
+    def update(self, data: Any, /) -> None:
+        """Hash ``data`` (bytes-like) after what was hashed so far."""
+
+    def hexdigest(self) -> str:
+        """The digest of everything hashed, in hex."""
 
 
 class _Crc32:
@@ -51,12 +56,14 @@ class _Crc32:
 
 
 def new_hasher(algo: str) -> Hasher:
+    """A hasher for ``algo`` (``crc32`` or any :mod:`hashlib` name)."""
     if algo == "crc32":
         return _Crc32()
     return hashlib.new(algo)
 
 
 def checksum(data: Any, algo: str = CHECKSUM_ALGO) -> str:
+    """``algo:hexdigest`` of ``data``."""
     h = new_hasher(algo)
     h.update(data)
     return f"{algo}:{h.hexdigest()}"
@@ -115,6 +122,7 @@ class Storage:
             self.local = True
 
     def join(self, *parts: str) -> str:
+        """The path of ``parts`` under the storage root."""
         if self.local:
             return os.path.join(self.root, *parts)
         return "/".join([self.root.rstrip("/"), *parts])
@@ -161,6 +169,7 @@ class Storage:
         return written, digest
 
     def write_bytes(self, path: str, data: bytes, algo: str = CHECKSUM_ALGO) -> str:
+        """Write ``data`` atomically to ``path``; return its checksum."""
         return self.write(path, [data], algo)[1]
 
     def _tmp_name(self, path: str) -> str:
@@ -260,9 +269,11 @@ class Storage:
         return sorted(p.rstrip("/").rpartition("/")[2] for p in self.fs.ls(path, detail=False))
 
     def remove(self, path: str) -> None:
+        """Remove file ``path``; a file already gone (or a failure to remove it) is ignored."""
         self._remove_quietly(path)
 
     def remove_tree(self, path: str) -> None:
+        """Remove directory ``path`` and everything under it; gone already is fine."""
         if self.local:
             shutil.rmtree(path, ignore_errors=True)
         elif self.fs.exists(path):

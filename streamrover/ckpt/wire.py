@@ -42,6 +42,9 @@ def saver_address(namespace: str) -> str:
 
 
 def send(sock: socket.socket, kind: str, **fields: Any) -> None:
+    """Send one message of ``kind`` with ``fields`` (JSON, one packet); ``ValueError`` when over ``MAX_MESSAGE``
+    bytes.
+    """
     blob = json.dumps({"kind": kind, **fields}, separators=(",", ":")).encode()
     if len(blob) > MAX_MESSAGE:
         raise ValueError(f"saver message {kind!r} is {len(blob)} bytes, over {MAX_MESSAGE}")
@@ -73,6 +76,7 @@ def listen(address: str) -> socket.socket:
 
 
 def connect(address: str) -> socket.socket:
+    """A socket connected to the saver at ``address`` (a Unix SOCK_SEQPACKET socket)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.connect(address)

@@ -57,6 +57,7 @@ class NodeState(enum.Enum):
 
     @property
     def ended(self) -> bool:
+        """Whether the node is done (neither pending nor running)."""
         return self not in (NodeState.PENDING, NodeState.RUNNING)
 
 

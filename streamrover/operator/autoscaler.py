@@ -41,6 +41,7 @@ from streamrover.operator.spec import AutoscalingSpec
 
 @dataclass(frozen=True)
 class Sample:
+    """One look at the job: when, the stream's lag and records consumed so far (records), and the nodes running."""
     at: float
     lag: int
     consumed: int
@@ -63,6 +64,7 @@ class Decision:
     why: str
 
     def describe(self) -> str:
+        """The decision and the figures behind it, in one line (for events and logs)."""
         return (f"{self.why}: lag {self.lag:,} (target {self.target_lag:,.0f}), produced {self.produce_rate:,.0f}/s, "
                 f"consumed {self.consume_rate:,.0f}/s ({self.per_node_rate:,.0f}/s per node), "
                 f"needed {self.needed}")  # fmt: skip

@@ -32,6 +32,7 @@ class CgroupRoot:
 
     @property
     def enforcement(self) -> str:
+        """How memory limits are enforced, for status: ``cgroup-v1`` or ``cgroup-v2``."""
         return f"cgroup-v{self.version}"
 
     def create(self, name: str, memory: int | None) -> NodeCgroup:
@@ -54,6 +55,7 @@ class NodeCgroup:
     version: int
 
     def set_memory(self, nbytes: int) -> None:
+        """Limit the group's memory to ``nbytes`` (and, in v2, its swap to none)."""
         if self.version == 2:
             (self.path / "memory.max").write_text(str(nbytes))
             swap = self.path / "memory.swap.max"
@@ -63,9 +65,11 @@ class NodeCgroup:
             (self.path / "memory.limit_in_bytes").write_text(str(nbytes))
 
     def add(self, pid: int) -> None:
+        """Move process ``pid`` into the group."""
         (self.path / "cgroup.procs").write_text(str(pid))
 
     def pids(self) -> list[int]:
+        """The processes in the group (none once it is gone)."""
         try:
             return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
         except FileNotFoundError:
@@ -84,6 +88,7 @@ class NodeCgroup:
         return 0
 
     def peak(self) -> int | None:
+        """The group's peak memory use in bytes, or None when the kernel does not say."""
         name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
         try:
             return int((self.path / name).read_text())

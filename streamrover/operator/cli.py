@@ -70,6 +70,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def handles(args: argparse.Namespace) -> bool:
+    """Whether ``args`` is one of this module's commands (run, jobs, stop, scale)."""
     return args.command in ("run", "jobs", "stop", "scale")
 
 

@@ -83,6 +83,7 @@ class JobController:
         self._published: int | None = None  # the desired node count the agents were told
 
     def request_stop(self, *_: Any) -> None:
+        """Ask the controller to stop the job (a signal handler: the arguments are ignored)."""
         self._stop.set()
 
     def resolve_token(self) -> str:

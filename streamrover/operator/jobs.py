@@ -34,6 +34,7 @@ def home() -> Path:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temporary file renamed over it)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
@@ -47,18 +48,22 @@ class JobDir:
 
     @property
     def name(self) -> str:
+        """The job's name."""
         return self.path.name
 
     @property
     def status_path(self) -> Path:
+        """Where the controller writes the job's status document."""
         return self.path / "status.json"
 
     @property
     def pid_path(self) -> Path:
+        """Where the job's controller writes its pid."""
         return self.path / "controller.pid"
 
     @property
     def requests(self) -> Path:
+        """The directory of requests to the controller (scale)."""
         return self.path / "requests"
 
     def controller_pid(self) -> int | None:
@@ -91,13 +96,16 @@ class JobDir:
         return doc
 
     def write_status(self, doc: dict[str, Any]) -> None:
+        """Write the job's status document ``doc`` (atomically)."""
         write_atomic(self.status_path, json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
 
     def request_scale(self, nodes: int) -> None:
+        """Ask the controller to scale the job to ``nodes`` nodes."""
         self.requests.mkdir(exist_ok=True)
         write_atomic(self.requests / "scale.json", json.dumps({"nodes": nodes, "at": time.time()}))
 
     def take_scale_request(self) -> int | None:
+        """The nodes a pending scale request asks for (the request is consumed), or None."""
         path = self.requests / "scale.json"
         try:
             nodes = int(json.loads(path.read_text())["nodes"])
@@ -118,6 +126,9 @@ class JobDir:
 
 
 def job_dir(name: str, root: Path | None = None, create: bool = False) -> JobDir:
+    """The directory of job ``name`` (made when ``create``); :class:`JobNotFoundError` naming the known jobs
+    otherwise.
+    """
     path = (root or home()) / "jobs" / name
     if create:
         path.mkdir(parents=True, exist_ok=True)
@@ -128,5 +139,6 @@ def job_dir(name: str, root: Path | None = None, create: bool = False) -> JobDir
 
 
 def list_jobs(root: Path | None = None) -> list[JobDir]:
+    """Every job's directory, by name."""
     base = (root or home()) / "jobs"
     return [JobDir(p) for p in sorted(base.iterdir()) if p.is_dir()] if base.is_dir() else []

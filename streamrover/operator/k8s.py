@@ -70,6 +70,7 @@ def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def pod_name(job: str, node_id: str) -> str:
+    """The name of node ``node_id``'s pod in job ``job`` (a valid Kubernetes name)."""
     return f"{job}-{node_id.replace('.', '-')}"
 
 

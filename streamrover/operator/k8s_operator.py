@@ -69,6 +69,9 @@ class ResourceJob(JobDir):
     state: dict[str, Any] = field(default_factory=dict)
 
     def write_status(self, doc: dict[str, Any]) -> None:
+        """Patch the resource's status with ``doc`` (unchanged status is written at most every ``STATUS_EVERY``
+        seconds).
+        """
         status = resource_status(doc)
         key = json.dumps(status, sort_keys=True, default=str)
         now = time.monotonic()
@@ -79,6 +82,7 @@ class ResourceJob(JobDir):
         self.state.update(written=key, at=now)
 
     def take_scale_request(self) -> int | None:
+        """The replicas the resource's spec asks for when they changed since last asked, else None."""
         wanted = (self.body.get("spec") or {}).get("replicas")
         if wanted is None or wanted == self.state.get("replicas"):
             return None
@@ -102,6 +106,7 @@ def resource_status(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def patch_status(api: Any, namespace: str, name: str, status: dict[str, Any]) -> None:
+    """Patch the status subresource of ``StreamTrainJob`` ``name`` in ``namespace``."""
     from kubernetes import client
 
     client.CustomObjectsApi(api).patch_namespaced_custom_object_status(

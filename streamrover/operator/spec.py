@@ -361,6 +361,7 @@ def json_schema() -> dict[str, Any]:
 
 
 def schema_text() -> str:
+    """The job spec's JSON schema as committed (``python -m streamrover.operator.spec --schema`` writes it)."""
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 
 

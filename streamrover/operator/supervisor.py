@@ -47,6 +47,7 @@ HealthReader = Callable[[str, str], "dict[str, Any] | None"]  # (run id, node id
 
 
 class JobPhase(enum.Enum):
+    """Where a job is in its life; the last three are final."""
     STARTING = "starting"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -55,6 +56,7 @@ class JobPhase(enum.Enum):
 
     @property
     def ended(self) -> bool:
+        """Whether the phase is final (succeeded, failed or stopped)."""
         return self in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)
 
 
@@ -80,6 +82,7 @@ class NodeRecord:
     launched: bool = True  # False: the platform could not start it (nothing to observe)
 
     def view(self, now: float) -> dict[str, Any]:
+        """The node as the status document shows it (at time ``now``)."""
         out = asdict(self)
         out["state"] = self.state.value
         out["memory"] = format_memory(self.memory) if self.memory else None
@@ -90,6 +93,7 @@ class NodeRecord:
 
 @dataclass(frozen=True)
 class Event:
+    """Something that happened to the job or one of its nodes (``node`` empty: the job), for status."""
     at: float
     kind: str
     node: str
@@ -133,11 +137,13 @@ class Supervisor:
 
     # -- events and the status document ----------------------------------------------------
     def event(self, kind: str, node: str, message: str) -> None:
+        """Record an event (the newest ``MAX_EVENTS`` are kept) and log it."""
         self.events.append(Event(self.clock(), kind, node, message))
         del self.events[:-MAX_EVENTS]
         log.info("%s %s: %s", kind, node or "job", message)
 
     def status(self) -> dict[str, Any]:
+        """The job's status document: phase, nodes, scale, the master, recent events."""
         now = self.clock()
         lo, hi = self.spec.scale_bounds
         return {
@@ -342,4 +348,5 @@ class Supervisor:
 
 
 def status_json(status: dict[str, Any]) -> str:
+    """A status document as JSON text."""
     return json.dumps(status, indent=2, sort_keys=True, default=str)

@@ -58,6 +58,7 @@ class AdminClient:
 
     # ------------------------------------------------------------------ datasets
     def register_dataset(self, spec: DatasetSpec) -> pb.RegisterDatasetResponse:
+        """Register a dataset (idempotent for the same spec); the response says whether it was created."""
         return self._call(self._stub.RegisterDataset, pb.RegisterDatasetRequest(spec=convert.spec_to_pb(spec)))
 
     def describe_dataset(self, name: str, spec_only: bool = False) -> pb.DatasetInfo:
@@ -69,6 +70,7 @@ class AdminClient:
         return self._call(self._stub.RemoveDataset, pb.RemoveDatasetRequest(name=name))
 
     def list_datasets(self) -> list[pb.DatasetInfo]:
+        """Every registered dataset with its partitions and counts."""
         return list(self._call(self._stub.ListDatasets, pb.ListDatasetsRequest()).datasets)
 
     def resume_dataset(self, name: str, skip_lost: bool = False) -> pb.ResumeDatasetResponse:
@@ -90,6 +92,7 @@ class AdminClient:
         return self._call(self._stub.CommitStaged, request)
 
     def status(self) -> pb.StatusResponse:
+        """The job's status: datasets, workers, rates, the last committed cut."""
         return self._call(self._stub.Status, pb.StatusRequest())
 
     def report(self, values: Mapping[str, float], step: int | None = None, reporter: str | None = None) -> None:

@@ -126,6 +126,7 @@ class ShardClient(AdminClient):
 
     # ------------------------------------------------------------------- worker
     def join(self) -> str:
+        """Join the job as a worker (:meth:`ShardService.join`); returns the worker id and starts the heartbeats."""
         resp = self._call(self._stub.Join, pb.JoinRequest(name=self.name, worker_id=self.worker_id))
         self.worker_id = resp.worker_id
         self._left = False

@@ -78,6 +78,7 @@ class QueuedAck:
 
     @property
     def key(self) -> tuple[str, str, int, bool, int]:
+        """What two acks in a row must share for the later to merge into the earlier: worker, shard, attempt, step."""
         r = self.request
         return r.worker_id, r.shard_id, r.attempt, r.has_step, r.step
 
@@ -212,6 +213,7 @@ class AckQueue:
             return failures
 
     def raise_failures(self) -> None:
+        """Raise :class:`AckFailedError` with the refused acks not yet reported, if any."""
         failures = self.take_failures()
         if failures:
             raise AckFailedError(failures)

@@ -35,10 +35,12 @@ class LeasedShard:
 
     @property
     def shard_id(self) -> str:
+        """The leased shard's id."""
         return self.lease.shard_id
 
     @property
     def revoked(self) -> bool:
+        """Whether the lease was taken back (stop reading; do not ack)."""
         return self.client.leases.is_revoked(self)
 
     def batches(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[ReadBatch]:

@@ -124,6 +124,7 @@ class MasterServer:
             self._stopped.wait(30)
 
     def stop(self, grace: float = 1.0) -> None:
+        """Stop serving (calls in flight get ``grace`` seconds), stop the dashboard, close the journal."""
         self._server.stop(grace).wait()
         if self.dashboard is not None:
             self.dashboard.stop()

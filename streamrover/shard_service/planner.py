@@ -22,6 +22,7 @@ from streamrover.sources.positions import RecordRuns
 
 @dataclass(frozen=True)
 class PlannedShard:
+    """A shard to add: ``[start, end)`` of ``partition`` in ``epoch``, with the records it holds."""
     epoch: int
     partition: PartitionPlan
     start: int

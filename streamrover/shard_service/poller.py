@@ -46,6 +46,7 @@ class _Missing(Exception):
 
 
 class StreamPoller:
+    """One stream dataset's poll thread: plans shards from the source's ends, commits upstream after cuts."""
     def __init__(self, servicer: ShardServicer, name: str) -> None:
         self.servicer = servicer
         self.name = name
@@ -57,6 +58,7 @@ class StreamPoller:
         self._thread = threading.Thread(target=self._run, name=f"poll-{name}", daemon=True)
 
     def start(self) -> None:
+        """Start the poll thread."""
         self._thread.start()
 
     def request_stop(self) -> None:
@@ -65,6 +67,7 @@ class StreamPoller:
         self._wake.set()
 
     def stop(self) -> None:
+        """Stop the poll thread and wait for it (up to 10 s; not when called from it)."""
         self.request_stop()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)

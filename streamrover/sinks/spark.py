@@ -58,6 +58,7 @@ class SparkTrainingSink:
 
     @property
     def client(self) -> ShardClient:
+        """The client of the master (made on first use)."""
         if self._client is None:
             self._client = ShardClient(self.master, token=self.token, heartbeat=False, timeout=120)
         return self._client
@@ -107,6 +108,7 @@ class SparkTrainingSink:
         self._ready = True
 
     def close(self) -> None:
+        """Close the client of the master, if one was made."""
         if self._client is not None:
             self._client.close()
             self._client = None

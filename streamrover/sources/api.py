@@ -81,6 +81,7 @@ class SourceUnavailableError(SourceError):
 
 
 class SourceKind(enum.Enum):
+    """Whether a source is bounded (batch) or unbounded (stream)."""
     BATCH = "batch"  # bounded: partitions and their ends are fixed when the dataset is registered
     STREAM = "stream"  # unbounded: end positions keep moving, partitions may be added
 
@@ -129,6 +130,7 @@ class ReadBatch:
 
     @property
     def num_records(self) -> int:
+        """How many records the batch holds (positions may hold none or several)."""
         return int(self.records.num_rows)
 
 

@@ -154,6 +154,9 @@ def _is_eof(msg: Any) -> bool:
 
 
 class KafkaSource(Source):
+    """A Kafka topic's partitions as a stream (``kafka://``; URI and options in the module docstring); positions are
+    offsets.
+    """
     kind = SourceKind.STREAM
     dense_positions = False
 

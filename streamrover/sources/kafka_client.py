@@ -60,6 +60,9 @@ class TopicDeadLetters(DeadLetters):
         self._producer = Producer(conf)
 
     def send(self, partition_id: str, msg: Message, error: Exception) -> None:
+        """Produce ``msg``, which failed to decode with ``error``, to the dead-letter topic (its partition, offset
+        and error in headers).
+        """
         headers: list[tuple[str, str | bytes | None]] = [
             ("sr.partition", partition_id.encode()),
             ("sr.offset", str(msg.position).encode()),

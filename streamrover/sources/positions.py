@@ -98,10 +98,12 @@ class RecordRuns:
         return f"RecordRuns({list(self)!r})"
 
     def to_list(self) -> list[list[int]]:
+        """The runs as ``[[start, end], ...]`` (JSON-ready)."""
         return [[a, b] for a, b in self]
 
     @classmethod
     def from_list(cls, items: Iterable[Iterable[int]]) -> RecordRuns:
+        """Runs from :meth:`to_list` output."""
         return cls((int(a), int(b)) for a, b in items)
 
     def between(self, start: int, end: int) -> list[tuple[int, int]]:

@@ -105,6 +105,9 @@ REGISTER_BUDGET = 60.0  # ... and the first listing, which reads up to the end
 
 
 class PulsarSource(Source):
+    """A Pulsar topic's partitions as a stream (``pulsar://``; URI and options in the module docstring); positions
+    are sparse (ledger and entry ids: :mod:`.pulsar_positions`).
+    """
     kind = SourceKind.STREAM
     dense_positions = False
 

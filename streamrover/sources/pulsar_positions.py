@@ -62,6 +62,9 @@ class PositionCodec:
         self.ledger_bits = 63 - entry_bits
 
     def encode(self, ledger_id: int, entry_id: int) -> int:
+        """The position of entry ``entry_id`` of ledger ``ledger_id``; :class:`SourceError` when either does not fit
+        its bits.
+        """
         if not 0 <= entry_id < 1 << self.entry_bits:
             raise SourceError(
                 f"Pulsar entry id {entry_id} (ledger {ledger_id}) does not fit in sr.entry_bits={self.entry_bits}: "
@@ -75,4 +78,5 @@ class PositionCodec:
         return ledger_id << self.entry_bits | entry_id
 
     def decode(self, position: int) -> tuple[int, int]:
+        """(ledger id, entry id) of ``position``."""
         return position >> self.entry_bits, position & ((1 << self.entry_bits) - 1)

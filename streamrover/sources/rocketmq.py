@@ -83,6 +83,9 @@ def parse_uri(uri: str) -> tuple[list[str], str]:
 
 
 class RocketMQSource(Source):
+    """A RocketMQ topic's message queues as a stream (``rocketmq://``; URI and options in the module docstring);
+    positions are queue offsets (dense).
+    """
     kind = SourceKind.STREAM
     dense_positions = True
 

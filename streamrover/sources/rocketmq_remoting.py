@@ -55,12 +55,14 @@ class RemotingConnectionError(Exception):
 
 @dataclass(frozen=True)
 class Response:
+    """A remoting response: its code, remark, extension fields and body."""
     code: int
     remark: str | None
     fields: dict[str, str]
     body: bytes
 
     def check(self, request: str) -> Response:
+        """This response if it succeeded; :class:`RemotingError` naming ``request`` otherwise."""
         if self.code != SUCCESS:
             raise RemotingError(self.code, self.remark, request)
         return self
@@ -116,6 +118,7 @@ class RemotingClient:
         return Response(int(resp["code"]), resp.get("remark"), {str(k): str(v) for k, v in ext.items()}, payload)
 
     def close(self) -> None:
+        """Close every connection (a later request connects again)."""
         with self._guard:
             for address in list(self._socks):
                 self._drop(address)

@@ -51,6 +51,7 @@ def parse_schema(text: str) -> pa.Schema:
 
 @dataclass(frozen=True)
 class Message:
+    """One record as a source read it: its position, value and key (``index`` within a position holding several)."""
     position: int
     value: bytes
     key: bytes | None = None
@@ -67,6 +68,9 @@ class DeadLetters:
         """Make every record sent so far durable (called before the batch that holds them is handed out)."""
 
     def send(self, partition_id: str, msg: Message, error: Exception) -> None:
+        """Write ``msg``, which failed to decode with ``error``, to the dead-letter directory; :class:`SourceError`
+        when ``sr.dead_letter_dir`` is not set.
+        """
         if not self.directory:
             raise SourceError(
                 f"record at {partition_id} position {msg.position} cannot be decoded ({error}); set "

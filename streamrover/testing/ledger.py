@@ -38,6 +38,7 @@ class LedgerConflict(Exception):
 
 @dataclass(frozen=True)
 class LedgerReport:
+    """What a ledger holds against the records produced (:meth:`Ledger.verify`)."""
     expected: int
     applied: int  # records applied, counting repeats
     unique: int
@@ -50,6 +51,7 @@ class LedgerReport:
 
     @property
     def exact(self) -> bool:
+        """Every produced record applied exactly once, nothing else applied."""
         return self.duplicates == 0 and self.missing == 0 and self.unexpected == 0 and self.id_sum_ok
 
     def __str__(self) -> str:
@@ -63,6 +65,9 @@ class LedgerReport:
 
 
 class Ledger:
+    """A transactional sink for the exactly-once tests: the record ids applied, per shard a position written by
+    compare-and-set (SQLite).
+    """
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._db = sqlite3.connect(str(self.path), isolation_level=None, timeout=60.0)
@@ -71,13 +76,16 @@ class Ledger:
         self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
+        """Close the ledger's database."""
         self._db.close()
 
     def position(self, shard_id: str) -> int | None:
+        """The ledger's position for ``shard_id`` (where its next write must start), or None before any."""
         row = self._db.execute("SELECT position FROM positions WHERE shard_id = ?", (shard_id,)).fetchone()
         return None if row is None else int(row[0])
 
     def note(self, kind: str, shard_id: str, detail: str) -> None:
+        """Record an event of ``kind`` for ``shard_id`` (counted by :meth:`event_count`)."""
         self._db.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (kind, shard_id, detail, time.time()))
 
     def apply(self, shard_id: str, start: int, end: int, ids: np.ndarray, worker: str) -> None:
@@ -108,16 +116,20 @@ class Ledger:
             raise
 
     def applied_ids(self) -> np.ndarray:
+        """Every record id applied, repeats included."""
         blobs = [np.frombuffer(b, dtype=np.int64) for (b,) in self._db.execute("SELECT ids FROM chunks")]
         return np.concatenate(blobs) if blobs else np.zeros(0, dtype=np.int64)
 
     def positions(self) -> dict[str, int]:
+        """The ledger's position of every shard written."""
         return {str(k): int(v) for k, v in self._db.execute("SELECT shard_id, position FROM positions")}
 
     def event_count(self, kind: str) -> int:
+        """How many events of ``kind`` were noted."""
         return int(self._db.execute("SELECT COUNT(*) FROM events WHERE kind = ?", (kind,)).fetchone()[0])
 
     def verify(self, expected_ids: np.ndarray) -> LedgerReport:
+        """Compare the applied ids with ``expected_ids`` (the records produced)."""
         applied = self.applied_ids()
         expected = np.unique(np.asarray(expected_ids, dtype=np.int64))
         uniq, counts = np.unique(applied, return_counts=True)

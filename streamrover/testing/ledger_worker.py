@@ -49,6 +49,7 @@ def consume_shard(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Consume the dataset's shards into the ledger until the dataset ends; returns the exit status."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--master", required=True)
     p.add_argument("--token", required=True)

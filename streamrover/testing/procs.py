@@ -33,6 +33,7 @@ class MasterProcess:
 
     @property
     def address(self) -> str:
+        """HOST:PORT of the master (its port once started)."""
         return f"127.0.0.1:{self.port}"
 
     @property
@@ -41,6 +42,7 @@ class MasterProcess:
         return (self.state_dir / "dashboard.url").read_text().strip()
 
     def start(self, timeout: float = 30.0) -> None:
+        """Start the master process; returns once it listens (``TimeoutError`` after ``timeout`` seconds)."""
         cmd = [
             sys.executable,
             "-m",
@@ -72,15 +74,18 @@ class MasterProcess:
         self.starts += 1
 
     def kill(self) -> None:
+        """SIGKILL the master (nothing is flushed or closed) and reap it."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
 
     def restart(self) -> None:
+        """Kill the master, then start it again on the same state dir and port."""
         self.kill()
         self.start()
 
     def stop(self) -> None:
+        """Terminate the master (SIGTERM), killing it after 10 s."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -89,6 +94,7 @@ class MasterProcess:
                 self.kill()
 
     def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the master's log ('' if unreadable)."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:

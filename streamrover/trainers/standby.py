@@ -333,6 +333,7 @@ def _run(spec: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """A standby's process: import the warm modules, then run the worker the agent hands over its socket."""
     argv = sys.argv[1:] if argv is None else argv
     sock = socket.socket(fileno=int(argv[0]))
     _set_parent_death_signal(signal.SIGKILL)  # an unused standby never outlives its agent

@@ -99,6 +99,7 @@ class ClusterSpec:
         return {"chief": [self.chief], "ps": list(self.ps), "worker": list(self.workers)}
 
     def to_json(self) -> str:
+        """The cluster as TensorFlow's ``TF_CONFIG`` cluster JSON (:meth:`from_json` reads it back)."""
         return json.dumps(self.as_tf(), sort_keys=True)
 
     @classmethod

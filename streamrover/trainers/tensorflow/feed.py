@@ -80,6 +80,7 @@ class LeaseFeed:
         self._thread: threading.Thread | None = None
 
     def start(self) -> LeaseFeed:
+        """Start the feed's reading thread; returns the feed."""
         self._thread = threading.Thread(target=self._run, name=f"lease-feed-{self.dataset}", daemon=True)
         self._thread.start()
         return self

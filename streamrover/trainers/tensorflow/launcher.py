@@ -118,6 +118,7 @@ class PSJob:
 
     # -- processes ------------------------------------------------------------------------
     def spec(self) -> ClusterSpec:
+        """The job's cluster: chief, parameter servers and workers."""
         return ClusterSpec(self.chief_addr, list(self.ps_addrs), list(self.worker_addrs))
 
     def _log(self, name: str) -> IO[bytes]:

@@ -60,6 +60,7 @@ class HealthReporter:
         self._beat.start()
 
     def stop_heartbeat(self) -> None:
+        """Stop the heartbeats (waits up to 10 s for the heartbeat thread)."""
         self._stopped.set()
         if self._beat is not None:
             self._beat.join(timeout=10)
@@ -199,6 +200,9 @@ class StreamroverAgent(LocalElasticAgent):
         return int(getattr(getattr(holder, "state", None), "round", -1))
 
     def run(self, role: str = "default") -> RunResult:
+        """Run the workers as torch's agent does (with the checkpoint saver started first); the health of the run is
+        reported to the master.
+        """
         self._start_saver()
         if self._standby is not None:  # warm while this node waits in its first rendezvous (a joining node's
             self._standby.schedule_fill(0.0)  # group forms only after the others stopped theirs)

@@ -37,6 +37,7 @@ class WorkerEnv:
 
     @property
     def under_agent(self) -> bool:
+        """Whether the checkpoint saver is the agent's (the worker runs under ``dlrover-run``)."""
         return self.saver == "agent"
 
 

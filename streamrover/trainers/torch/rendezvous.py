@@ -58,9 +58,11 @@ class MasterRendezvousBackend(RendezvousBackend):
 
     @property
     def name(self) -> str:
+        """The backend's name (``--rdzv-backend``)."""
         return BACKEND_NAME
 
     def get_state(self) -> tuple[bytes, Any] | None:
+        """(state, fencing token) from the master's key-value store, or None when there is none."""
         try:
             found = self._client.kv_get(self._key)
         except ShardServiceError as exc:
@@ -68,6 +70,9 @@ class MasterRendezvousBackend(RendezvousBackend):
         return found
 
     def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
+        """Compare-and-set the state under ``token`` (None: create it); (current state, its token, whether this write
+        won).
+        """
         if token is not None and not isinstance(token, int):
             raise RendezvousStateError(f"the fencing token {token!r} did not come from this backend")
         try:
@@ -157,6 +162,7 @@ class MasterStore(Store):
 
     # -- the c10d Store interface ----------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
+        """Set ``key`` to ``value``."""
         data = value.encode() if isinstance(value, str) else bytes(value)
         _, version = self._read(key)
         while True:
@@ -165,9 +171,11 @@ class MasterStore(Store):
                 return
 
     def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting until it is set (up to the store's timeout)."""
         return self._poll([key], None)[key]
 
     def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer at ``key`` (0 when unset); returns the new value."""
         current, version = self._read(key)
         while True:
             new = int(current or b"0") + amount
@@ -176,6 +184,7 @@ class MasterStore(Store):
                 return new
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (empty: unset); returns what torch's Store returns."""
         want = expected.encode() if isinstance(expected, str) else bytes(expected)
         new = desired.encode() if isinstance(desired, str) else bytes(desired)
         current, version = self._read(key)
@@ -188,12 +197,15 @@ class MasterStore(Store):
             return current if current is not None else want
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Wait until every key of ``keys`` is set (``timeout``, else the store's)."""
         self._poll(list(keys), timeout)
 
     def check(self, keys: list[str]) -> bool:
+        """Whether every key of ``keys`` is set."""
         return all(self._read(k)[0] is not None for k in keys)
 
     def delete_key(self, key: str) -> bool:
+        """Delete ``key``; whether it was there."""
         current, version = self._read(key)
         while current is not None:
             ok, current, version = self._cas(key, None, version)
@@ -202,6 +214,7 @@ class MasterStore(Store):
         return False
 
     def num_keys(self) -> int:
+        """Not supported by the master's store (``NotImplementedError``)."""
         raise NotImplementedError("the master's store does not count keys")
 
 

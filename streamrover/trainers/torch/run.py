@@ -45,6 +45,7 @@ EXIT_BARRIER_TIMEOUT = 30.0  # seconds a finished node waits for the others of i
 
 
 def build_parser() -> ArgumentParser:
+    """torchrun's argument parser with streamrover's options added."""
     parser = get_args_parser()
     parser.prog = "dlrover-run"
     parser.description = "torchrun, with streams: " + (parser.description or "")
@@ -65,6 +66,7 @@ def build_parser() -> ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
+    """Parse ``argv`` as ``dlrover-run`` does (``--standalone``, a single static node: a private store)."""
     args = build_parser().parse_args(argv)
     if args.standalone:  # as torchrun's run(): c10d on a private store
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
@@ -182,6 +184,7 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
 
 @record
 def main(argv: list[str] | None = None) -> None:
+    """``dlrover-run``: run a torch job's workers under streamrover's agent."""
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     register()
     args = parse_args(sys.argv[1:] if argv is None else argv)
