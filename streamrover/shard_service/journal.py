@@ -107,6 +107,7 @@ class Journal:
             raise JournalError(f"journal {self.path} has schema version {version}; this build reads {SCHEMA_VERSION}")
 
     def close(self) -> None:
+        """Close the database (an open group of transactions is committed first, unless a write failed)."""
         if self._group_open and not self.failed:
             self.commit()
         self._db.close()
@@ -194,6 +195,7 @@ class Journal:
 
     # -- meta ----------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:
+        """The value of meta key ``key``, or None."""
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else str(row[0])
 
@@ -206,6 +208,7 @@ class Journal:
 
     # -- datasets ------------------------------------------------------------
     def put_dataset(self, ds: DatasetRecord) -> None:
+        """Write a dataset's row (and the record runs of its sparse partitions that changed)."""
         floors = {i: runs.floor for i, runs in ds.runs.items() if runs.floor is not None}
         parts = json.dumps([[p.index, p.id, p.start, p.end, *([floors[p.index]] if p.index in floors else [])]
                             for p in ds.partitions])  # fmt: skip
@@ -233,6 +236,7 @@ class Journal:
         )
 
     def load_datasets(self) -> list[DatasetRecord]:
+        """Every dataset's record, by name."""
         out = []
         rows = self._db.execute("SELECT * FROM datasets ORDER BY name")
         for _name, spec, kind, parts, schema, epochs, dead, failed in rows:
@@ -263,10 +267,12 @@ class Journal:
         self._db.execute("DELETE FROM runs WHERE dataset = ?", (dataset,))
 
     def delete_dataset(self, name: str) -> None:
+        """Delete dataset ``name``'s row."""
         self._db.execute("DELETE FROM datasets WHERE name = ?", (name,))
 
     # -- shards --------------------------------------------------------------
     def put_shard(self, s: ShardRecord) -> None:
+        """Write a shard's row."""
         self._db.execute(
             "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -287,12 +293,15 @@ class Journal:
         )
 
     def delete_shard(self, shard_id: str) -> None:
+        """Delete a shard's row."""
         self._db.execute("DELETE FROM shards WHERE id = ?", (shard_id,))
 
     def delete_shards_of(self, dataset: str) -> None:
+        """Delete the rows of every shard of ``dataset``."""
         self._db.execute("DELETE FROM shards WHERE dataset = ?", (dataset,))
 
     def load_shards(self) -> list[ShardRecord]:
+        """Every shard's record."""
         out = []
         for row in self._db.execute("SELECT * FROM shards"):
             sid, ds, epoch, pindex, start, end, state, attempt, worker, acked_to, acks, acked_by, prio = row
@@ -317,15 +326,18 @@ class Journal:
 
     # -- workers -------------------------------------------------------------
     def put_worker(self, w: WorkerRecord) -> None:
+        """Write a worker's row (its last lease request, for retries)."""
         self._db.execute(
             "INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?)",
             (w.id, w.name, w.last_request_id, json.dumps(w.last_lease_ids)),
         )
 
     def delete_worker(self, worker_id: str) -> None:
+        """Delete a worker's row."""
         self._db.execute("DELETE FROM workers WHERE id = ?", (worker_id,))
 
     def load_workers(self) -> list[WorkerRecord]:
+        """Every worker's record (liveness is not journalled)."""
         return [
             WorkerRecord(id=i, name=n, last_request_id=r, last_lease_ids=json.loads(ids))
             for i, n, r, ids in self._db.execute("SELECT * FROM workers")
@@ -341,6 +353,7 @@ class Journal:
         )
 
     def load_cursor(self) -> DataCursor:
+        """The committed cursor."""
         entries = {
             PartitionKey(ds, epoch, part): IntervalSet.from_list(json.loads(ivs))
             for ds, epoch, part, ivs in self._db.execute("SELECT * FROM cursor")
@@ -349,14 +362,17 @@ class Journal:
 
     # -- cuts ----------------------------------------------------------------
     def put_cut(self, cut: CutRecord) -> None:
+        """Write a cut's row."""
         self._db.execute(
             "INSERT OR REPLACE INTO cuts VALUES (?, ?, ?, ?)", (cut.id, cut.step, cut.cursor.to_json(), cut.state.value)
         )
 
     def delete_cut(self, cut_id: int) -> None:
+        """Delete a cut's row."""
         self._db.execute("DELETE FROM cuts WHERE id = ?", (cut_id,))
 
     def load_cuts(self) -> list[CutRecord]:
+        """Every remembered cut, by id."""
         return [
             CutRecord(int(i), None if step is None else int(step), DataCursor.from_json(c), CutState(state))
             for i, step, c, state in self._db.execute("SELECT * FROM cuts ORDER BY id")
@@ -364,13 +380,16 @@ class Journal:
 
     # -- key-value store -------------------------------------------------------
     def kv_get(self, key: str) -> tuple[bytes, int] | None:
+        """(value, version) of key ``key`` of the key-value store, or None."""
         row = self._db.execute("SELECT value, version FROM kv WHERE key = ?", (key,)).fetchone()
         return None if row is None else (bytes(row[0]), int(row[1]))
 
     def kv_put(self, key: str, value: bytes, version: int) -> None:
+        """Write key ``key`` at ``version``."""
         self._db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?)", (key, value, version))
 
     def kv_delete(self, key: str) -> None:
+        """Delete key ``key``."""
         self._db.execute("DELETE FROM kv WHERE key = ?", (key,))
 
     def kv_delete_range(self, key: str, range_end: str) -> tuple[int, int]:
@@ -389,16 +408,19 @@ class Journal:
 
     # -- staged commits (sinks) ------------------------------------------------
     def put_staged(self, dataset: str, producer: str, part: str, epoch: int, records: int, files: list[str]) -> None:
+        """Record a staged commit: its key (dataset, producer, part, epoch), records and files."""
         self._db.execute(
             "INSERT INTO staged VALUES (?, ?, ?, ?, ?, ?)",
             (dataset, producer, part, epoch, records, json.dumps(files)),
         )
 
     def load_staged(self) -> list[tuple[str, str, str, int, int, list[str]]]:
+        """Every staged commit, by key."""
         return [
             (str(d), str(p), str(k), int(e), int(r), [str(f) for f in json.loads(files)])
             for d, p, k, e, r, files in self._db.execute("SELECT * FROM staged ORDER BY dataset, producer, part, epoch")
         ]
 
     def delete_staged_of(self, dataset: str) -> None:
+        """Delete the staged commits of ``dataset``."""
         self._db.execute("DELETE FROM staged WHERE dataset = ?", (dataset,))

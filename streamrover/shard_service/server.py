@@ -24,6 +24,7 @@ from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.core import AckItem, ShardCore
 from streamrover.shard_service.group_commit import CommitLock
 from streamrover.shard_service.journal import JournalWriteError
+from streamrover.shard_service.kv_rpc import kv_delete_range, kv_get, kv_set
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.reported import ReportedMetrics
 from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions, status_of
@@ -64,36 +65,7 @@ def _rpc(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-class _KvMethods:
-    """The key-value RPCs (coordination state such as rendezvous)."""
-
-    core: ShardCore
-    cond: CommitLock
-
-    @_rpc
-    def KvGet(self, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:
-        with self.cond:
-            found = self.core.kv.get(request.key)
-        if found is None:
-            return pb.KvGetResponse(found=False)
-        return pb.KvGetResponse(found=True, value=found[0], version=found[1])
-
-    @_rpc
-    def KvSet(self, request: pb.KvSetRequest, context: Any) -> pb.KvSetResponse:
-        with self.cond:
-            if request.delete:
-                ok, value, version = self.core.kv.delete(request.key, request.expected_version)
-            else:
-                ok, value, version = self.core.kv.set(request.key, request.value, request.expected_version)
-        return pb.KvSetResponse(ok=ok, value=value, version=version)
-
-    @_rpc
-    def KvDeleteRange(self, request: pb.KvDeleteRangeRequest, context: Any) -> pb.KvDeleteRangeResponse:
-        with self.cond:
-            return pb.KvDeleteRangeResponse(deleted=self.core.kv.delete_range(request.key, request.range_end))
-
-
-class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
+class ShardServicer(pb_grpc.ShardServiceServicer):
     """Serialises every call on one condition variable around the :class:`ShardCore`."""
 
     def __init__(
@@ -142,6 +114,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
             threading.Thread(target=self._on_fatal, args=(reason,), name="fail-stop", daemon=True).start()
 
     def close(self) -> None:
+        """Stop the lease reaper and every stream poller (the gRPC server is stopped by its owner)."""
         with self.cond:
             self._closed = True
             self.cond.notify_all()
@@ -196,6 +169,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def RegisterDataset(self, request: pb.RegisterDatasetRequest, context: Any) -> pb.RegisterDatasetResponse:
+        """RPC: :meth:`ShardCore.register_dataset`, the source opened outside the lock; a new stream's poller starts."""
         spec = convert.spec_from_pb(request.spec)
         validate_dataset_name(spec.name)
         spec.validate()
@@ -219,6 +193,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def ResumeDataset(self, request: pb.ResumeDatasetRequest, context: Any) -> pb.ResumeDatasetResponse:
+        """RPC: clear a dataset's failure (``skip_lost``: deleted records count as lost); a stream's poller restarts."""
         with self.cond:
             resumed = self.core.streams.resume_dataset(request.name, skip_lost=request.skip_lost)
             ds = self.core.dataset(request.name)
@@ -233,6 +208,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def DescribeDataset(self, request: pb.DescribeDatasetRequest, context: Any) -> pb.DatasetInfo:
+        """RPC: a dataset's info (``spec_only``: its spec, kind and schema, without walking the counts)."""
         with self.cond:
             ds = self.core.dataset(request.name)
             if request.spec_only:  # a worker opening the source: the counts walk every unfolded ack
@@ -242,6 +218,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def RemoveDataset(self, request: pb.RemoveDatasetRequest, context: Any) -> pb.RemoveDatasetResponse:
+        """RPC: :meth:`ShardCore.remove_dataset`; its poller stops."""
         with self.cond:
             revoked, removed = self.core.remove_dataset(request.name)
             poller = self.pollers.pop(request.name, None)
@@ -255,14 +232,19 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: Any) -> pb.ListDatasetsResponse:
+        """RPC: every dataset's info, by name."""
         with self.cond:
             return pb.ListDatasetsResponse(datasets=[self._info(d) for _, d in sorted(self.core.datasets.items())])
 
     CommitStaged = _rpc(commit_staged)
+    KvGet = _rpc(kv_get)  # the key-value RPCs (coordination state such as rendezvous)
+    KvSet = _rpc(kv_set)
+    KvDeleteRange = _rpc(kv_delete_range)
 
     # ------------------------------------------------------------------ workers
     @_rpc
     def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
+        """RPC: :meth:`ShardCore.join`; answers the lease TTL and the heartbeat interval (a quarter of it)."""
         if not request.name:
             raise InvalidArgumentError("join: a worker name is required (for example host:pid)")
         with self.cond:
@@ -273,6 +255,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def Leave(self, request: pb.LeaveRequest, context: Any) -> pb.LeaveResponse:
+        """RPC: :meth:`ShardCore.leave`."""
         with self.cond:
             returned = self.core.leave(request.worker_id)
             self.cond.notify_all()
@@ -280,6 +263,9 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def LeaseShards(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
+        """RPC: :meth:`ShardCore.lease`, waiting up to ``wait_seconds`` (at most ``MAX_LEASE_WAIT``) while it says
+        WAIT.
+        """
         wait = min(max(request.wait_seconds, 0.0), MAX_LEASE_WAIT)
         with self.cond:
             give_up = self.core.clock() + wait
@@ -301,6 +287,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        """RPC: :meth:`ShardCore.heartbeat`: the new deadline and the leases revoked since the last beat."""
         with self.cond:
             deadline, revoked = self.core.heartbeat(request.worker_id)
             return pb.HeartbeatResponse(
@@ -311,6 +298,9 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
+        """RPC: :meth:`ShardCore.ack`; an ack that finishes its shard with ``lease_more`` brings new leases in its
+        answer.
+        """
         step = request.step if request.has_step else None
         with self.cond:
             result = self.core.ack(
@@ -366,12 +356,14 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     # ------------------------------------------------------------------- cursor
     @_rpc
     def CutPrepare(self, request: pb.CutPrepareRequest, context: Any) -> pb.CutPrepareResponse:
+        """RPC: :meth:`ShardCore.cut_prepare`."""
         with self.cond:
             cut = self.core.cut_prepare(request.step if request.has_step else None, persisting=request.persisting)
             return pb.CutPrepareResponse(cut_id=cut.id, cursor=convert.cursor_to_pb(cut.cursor))
 
     @_rpc
     def CutCommit(self, request: pb.CutCommitRequest, context: Any) -> pb.CutCommitResponse:
+        """RPC: :meth:`ShardCore.cut_commit`; upstream commits and staged retention follow."""
         with self.cond:
             committed = self.core.cut_commit(request.cut_id)
             self._commit_upstream()
@@ -381,6 +373,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def GetCursor(self, request: pb.GetCursorRequest, context: Any) -> pb.GetCursorResponse:
+        """RPC: the committed cursor and the acked cursor."""
         with self.cond:
             return pb.GetCursorResponse(
                 committed=convert.cursor_to_pb(self.core.committed),
@@ -389,6 +382,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
 
     @_rpc
     def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.RestoreResponse:
+        """RPC: :meth:`ShardCore.restore` to a cursor or a remembered cut."""
         which = request.WhichOneof("target")
         if which is None:
             raise InvalidArgumentError("restore: give a cut_id or a cursor")
@@ -410,6 +404,7 @@ class ShardServicer(_KvMethods, pb_grpc.ShardServiceServicer):
     # ------------------------------------------------------------------- status
     @_rpc
     def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+        """RPC: every dataset's info, the workers, the ack rates and the cut state."""
         with self.cond:
             now = self.core.clock()
             rps, aps = self.core.rates()
