@@ -269,9 +269,9 @@ class ShardClient(AdminClient):
         Queued (returns None) or synchronous (returns the answer) as :meth:`LeasedShard.ack`
         describes; a lease lost to an earlier queued ack raises that ack's error again.
         """
-        return self._ack(lease, None, position, step, dead_letters, lease_more, wait)
+        return self.send_ack(lease, None, position, step, dead_letters, lease_more, wait)
 
-    def _ack(
+    def send_ack(
         self,
         lease: LeaseGrant,
         shard: LeasedShard | None,
@@ -281,6 +281,7 @@ class ShardClient(AdminClient):
         lease_more: int,
         wait: bool | None,
     ) -> AckResult | None:
+        """:meth:`ack`, telling ``shard`` (:meth:`LeasedShard.answered`) when the master recorded it."""
         request = pb.AckRequest(
             lease_more=lease_more,
             dead_letters=dead_letters,
@@ -295,7 +296,7 @@ class ShardClient(AdminClient):
         def answered(shard_done: bool) -> None:
             self._last_ack_answer = time.monotonic()
             if shard is not None:
-                shard._answered(position, shard_done)
+                shard.answered(position, shard_done)
 
         def on_answer(resp: pb.AckResponse) -> None:
             answered(resp.shard_done)

@@ -415,8 +415,7 @@ class ShardCore(CoreState):
             cursor = self.cut_book.cursor_of(cut_id)
         self.cut_book.check_reset(cursor, discard_committed)
         fencing.check_restorable(cursor, self.datasets)
-        lost = self.streams.upstream.lost
-        lost.update(DataCursor(lost=dict(cursor.lost_items())))  # (a checkpoint taken on another master's state)
+        lost = self.streams.upstream.restore_lost(cursor)
         with self.journal.transaction():
             revoked = self.revoke_leases()
             requeued = sum(self.replan(ds, cursor.only(ds.name), lost) for ds in list(self.datasets.values()))

@@ -83,7 +83,7 @@ class LeasedShard:
         pos = self.position if position is None else position
         more = self.client.pacing.leases_wanted(self.lease.dataset) if pos == self.lease.end else 0
         try:
-            result = self.client._ack(self.lease, self, pos, step, self._dead_letters, more, wait)
+            result = self.client.send_ack(self.lease, self, pos, step, self._dead_letters, more, wait)
         except LeaseLostError:
             raise
         except FailedPreconditionError as exc:
@@ -91,7 +91,7 @@ class LeasedShard:
         self._dead_letters = 0
         return result
 
-    def _answered(self, position: int, done: bool) -> None:
+    def answered(self, position: int, done: bool) -> None:
         """The master recorded an ack of this lease (called by whichever thread got the answer)."""
         self.acked = max(self.acked, position)
         if done:

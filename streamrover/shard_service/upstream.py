@@ -67,6 +67,12 @@ class Upstream:
         """Journal the lost positions (with a transaction open)."""
         self.table.journal.put_meta(LOST_META, self.lost.to_json())
 
+    def restore_lost(self, cursor: DataCursor) -> DataCursor:
+        """Add the lost part of a restored ``cursor`` (a checkpoint taken on another master's state); returns
+        every lost position (journalled by :meth:`save_lost` in the restore's transaction)."""
+        self.lost.update(DataCursor(lost=dict(cursor.lost_items())))
+        return self.lost
+
     def check(self, name: str, polled: list[Partition], acked: Callable[[], DataCursor]) -> str:
         """Compare a poll with the plan (before planning from it); returns why the dataset must fail, or ''.
 
