@@ -74,6 +74,7 @@ def get_job(api: Any, namespace: str, name: str) -> dict[str, Any]:
 
 
 def phase(body: dict[str, Any]) -> str:
+    """A StreamTrainJob's phase from its status (``pending`` before the operator set one)."""
     return str((body.get("status") or {}).get("phase") or "pending")
 
 

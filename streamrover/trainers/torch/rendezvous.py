@@ -239,6 +239,9 @@ class JoinGate:
     _since: float | None = None
 
     def admit(self, waiting: int, participants: int, now: float) -> int:
+        """How many of ``waiting`` joining nodes to report at ``now``: all once ``participants + waiting`` reach the
+        desired count or ``grace`` has passed since they began waiting, else 0.
+        """
         if waiting <= 0:
             self._since = None
             return waiting
