@@ -88,6 +88,15 @@ public final class RowSchema implements Serializable {
         return names.clone();
     }
 
+    /** The top-level STRING and BYTES fields: the columns a dictionary can pay for (numeric ones rarely repeat). */
+    public List<String> dictionaryColumns() {
+        List<String> out = new ArrayList<>();
+        for (int i = 0; i < names.length; i++) {
+            if (!lists[i] && (kinds[i] == Kind.STRING || kinds[i] == Kind.BYTES)) out.add(names[i]);
+        }
+        return out;
+    }
+
     /** The Parquet message type of these rows. */
     public MessageType parquet() {
         List<Type> fields = new ArrayList<>();

@@ -62,12 +62,14 @@ final class StagedCommitter implements Committer<Staged> {
         long backoffMs = 50;
         while (true) {
             try {
+                long sent = System.nanoTime();
                 CommitStagedResponse response = stub.withDeadlineAfter(30, TimeUnit.SECONDS).commitStaged(rpc);
+                long ms = TimeUnit.NANOSECONDS.toMillis(System.nanoTime() - sent);
                 if (response.getAlreadyCommitted()) {
-                    LOG.info("streamrover: {} was committed before (a replayed commit)", s);
+                    LOG.info("streamrover: {} was committed before (a replayed commit; {} ms)", s, ms);
                     request.signalAlreadyCommitted();
                 } else {
-                    LOG.info("streamrover: committed {} to dataset {}", s, dataset);
+                    LOG.info("streamrover: committed {} to dataset {} in {} ms", s, dataset, ms);
                 }
                 return;
             } catch (StatusRuntimeException e) {
