@@ -114,11 +114,18 @@ public final class TrainingSink
         return new Staged.Serializer();
     }
 
+    /**
+     * The epoch map and the committer run in a chain of their own, not in the writer's task: the commit RPC
+     * (at each completed checkpoint) then never stalls the thread that reads, maps and writes the records, and
+     * a completed checkpoint's notification never waits in that thread's mailbox behind the records (a Python
+     * operator's bundle, say). The committables cross one local channel, ahead of the checkpoint's barrier.
+     */
     @Override
     public DataStream<CommittableMessage<Staged>> addPreCommitTopology(DataStream<CommittableMessage<Staged>> written) {
         return written.map(new EpochAssigner(staging))
                 .returns(CommittableMessageTypeInfo.of(Staged.Serializer::new))
                 .setParallelism(written.getParallelism())
-                .name("streamrover: stage checkpoint");
+                .name("streamrover: stage checkpoint")
+                .startNewChain();
     }
 }
