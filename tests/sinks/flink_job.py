@@ -6,8 +6,9 @@ Python map into a named row ``(id, x, y = 3x + 1)`` and sinks the rows to a stre
 baseline). Checkpoints every ``--checkpoint-ms`` into ``--checkpoints``, retained on cancellation; a
 fixed-delay restart strategy. ``--fail-after N``: the map raises once, in the first attempt to reach N
 records in a subtask, after creating ``--fail-marker`` (so the restarted attempt goes on).
-``--restore`` resumes from a retained checkpoint. ``--bounded``: read up to the topic's end at the start, then
-finish (the bench).
+``--restore`` resumes from a retained checkpoint. ``--progress DIR``: each map subtask appends
+``<time> <records mapped>`` to ``DIR/<subtask>-<attempt>.txt`` every 1,000 records (the bench's clock).
+``--bounded``: read up to the topic's end at the start, then finish (the bench).
 """
 
 from __future__ import annotations
@@ -16,28 +17,43 @@ import argparse
 import json
 import os
 import sys
+import time
+from typing import Any
 
 from pyflink.common import Configuration, Row, Types, WatermarkStrategy
 from pyflink.common.serialization import SimpleStringSchema
 from pyflink.datastream import MapFunction, RuntimeContext, StreamExecutionEnvironment
 from pyflink.datastream.connectors.kafka import KafkaOffsetsInitializer, KafkaSource
 
+PROGRESS_EVERY = 1000
 ROW = Types.ROW_NAMED(["id", "x", "y"], [Types.LONG(), Types.DOUBLE(), Types.DOUBLE()])
 
 
 class Featurize(MapFunction):  # type: ignore[misc]
     """JSON text -> (id, x, y = 3x + 1); optionally raises once after ``fail_after`` records."""
 
-    def __init__(self, fail_after: int, marker: str) -> None:
+    def __init__(self, fail_after: int, marker: str, progress: str = "") -> None:
         self.fail_after = fail_after
         self.marker = marker
+        self.progress = progress
         self.seen = 0
+        self.out: Any = None
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.seen = 0
+        if self.progress:  # the bench's clock: "<time> <records mapped>" every PROGRESS_EVERY records
+            name = f"{runtime_context.get_index_of_this_subtask()}-{runtime_context.get_attempt_number()}.txt"
+            self.out = open(os.path.join(self.progress, name), "a", buffering=1)
+
+    def close(self) -> None:
+        if self.out is not None:
+            self.out.write(f"{time.time()} {self.seen}\n")
+            self.out.close()
 
     def map(self, value: str) -> Row:
         self.seen += 1
+        if self.out is not None and self.seen % PROGRESS_EVERY == 0:
+            self.out.write(f"{time.time()} {self.seen}\n")
         if self.fail_after and self.seen >= self.fail_after and not os.path.exists(self.marker):
             with open(self.marker, "x") as f:
                 f.write(f"raised after {self.seen} records\n")
@@ -65,6 +81,7 @@ def main() -> None:
     p.add_argument("--restore", default="")
     p.add_argument("--bounded", action="store_true")
     p.add_argument("--discard", action="store_true")
+    p.add_argument("--progress", default="", help="a folder: the map writes its progress there (the bench)")
     args = p.parse_args()
 
     conf = Configuration()
@@ -97,7 +114,7 @@ def main() -> None:
     if args.bounded:
         builder = builder.set_bounded(KafkaOffsetsInitializer.latest())
     raw = env.from_source(builder.build(), WatermarkStrategy.no_watermarks(), "kafka").uid("kafka")
-    rows = raw.map(Featurize(args.fail_after, args.fail_marker), output_type=ROW).uid("featurize")
+    rows = raw.map(Featurize(args.fail_after, args.fail_marker, args.progress), output_type=ROW).uid("featurize")
     if args.discard:
         from pyflink.datastream.connectors import Sink
         from pyflink.java_gateway import get_gateway
