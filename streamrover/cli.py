@@ -7,6 +7,7 @@ and authenticate with ``--token`` (or ``$STREAMROVER_TOKEN``, or ``--token-file`
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -154,6 +155,7 @@ def _run_master(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 MASTER`: every thread's stack, to stderr
     server.wait()
     if server.fatal:  # fail-stop: a journal write failed
         print(f"streamrover master stopped: {server.fatal}", file=sys.stderr, flush=True)

@@ -215,7 +215,17 @@ class KafkaSource(Source):
         request = {TopicPartition(self.topic, n): spec for n in numbers}
         try:
             futures = self._admin_client().list_offsets(request, isolation_level=level, request_timeout=REQUEST_TIMEOUT)
-            return {tp.partition: int(f.result().offset) for tp, f in futures.items()}
+            # Bounded here too: a future librdkafka never resolved (a broker fenced and back under load) held the
+            # master's poller for good, and with it the stream's planning, silently.
+            deadline = time.monotonic() + REQUEST_TIMEOUT + 5
+            return {
+                tp.partition: int(f.result(timeout=max(deadline - time.monotonic(), 0.0)).offset)
+                for tp, f in futures.items()
+            }
+        except TimeoutError as exc:
+            raise SourceUnavailableError(
+                f"cannot list offsets of {self.topic!r} at {self.bootstrap}: no answer in {REQUEST_TIMEOUT + 5:.0f}s"
+            ) from exc
         except KafkaException as exc:
             raise SourceUnavailableError(f"cannot list offsets of {self.topic!r} at {self.bootstrap}: {exc}") from exc
 

@@ -278,6 +278,54 @@ class _WedgedKafka:
         return source
 
 
+class _Unanswered:
+    """An AdminClient whose list-offsets futures never resolve (what held a master's poller for good after its
+    Kafka broker was fenced and came back under load: the stream stopped being planned, with nothing logged)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def list_offsets(self, request: dict[Any, Any], **_: Any) -> dict[Any, Any]:
+        import concurrent.futures
+
+        return {tp: concurrent.futures.Future() for tp in request}
+
+
+def test_a_list_offsets_answer_that_never_comes_is_a_source_error(kafka_broker: Any, monkeypatch: Any) -> None:
+    """The master source's poll is bounded even when librdkafka never answers: it fails as
+    ``SourceUnavailableError`` (the poller reports it, retries and reopens) instead of blocking its caller."""
+    import threading
+
+    from streamrover.sources import kafka as kafka_module
+    from streamrover.sources.api import SourceUnavailableError
+
+    topic = _create_topic(kafka_broker, 1)
+    source = kafka_module.KafkaSource(f"kafka://{kafka_broker.bootstrap}/{topic}", "raw", {})
+    monkeypatch.setattr(kafka_module, "REQUEST_TIMEOUT", 0.5)
+    source._admin = _Unanswered(source._admin_client())  # type: ignore[assignment]
+    raised: list[BaseException] = []
+
+    def poll() -> None:
+        try:
+            source.poll()
+        except BaseException as exc:  # what poll raised is the test's subject
+            raised.append(exc)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    thread.join(60)
+    try:
+        assert not thread.is_alive(), "poll still blocked on a list-offsets answer after 60 s"
+        assert len(raised) == 1 and isinstance(raised[0], SourceUnavailableError), raised
+        assert "no answer in" in str(raised[0])
+    finally:
+        source._admin = None
+        source.close()
+
+
 def test_a_poller_whose_source_keeps_failing_reopens_it(tmp_path: Path, kafka_broker: Any) -> None:
     """After a few failed polls in a row the master's poller closes its source and opens a fresh one: a client
     that wedged must not stall the stream (no planning, no lag: the autoscaler then scaled the job in)."""
