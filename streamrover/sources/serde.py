@@ -141,9 +141,10 @@ def _decode_all(msgs: Sequence[Message], schema: pa.Schema) -> pa.RecordBatch | 
         return None  # a line held several records, or a field is missing (or null): decided one by one
     for f in schema:
         # Python takes an integer into a float column only where the float holds it exactly; the reader
-        # parses either as a float: magnitudes where the two could differ are decided one by one
+        # parses either as a float: magnitudes where the two could differ are decided one by one (compared value
+        # by value: a NaN elsewhere in the column made max() NaN, and the check passed a 2**53 + 1 it must not)
         exact = _EXACT_INT.get(f.type)
-        if exact is not None and np.abs(table.column(f.name).to_numpy()).max() >= exact:
+        if exact is not None and bool(np.any(np.abs(table.column(f.name).to_numpy()) >= exact)):
             return None
     try:
         return table.cast(schema).combine_chunks().to_batches()[0]  # safe casts: out of range raises
