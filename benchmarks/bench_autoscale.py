@@ -75,6 +75,9 @@ def _job(tmp: Path, broker: Any, name: str, autoscaled: bool, phases: tuple[floa
         peak = max((s for s in inside if s.at >= raised), key=lambda s: s.lag, default=None)
         back = next((s for s in inside if above is not None and peak is not None and s.at > peak.at
                      and s.lag < TARGET), None)  # fmt: skip
+        with open(tmp / name / "samples.csv", "w") as f:  # the trace (kept with --keep): s from the step
+            f.write("s_after_step,nodes,training,lag\n")
+            f.writelines(f"{s.at - raised:.2f},{s.nodes},{s.running},{s.lag}\n" for s in monitor.samples)
         phases_s = scale_out_phases(job)
         if phases_s is not None:
             print(f"{name}: the first scale-out's pause, seconds from the decision: "
@@ -127,7 +130,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tail", type=float, default=240.0, help="seconds at the low rate after it")
     parser.add_argument("--quick", action="store_true", help="a shorter profile (20 / 60 / 120 s)")
     parser.add_argument("--jobs", default="autoscaled,fixed", help="which jobs to run (a partial run: no ratio)")
-    parser.add_argument("--keep", default=None, help="a new directory to run in and keep (the jobs' logs)")
+    parser.add_argument("--keep", default=None,
+                        help="a new directory to run in and keep (the jobs' logs; samples.csv: nodes and lag)")
     args, _ = parser.parse_known_args(argv)
     phases = (20.0, 60.0, 120.0) if args.quick else (args.low, args.high, args.tail)
     jobs = tuple(j for j in args.jobs.split(",") if j)

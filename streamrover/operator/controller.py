@@ -61,7 +61,8 @@ class JobController:
         self.job = job
         if isinstance(platform, str):
             lo, hi = spec.scale_bounds
-            options: dict[str, Any] = {"standby_agents": hi - lo}  # warm agents for a scale-out (local)
+            # warm agents for a scale-out (local), each with its workers' standbys warm
+            options: dict[str, Any] = {"standby_agents": hi - lo, "standby_workers": spec.trainer.nproc_per_node}
             if platform == "ray":
                 options = {"max_nodes": spec.trainer.nodes.max, "cpu": spec.trainer.cpu}
             self.platform = create_platform(platform, workdir=job.path / "logs", **options)

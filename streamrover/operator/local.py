@@ -63,12 +63,15 @@ class LocalPlatform(Platform):
 
     def __init__(self, workdir: str | Path, cgroups: bool = True, watch_interval: float = 0.25,
                  preexec: Callable[[], None] | None = None, reap: bool = True,
-                 standby_agents: int = 0) -> None:  # fmt: skip
+                 standby_agents: int = 0, standby_workers: int = 0) -> None:  # fmt: skip
         self.workdir = Path(workdir)
-        # warm agents (torch imported) a scale-out or relaunch starts its nodes in; not with a preexec (ray)
+        # warm agents (torch imported) a scale-out or relaunch starts its nodes in; not with a preexec (ray). Each
+        # warms ``standby_workers`` standbys for its agent's workers meanwhile: a scale-out's new workers started
+        # in standbys still importing torch, and the whole new group waited for them in init_process_group
         self._standby: StandbyPool | None = None
         if standby_agents > 0 and preexec is None:
-            self._standby = StandbyPool(standby_agents, flags=(), warm=AGENT_MODULES, env=_env({}))
+            self._standby = StandbyPool(standby_agents, flags=(), warm=AGENT_MODULES, env=_env({}),
+                                        children=standby_workers)  # fmt: skip
         self._preexec = preexec  # run in each child before exec (the ray platform: die with the actor)
         self.workdir.mkdir(parents=True, exist_ok=True)
         # what this platform started, so a successor on the same workdir can end what a killed controller left

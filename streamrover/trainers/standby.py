@@ -20,8 +20,13 @@ interpreter) starts a fresh process as before. A pool refills itself ``refill_de
 seconds after handing standbys out, so their imports do not compete with the restarting
 workers for CPU.
 
-A standby runs ``python -u -c "import streamrover.trainers.standby as s; s.main()" FD``;
+A standby runs ``python -u -c "import streamrover.trainers.standby as s; s.main()" FD ...``;
 FD is its socket to the agent.
+
+A standby can warm the standbys of the command it will run (``children``): a standby *agent* (the
+local platform keeps them for a scale-out) spawns its workers' standbys while it waits, so the
+agent's worker pool, once the agent runs, adopts them warm instead of spawning fresh interpreters
+that import torch while the new group waits for them in ``init_process_group``.
 """
 
 from __future__ import annotations
@@ -85,6 +90,21 @@ class _Standby:
         return self.warm
 
 
+# standbys this process spawned while it was itself a standby, for the pool its command will create
+_spares: list[tuple[tuple[Any, ...], _Standby]] = []
+_spares_lock = threading.Lock()
+
+
+def _adopt(key: tuple[Any, ...]) -> _Standby | None:
+    """A live spare spawned for a pool of ``key`` (interpreter, flags, warm modules), or None."""
+    with _spares_lock:
+        for i, (k, standby) in enumerate(_spares):
+            if k == key and standby.proc.poll() is None:
+                del _spares[i]
+                return standby
+    return None
+
+
 class StandbyPool:
     """Warm interpreters for one worker command (``interpreter`` and its ``flags``, e.g. ``-u``)."""
 
@@ -97,9 +117,11 @@ class StandbyPool:
         refill_delay: float = 3.0,
         warm: tuple[str, ...] = WARM_MODULES,
         env: dict[str, str] | None = None,
+        children: int = 0,
     ) -> None:
         self.size = max(size, 0)
         self.env = env  # the standbys' environment (None: ours)
+        self.children = max(children, 0)  # standbys each standby warms for its command's own pool (module doc)
         self.warm = tuple(warm)
         self.interpreter = interpreter
         self.flags = tuple(flags)
@@ -122,7 +144,12 @@ class StandbyPool:
             self._standbys = [s for s in self._standbys if s.proc.poll() is None or self._discard(s)]
             self._started = [s for s in self._started if s.proc.poll() is None or self._discard(s)]
             while len(self._standbys) < self.size:
-                self._standbys.append(self._spawn())
+                # our environment (env None): a spare our own standby spawned before it ran us has it too
+                spare = _adopt(self._key()) if self.env is None else None
+                self._standbys.append(spare or self._spawn())
+
+    def _key(self) -> tuple[Any, ...]:
+        return self.interpreter, self.flags, self.warm
 
     def ready(self) -> int:
         """How many standbys are alive and warm."""
@@ -165,6 +192,7 @@ class StandbyPool:
                     str(child.fileno()),
                     ",".join(self.warm),
                     str(os.getpid()),  # the standby exits if its agent died before it armed its death signal
+                    str(self.children),
                 ],
                 pass_fds=(child.fileno(),),
                 env=self.env,
@@ -340,6 +368,12 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) > 2 and os.getppid() != int(argv[2]):  # the agent died before the signal was armed
         sys.exit(0)
     _warm_up([m for m in (argv[1] if len(argv) > 1 else ",".join(WARM_MODULES)).split(",") if m])
+    children = int(argv[3]) if len(argv) > 3 else 0
+    if children:  # the standbys of the worker pool our command will make (StandbyPool's defaults), warm meanwhile
+        spares = StandbyPool(children)
+        # spawned from the main thread: their parent-death signal fires when this process ends, not a thread
+        with _spares_lock:
+            _spares.extend((spares._key(), spares._spawn()) for _ in range(children))
     with contextlib.suppress(OSError):  # the agent may have sent the work (and closed its end) already
         sock.send(_READY)
     try:

@@ -47,11 +47,18 @@ def test_a_node_starts_in_a_warm_standby_agent_with_its_environment_directory_an
     """A scale-out's new agents paid ``import torch`` first (~17 s of a 57 s pause at load 10-20): the platform
     keeps standby agents with it imported; a node starts in one as its own process, with its log, working
     directory and environment, and its exit code observed. An environment torch may read (not streamrover's
-    own) gets a fresh process: torch read its environment when the standby imported it."""
+    own) gets a fresh process: torch read its environment when the standby imported it. A standby agent also
+    warms its workers' standbys (``standby_workers``): the node's own worker pool adopts them, spawning nothing
+    (a scale-out's new workers had started in standbys still importing torch, and the group waited for them)."""
     script = tmp_path / "node.py"
-    script.write_text("import os, sys\nprint(os.getpid(), os.getcwd(), os.environ.get('STREAMROVER_X'), "
-                      "'torch' in sys.modules, flush=True)\nsys.exit(3)\n")  # fmt: skip
-    platform = LocalPlatform(tmp_path / "logs", cgroups=False, standby_agents=1)
+    script.write_text(
+        "import os, sys\nimport psutil\nfrom streamrover.trainers.standby import StandbyPool\n"
+        "before = {c.pid for c in psutil.Process().children()}\npool = StandbyPool(1)\npool.fill()\n"
+        "adopted = bool(before) and {c.pid for c in psutil.Process().children()} == before\n"
+        "print(os.getpid(), os.getcwd(), os.environ.get('STREAMROVER_X'), 'torch' in sys.modules, adopted,\n"
+        "      flush=True)\n"
+        "os._exit(3)\n")  # fmt: skip
+    platform = LocalPlatform(tmp_path / "logs", cgroups=False, standby_agents=1, standby_workers=1)
     logs = tmp_path / "logs"
 
     def ended(node_id: str) -> bool:
@@ -60,13 +67,14 @@ def test_a_node_starts_in_a_warm_standby_agent_with_its_environment_directory_an
     try:
         platform.launch_node(NodeLaunch("job", "n0", [sys.executable, str(script)], {"STREAMROVER_X": "0"}))
         wait_until(lambda: ended("n0"), 60, "n0 (started afresh: no standby was warm yet) to exit")
-        assert (logs / "node-n0.log").read_text().split()[2:] == ["0", "False"]
+        assert (logs / "node-n0.log").read_text().split()[2:] == ["0", "False", "False"]
         wait_until(lambda: platform.warm_agents() == 1, 120, "a warm standby agent")
         first = platform.launch_node(NodeLaunch("job", "n1", [sys.executable, str(script)], {"STREAMROVER_X": "1"},
                                                 workdir=tmp_path / "n1"))  # fmt: skip
         wait_until(lambda: ended("n1"), 60, "n1 to exit")
-        pid, cwd, x, warm = (tmp_path / "n1" / "node-n1.log").read_text().split()
+        pid, cwd, x, warm, adopted = (tmp_path / "n1" / "node-n1.log").read_text().split()
         assert (int(pid), cwd, x, warm) == (first.pid, str(tmp_path / "n1"), "1", "True")
+        assert adopted == "True", "the node's worker pool spawned a fresh standby: none was warmed for it"
         status = platform.observe("n1")
         assert (status.state, status.exit_code) == (NodeState.FAILED, 3)
         wait_until(lambda: platform.warm_agents() == 1, 120, "the pool refilled")
