@@ -250,11 +250,13 @@ class StandbyPool:
         command = self.command(args)
         if command is None:
             return None
+        # always handed: without a file of its own a Popen child writes to our stdout/stderr as they are now (a spare
+        # spawned before this process became what it is, e.g. a standby agent's, still had the standby's)
         message = json.dumps({**command, "env": env, "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
-                              "stdout": stdout is not None, "stderr": stderr is not None}).encode()  # fmt: skip
+                              "stdout": True, "stderr": True}).encode()  # fmt: skip
         if len(message) > _MAX_SEND:
             return None
-        fds = [f.fileno() for f in (stdout, stderr) if f is not None]
+        fds = [stdout.fileno() if stdout is not None else 1, stderr.fileno() if stderr is not None else 2]
         while True:
             with self._lock:
                 if self._closed or not self._standbys:

@@ -49,7 +49,10 @@ def test_a_node_starts_in_a_warm_standby_agent_with_its_environment_directory_an
     directory and environment, and its exit code observed. An environment torch may read (not streamrover's
     own) gets a fresh process: torch read its environment when the standby imported it. A standby agent also
     warms its workers' standbys (``standby_workers``): the node's own worker pool adopts them, spawning nothing
-    (a scale-out's new workers had started in standbys still importing torch, and the group waited for them)."""
+    (a scale-out's new workers had started in standbys still importing torch, and the group waited for them); a
+    worker started in one without its own stdout writes to the node's log, as a worker Popen started would."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("print('the worker wrote', flush=True)\n")
     script = tmp_path / "node.py"
     script.write_text(
         "import os, sys\nimport psutil\nfrom streamrover.trainers.standby import StandbyPool\n"
@@ -57,6 +60,7 @@ def test_a_node_starts_in_a_warm_standby_agent_with_its_environment_directory_an
         "adopted = bool(before) and {c.pid for c in psutil.Process().children()} == before\n"
         "print(os.getpid(), os.getcwd(), os.environ.get('STREAMROVER_X'), 'torch' in sys.modules, adopted,\n"
         "      flush=True)\n"
+        f"if adopted:\n    pool.start([sys.executable, '-u', {str(worker)!r}], dict(os.environ), None, None).wait()\n"
         "os._exit(3)\n")  # fmt: skip
     platform = LocalPlatform(tmp_path / "logs", cgroups=False, standby_agents=1, standby_workers=1)
     logs = tmp_path / "logs"
@@ -71,10 +75,12 @@ def test_a_node_starts_in_a_warm_standby_agent_with_its_environment_directory_an
         wait_until(lambda: platform.warm_agents() == 1, 120, "a warm standby agent")
         first = platform.launch_node(NodeLaunch("job", "n1", [sys.executable, str(script)], {"STREAMROVER_X": "1"},
                                                 workdir=tmp_path / "n1"))  # fmt: skip
-        wait_until(lambda: ended("n1"), 60, "n1 to exit")
-        pid, cwd, x, warm, adopted = (tmp_path / "n1" / "node-n1.log").read_text().split()
+        wait_until(lambda: ended("n1"), 240, "n1 and its worker to exit")
+        lines = (tmp_path / "n1" / "node-n1.log").read_text().splitlines()
+        pid, cwd, x, warm, adopted = lines[0].split()
         assert (int(pid), cwd, x, warm) == (first.pid, str(tmp_path / "n1"), "1", "True")
         assert adopted == "True", "the node's worker pool spawned a fresh standby: none was warmed for it"
+        assert "the worker wrote" in lines[1:], "the worker's output is not in the node's log"
         status = platform.observe("n1")
         assert (status.state, status.exit_code) == (NodeState.FAILED, 3)
         wait_until(lambda: platform.warm_agents() == 1, 120, "the pool refilled")
