@@ -194,6 +194,7 @@ class ShardClient(CursorClient):
             self.join()
             return LeaseStatus.WAIT, []
         shards: list[LeasedShard] = []
+        self.pacing.granted(dataset, max_shards, len(resp.leases))
         if resp.leases:
             self._adopt(dataset, resp.leases, shards)
         return convert.lease_status_from_pb(resp.status), shards
@@ -344,6 +345,7 @@ class ShardClient(CursorClient):
             request_id=next(self._request_ids),
         )
         resp = self._transport.worker_call("ack_batch", self._stub.AckBatch, request)
+        self.pacing.granted(dataset, more, len(resp.leases))
         outcomes: list[bool | ShardServiceError] = [
             self._transport.error(r.error_code, r.error) if r.error_code else r.shard_done for r in resp.results
         ]

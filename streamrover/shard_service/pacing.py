@@ -6,6 +6,11 @@ them. :class:`PrefetchPace` is one reader's depth; :class:`Pacing` answers the t
 the client asks of all readers: how many leases an ack that finishes a shard should ask for
 (:meth:`Pacing.leases_wanted`, :meth:`Pacing.refill`) and whether the ack sender may let acks
 gather (:meth:`Pacing.readers_supplied`).
+
+A reader whose last request got fewer leases than it asked for is *dry* (:meth:`Pacing.granted`):
+the master has no more to give it now (the end of a batch dataset, a stream at its head), so
+sending its acks at once would not bring more; they may gather like a supplied reader's, and
+the reader's own wait when its queue runs out (``shards()`` waits for its acks first) sends them.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class PrefetchPace:
         self.target = self.ramp
         self._recent: deque[float] = deque(maxlen=RAMP_SHARDS)
         self._taken = 0
+        self.dry = False  # the last request got fewer leases than it asked for (Pacing.granted)
 
     def took(self, seconds: float) -> None:
         """The caller spent ``seconds`` on one more shard: the depth follows its recent median pace."""
@@ -101,15 +107,21 @@ class Pacing:
         short = self._shortfall(dataset)
         return asked if short is None else max(0, short)
 
+    def granted(self, dataset: str, asked: int, got: int) -> None:
+        """A request asked for ``asked`` leases of ``dataset`` and got ``got``: fewer makes its reader dry."""
+        pace = self._paces.get(dataset)
+        if pace is not None and asked > 0:
+            pace.dry = got < asked
+
     def readers_supplied(self) -> bool:
-        """Whether every reader pacing deeper than asked has 2/3 of its depth waiting (acks may then gather)."""
+        """Whether every reader pacing deeper than asked has 2/3 of its depth waiting, or is dry (acks may gather)."""
         deep = False
         with self._lock:
             paces = list(self._paces.items())
         for dataset, pace in paces:
             if pace.target <= pace.base:
                 continue
-            if self._table.waiting_count(dataset) * 3 < pace.target * 2:
+            if not pace.dry and self._table.waiting_count(dataset) * 3 < pace.target * 2:
                 return False
             deep = True
         return deep

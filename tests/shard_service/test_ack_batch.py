@@ -195,6 +195,29 @@ def test_small_shards_are_read_through_few_batches(client: ShardClient, dataset:
     assert client.describe_dataset(dataset).finished
 
 
+def test_a_reader_the_master_has_no_more_shards_for_sends_its_acks_in_one_batch(
+    client: ShardClient, dataset: str
+) -> None:
+    """Once the reader's lease request got fewer shards than it asked for, its finishing acks would bring none.
+
+    They gather (the reader is dry: ``Pacing.granted``) until its queue runs out and ``shards()`` waits for
+    them, then go in one batch; before, each was sent at once (a round trip per shard at the end of a dataset).
+    """
+    sent = record_batches(client)
+    client._acks._linger = 60.0  # longer than this test: only the reader's own wait sends them
+    rows, holding = 0, []
+    for shard in client.shards(dataset):  # the first lease asks for more than the 10 shards there are
+        for batch in shard.batches():
+            rows += batch.records.num_rows
+        shard.ack()
+        holding.append(client.pacing.readers_supplied())  # may the sender let this ack wait for company?
+    client.flush()
+    assert rows == 1000
+    assert holding == [True] * 10
+    assert [sorted(b) for b in sent] == [[100 * (i + 1) for i in range(10)]]
+    assert client.describe_dataset(dataset).finished
+
+
 def test_progress_acks_wait_for_company_and_a_finishing_ack_takes_them_at_once(
     client: ShardClient, dataset: str
 ) -> None:

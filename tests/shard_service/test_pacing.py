@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from streamrover.shard_service.pacing import MAX_PREFETCH, RAMP_SHARDS, PrefetchPace
+from streamrover.shard_service.lease_table import LeaseTable
+from streamrover.shard_service.pacing import MAX_PREFETCH, RAMP_SHARDS, Pacing, PrefetchPace
 
 
 def _feed(pace: PrefetchPace, seconds: list[float], rounds: int) -> None:
@@ -39,3 +40,16 @@ def test_the_first_shards_are_leased_by_records_until_the_pace_is_known() -> Non
     assert pace.target == 27
     _feed(pace, [0.05], rounds=2)
     assert pace.target == 2
+
+
+def test_a_reader_that_got_fewer_leases_than_it_asked_for_lets_its_acks_gather_until_it_gets_all() -> None:
+    """Dry (the master had no more to give): sending acks at once would bring nothing, so they may gather."""
+    pacing = Pacing(LeaseTable())
+    pace = pacing.start("d", prefetch=2, records_per_shard=10_000)
+    assert pace.target == 27 and not pacing.readers_supplied()  # nothing waiting: acks go at once
+    pacing.granted("d", asked=27, got=5)
+    assert pacing.readers_supplied()
+    pacing.granted("d", asked=0, got=0)  # asked for nothing: says nothing
+    assert pacing.readers_supplied()
+    pacing.granted("d", asked=10, got=10)
+    assert not pacing.readers_supplied()
