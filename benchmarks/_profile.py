@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import CTX, processes
+from benchmarks._rtt import TOKEN, rtt_client, write_rtt_file
 from benchmarks._servers import MASTER_THREADS, server_process
-from benchmarks.bench_shard_service import TOKEN, _rtt_client, _write_rtt_file
 
 CYCLES = 20_000
 
@@ -29,7 +29,7 @@ def _dataset(tmp: Path, rows: int) -> Any:
     from streamrover.shard_service import DatasetSpec
 
     data = tmp / "rtt.parquet"
-    _write_rtt_file(data, rows)
+    write_rtt_file(data, rows)
     return DatasetSpec("rtt", str(data), records_per_shard=1)
 
 
@@ -81,7 +81,7 @@ def profile_server(tmp: Path, clients: int) -> None:
         barrier = CTX.Barrier(clients + 1)  # this process joins it: the profile starts after the warm-up
         out: Any = CTX.Queue()
         procs = [
-            CTX.Process(target=_rtt_client, args=("shard", master.address, "rtt", 5.0, 20, barrier, out, i))
+            CTX.Process(target=rtt_client, args=("shard", master.address, "rtt", 5.0, 20, barrier, out, i))
             for i in range(clients)
         ]
         with processes(procs, grace=60):
@@ -91,10 +91,10 @@ def profile_server(tmp: Path, clients: int) -> None:
         yappi.stop()
     finally:
         master.stop(0.5)
-    print(f"{clients} clients: {sum(r / s for r, s, _ in results):,.0f} RPC/s (under yappi); errors: "
-          f"{[e for _, _, e in results if e]}")
+    print(f"{clients} clients: {sum(r[0] / r[1] for r in results):,.0f} RPC/s (under yappi); errors: "
+          f"{[r[2] for r in results if r[2]]}")
     stats = yappi.get_func_stats()
-    rpcs = sum(r for r, _, _ in results)
+    rpcs = sum(r[0] for r in results)
     by_area: dict[str, float] = {}
     for f in stats:
         by_area[_area(f.module)] = by_area.get(_area(f.module), 0.0) + f.tsub

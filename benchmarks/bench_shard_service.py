@@ -4,8 +4,11 @@
    a real master (its own process, SQLite journal in a temporary directory, shards
    of 1 record so that only the lease+ack cycle is measured), as a ratio to a bare
    gRPC echo service (generic handlers, bytes in and out) with the same server
-   thread pool and the same number of client processes. A cycle is two RPCs
-   (LeaseShards, Ack); the ratio is RPC for RPC. Goal: >= 0.5.
+   thread pool and the same number of client processes. Two worker patterns
+   (:mod:`benchmarks._rtt`): lease() then ack(), two RPCs, the ratio RPC for RPC;
+   and a worker leasing one shard ahead (the ack that finishes a shard brings the
+   next lease, as ``ShardClient.shards()`` does), one message per cycle, the ratio
+   a whole cycle against one bare RPC. Goal: >= 0.8.
 2. Records per second through ``ShardClient`` (lease, ``shard.batches()``, ack at
    the shard's end) against pyarrow reading the same parquet row groups directly,
    the same per-batch work in both, with 1 and 2 worker processes. Goal: >= 0.8.
@@ -21,7 +24,6 @@ process start-up and imports are outside the measurement.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -32,11 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import CTX, cores, environment, load, processes, table
-from benchmarks._servers import ECHO_METHOD, ECHO_STREAM_METHOD, MASTER_THREADS, cpu_seconds, served, server_process
+from benchmarks._rtt import BARRIER_TIMEOUT, TOKEN, run_rtt, write_rtt_file
+from benchmarks._servers import MASTER_THREADS, cpu_seconds, served, server_process
 
-TOKEN = "bench-token"
-ECHO_PAYLOAD = 160  # bytes each way; about a LeaseResponse for a one-record shard
-BARRIER_TIMEOUT = 120.0
 RECORDS_WARMUP = 1  # records bench: passes per configuration, both sides, made before the measured ones
 
 
@@ -60,132 +60,62 @@ QUICK = Sizes((1, 4), 1.0, 1, 10, 5_000, 4, 200_000, 16 * 1024, 4096, (10_000,),
 
 
 # --------------------------------------------------------------------------- round trips
-def _rtt_client(
-    kind: str, address: str, dataset: str, duration: float, warmup: int, barrier: Barrier, out: Queue[Any], index: int
-) -> None:
-    """Loop RPCs for ``duration`` seconds after the barrier; put (rpcs, seconds, error).
+def _master_run(tmp: Path, data: Path, kind: str, n: int, r: int, sizes: Sizes) -> tuple[float, float, float]:
+    """A fresh master, ``n`` clients of ``kind``: (RPCs/s, cycles/s, the master's CPU seconds per acked shard)."""
+    from streamrover.shard_service import DatasetSpec, ShardClient
 
-    ``kind``: "echo" (unary), "echo-stream" (messages on one stream, one in flight), "shard" (ShardClient over
-    its worker session), "shard-unary" (ShardClient with ``session=False``: a unary call each).
-    """
-    try:
-        if kind == "echo":
-            import grpc
-
-            channel = grpc.insecure_channel(address)
-            echo = channel.unary_unary(ECHO_METHOD)
-            payload = os.urandom(ECHO_PAYLOAD)
-
-            def cycle() -> int:
-                echo(payload, timeout=30)
-                return 1
-        elif kind == "echo-stream":
-            import queue
-
-            import grpc
-
-            channel = grpc.insecure_channel(address)
-            sent: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-            answers = channel.stream_stream(ECHO_STREAM_METHOD)(iter(sent.get, None))
-            payload = os.urandom(ECHO_PAYLOAD)
-
-            def cycle() -> int:
-                sent.put(payload)
-                next(answers)
-                return 1
-        else:
-            from streamrover.shard_service import ShardClient
-
-            client = ShardClient(address, token=TOKEN, name=f"bench-rtt-{index}", session=kind == "shard")
-            client.join()
-
-            def cycle() -> int:
-                _, leased = client.lease(dataset, 1, wait=5.0)
-                if not leased:
-                    raise RuntimeError(f"dataset {dataset!r} ran out of shards: plan more (rtt_shards)")
-                leased[0].ack(leased[0].lease.end)
-                return 2
-        for _ in range(warmup):
-            cycle()
-        barrier.wait(BARRIER_TIMEOUT)
-        rpcs = 0
-        t0 = time.perf_counter()
-        stop = t0 + duration
-        while time.perf_counter() < stop:
-            rpcs += cycle()
-        out.put((rpcs, time.perf_counter() - t0, ""))
-    except BaseException as exc:
-        barrier.abort()
-        out.put((0, 0.0, f"client {index}: {type(exc).__name__}: {exc}"))
-
-
-def _write_rtt_file(path: Path, rows: int) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({"id": pa.array(range(rows), pa.int64())}), str(path), row_group_size=rows)
-
-
-def _run_rtt(kind: str, address: str, dataset: str, n: int, sizes: Sizes) -> tuple[float, int]:
-    """(RPCs per second summed over ``n`` client processes, RPCs made)."""
-    barrier = CTX.Barrier(n)
-    out: Queue[Any] = CTX.Queue()
-    procs = [
-        CTX.Process(
-            target=_rtt_client,
-            args=(kind, address, dataset, sizes.duration, sizes.warmup, barrier, out, i),
-            name=f"bench-{kind}-client-{i}",
-        )
-        for i in range(n)
-    ]
-    with processes(procs, grace=sizes.duration + 60):
-        results = [out.get(timeout=BARRIER_TIMEOUT + sizes.duration + 60) for _ in procs]
-    errors = [e for _, _, e in results if e]
-    if errors:
-        raise RuntimeError("; ".join(errors))
-    return sum(rpcs / secs for rpcs, secs, _ in results), sum(rpcs for rpcs, _, _ in results)
+    state = tempfile.mkdtemp(prefix=f"master-{kind}-{n}-{r}-", dir=tmp)
+    with served("master", state, TOKEN, MASTER_THREADS) as (address, pid):
+        admin = ShardClient(address, token=TOKEN, heartbeat=False)
+        # epochs > 1 only as a safety margin: a faster machine plans another epoch instead of running dry
+        admin.register_dataset(DatasetSpec("rtt", str(data), records_per_shard=1, epochs=100))
+        admin.close()
+        cpu0 = cpu_seconds(pid)
+        rpcs, cycles, made = run_rtt(kind, address, "rtt", n, sizes.duration, sizes.warmup)
+        # the warm-up cycles run before the clients' clock, but inside this CPU window: count them
+        return rpcs, cycles, (cpu_seconds(pid) - cpu0) / (made + n * sizes.warmup)
 
 
 def bench_round_trips(tmp: Path, sizes: Sizes, session: bool = True) -> list[tuple[Any, ...]]:
-    """Per client count: echo, stream echo, then the master, ``sizes.rtt_repeats`` times; fresh servers every time.
+    """Per client count: echo, stream echo, the master (lease, ack), the master (ack leasing the next), in turn.
 
-    The master's CPU (all its threads, from /proc) is measured over its clients' run: per acked shard.
+    ``sizes.rtt_repeats`` times, fresh servers every time. The master's CPU (all its threads, from /proc)
+    is measured over its clients' run: per acked shard.
     """
-    from streamrover.shard_service import DatasetSpec, ShardClient
-
     data = tmp / "rtt.parquet"
-    _write_rtt_file(data, sizes.rtt_shards)
+    write_rtt_file(data, sizes.rtt_shards)
     rows = []
     for n in sizes.clients:
-        echo_rates, stream_rates, shard_rates, cpu_per_shard = [], [], [], []
+        echo, stream, shard, ahead, cpu, cpu_ahead, msgs = [], [], [], [], [], [], []
         for r in range(sizes.rtt_repeats):
             with server_process("echo", max_workers=MASTER_THREADS) as address:
-                echo_rates.append(_run_rtt("echo", address, "", n, sizes)[0])
-                stream_rates.append(_run_rtt("echo-stream", address, "", n, sizes)[0])
-            state = tempfile.mkdtemp(prefix=f"master-{n}-{r}-", dir=tmp)
-            with served("master", state, TOKEN, MASTER_THREADS) as (address, pid):
-                admin = ShardClient(address, token=TOKEN, heartbeat=False)
-                # epochs > 1 only as a safety margin: a faster machine plans another epoch instead of running dry
-                admin.register_dataset(DatasetSpec("rtt", str(data), records_per_shard=1, epochs=100))
-                admin.close()
-                cpu0 = cpu_seconds(pid)
-                rate, rpcs = _run_rtt("shard" if session else "shard-unary", address, "rtt", n, sizes)
-                shard_rates.append(rate)
-                # the warm-up cycles run before the clients' clock, but inside this CPU window: count them
-                cpu_per_shard.append((cpu_seconds(pid) - cpu0) / (rpcs / 2 + n * sizes.warmup))
+                echo.append(run_rtt("echo", address, "", n, sizes.duration, sizes.warmup)[0])
+                stream.append(run_rtt("echo-stream", address, "", n, sizes.duration, sizes.warmup)[0])
+            rate, _, per_shard = _master_run(tmp, data, "shard" if session else "shard-unary", n, r, sizes)
+            shard.append(rate)
+            cpu.append(per_shard)
+            ahead_rpcs, ahead_cycles, per_shard = _master_run(tmp, data, "shard-ahead", n, r, sizes)
+            ahead.append(ahead_cycles)
+            cpu_ahead.append(per_shard)
+            msgs.append(ahead_rpcs / ahead_cycles)
             print(
-                f"  {n:>2} clients, run {r + 1}: shard service {shard_rates[-1]:,.0f} RPC/s, "
-                f"echo {echo_rates[-1]:,.0f} RPC/s, ratio {shard_rates[-1] / echo_rates[-1]:.2f}; "
-                f"stream echo {stream_rates[-1]:,.0f} msg/s, ratio {shard_rates[-1] / stream_rates[-1]:.2f}; "
-                f"master CPU {cpu_per_shard[-1] * 1e6:,.0f} us/shard; load {load()}",
+                f"  {n:>2} clients, run {r + 1}: lease+ack {shard[-1]:,.0f} RPC/s, echo {echo[-1]:,.0f} RPC/s, "
+                f"ratio {shard[-1] / echo[-1]:.2f}; stream echo {stream[-1]:,.0f} msg/s, ratio "
+                f"{shard[-1] / stream[-1]:.2f}; master CPU {cpu[-1] * 1e6:,.0f} us/shard; ack leasing the next "
+                f"{ahead[-1]:,.0f} cycles/s ({msgs[-1]:.2f} msg/cycle), ratio {ahead[-1] / echo[-1]:.2f} (cycle/RPC), "
+                f"{ahead[-1] / stream[-1]:.2f} (cycle/stream msg), "
+                f"master CPU {cpu_ahead[-1] * 1e6:,.0f} us/shard; load {load()}",
                 flush=True,
             )
-        shard_rps, echo_rps = statistics.median(shard_rates), statistics.median(echo_rates)
-        ratios = [a / b for a, b in zip(shard_rates, echo_rates)]
-        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        stream_ratio = statistics.median(a / b for a, b in zip(shard_rates, stream_rates))
-        rows.append((n, shard_rps / 2, shard_rps, echo_rps, statistics.median(ratios), spread,
-                     statistics.median(stream_rates), stream_ratio, statistics.median(cpu_per_shard) * 1e6))
+        ratios = [a / b for a, b in zip(shard, echo)]
+        ahead_ratios = [a / b for a, b in zip(ahead, echo)]
+        rows.append((
+            n, statistics.median(shard) / 2, statistics.median(echo), statistics.median(ratios),
+            f"{min(ratios):.2f}-{max(ratios):.2f}", statistics.median(a / b for a, b in zip(shard, stream)),
+            statistics.median(cpu) * 1e6, statistics.median(ahead), statistics.median(msgs),
+            statistics.median(ahead_ratios), f"{min(ahead_ratios):.2f}-{max(ahead_ratios):.2f}",
+            statistics.median(a / b for a, b in zip(ahead, stream)), statistics.median(cpu_ahead) * 1e6,
+        ))  # fmt: skip
     return rows
 
 
@@ -410,18 +340,22 @@ def main(argv: list[str]) -> int:
             print(
                 table(
                     [
-                        "clients", "shard cycles/s", "shard RPCs/s", "echo RPCs/s", "ratio (RPC/RPC)", "ratio per run",
-                        "stream echo msg/s", "ratio vs stream", "master CPU us/shard",
+                        "clients", "lease+ack cycles/s", "echo RPCs/s", "ratio (RPC/RPC)", "per run", "vs stream echo",
+                        "master CPU us/shard", "ack+next cycles/s", "msg/cycle", "ratio (cycle/RPC)", "per run",
+                        "vs stream echo", "master CPU us/shard",
                     ],
                     rtt,
                 )
             )
+            how = "worker session messages" if session else "unary RPCs"
             print(
-                f"a cycle = lease + ack (2 round trips; {'worker session messages' if session else 'unary RPCs'});"
-                " echo = one bare unary RPC;\nstream echo = one message each way on one bare stream; rates are "
-                "medians over runs;\nratio = median over runs of shard RPCs/s / echo RPCs/s, echo and master "
-                "alternating; goal: >= 0.8\nmaster CPU = the master process's user+system CPU over the run / shards "
-                "acked"
+                f"lease+ack = lease(), then ack(): 2 round trips ({how}"
+                "); ratio = its RPCs/s / echo RPCs/s;\nack+next = a worker leasing one shard ahead (as shards() does): "
+                "the ack that finishes a shard\nbrings the next lease (lease_more=1), one session message per cycle; "
+                "ratio = its cycles/s / echo RPCs/s\n(a whole cycle against one bare RPC); echo = one bare unary RPC; "
+                "stream echo = one message each way on one bare\nstream; rates and ratios are medians over runs, "
+                "echo and masters alternating; goal: >= 0.8\nmaster CPU = the master process's user+system CPU "
+                "over the run / shards acked"
             )
         if args.only in (None, "records"):
             print(
