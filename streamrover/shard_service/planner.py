@@ -101,7 +101,9 @@ def plan_epoch(
 
     ``runs`` (by partition index) are the records' runs of sparse partitions. The order is the grid's
     full-epoch order (shuffled when asked), so an epoch re-planned after a restore keeps its original
-    order for the shards left.
+    order for the shards left. Unshuffled, that order is partition then position, so the plan costs
+    only what is left: a stream's restore never walks the history before its cursor (it did, and its
+    peak grew with the stream: the soak's master kept ~200 bytes per ack of it).
     """
     spaces = {p.index: RecordSpace(p, (runs or {}).get(p.index)) for p in partitions}
     cells: list[PlannedShard] = []
@@ -109,6 +111,8 @@ def plan_epoch(
         covered = (done or {}).get((epoch, part.id), IntervalSet())
         for a, b in covered.missing(part.start, part.end):
             cells.extend(PlannedShard(epoch, part, x, y, n) for x, y, n in spaces[part.index].split(size, a, b))
+    if not shuffle:  # the full plan's order (cells follow positions), without building the full plan
+        return sorted(cells, key=lambda s: (s.partition.index, s.start))
     # Order by the grid cell each piece falls in, then position: the order of the full plan.
     full = epoch_order(
         [
