@@ -10,6 +10,9 @@ planning takes it.
   not exist" until the broker has registered its routes again). Status shows the wait.
 - Anything else the poller raises fails the dataset with the reason in status (a poller
   never dies silently, and a bad dataset never keeps the master from starting).
+- Every call into the source's client is waited for at most ``sr.source_timeout_ms`` (``bounded.py``);
+  a slow one is shown in status as it waits, one that does not answer gets its client abandoned and a
+  new one opened, as do ``REOPEN_AFTER`` failed polls in a row (status counts the reopens).
 
 A failed dataset is resumed with ``ResumeDataset`` (``streamrover dataset resume NAME``),
 which starts a new poller.
@@ -21,11 +24,13 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING
 
+from streamrover.shard_service.bounded import SourceStuckError, SourceThread
 from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.streams import stream_planning
-from streamrover.sources.api import MasterSource, Partition, SourceError, SourceGoneError, open_source
+from streamrover.sources.api import MasterSource, SourceError, SourceGoneError, open_source
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamrover.shard_service.server import ShardServicer
@@ -35,6 +40,7 @@ MAX_BACKOFF = 5.0
 #: Failed polls in a row after which the source is closed and opened afresh: a broker client can wedge (librdkafka
 #: kept "Broker transport failure" for 5+ minutes after its broker's bad minute while fresh clients worked).
 REOPEN_AFTER = 3
+CLOSE_WAIT = 5.0  # seconds a stopping poller waits for its source's client to close
 
 
 class _DataLost(Exception):
@@ -55,6 +61,7 @@ class StreamPoller:
         self._commit_lock = threading.Lock()
         self._to_commit: dict[str, int] = {}
         self._missing_since: float | None = None  # monotonic time the topic or a partition went missing
+        self.reopens = 0  # times the source's client was abandoned for a new one
         self._thread = threading.Thread(target=self._run, name=f"poll-{name}", daemon=True)
 
     def start(self) -> None:
@@ -87,23 +94,28 @@ class StreamPoller:
 
     def _run(self) -> None:
         source: MasterSource | None = None
+        calls: SourceThread | None = None
         try:
             with self.servicer.cond:
                 ds = self.servicer.core.dataset(self.name)
                 spec = ds.spec
                 planning = stream_planning(ds)
                 interval, grace = planning.poll_interval_ms / 1000.0, planning.missing_grace_ms / 1000.0
+                timeout = planning.source_timeout_ms / 1000.0
             backoff, failures = 0.0, 0
             while not self._stop.is_set():
-                if source is not None and failures >= REOPEN_AFTER:
+                if calls is not None and failures >= REOPEN_AFTER:
                     log.warning("dataset %s: %d failed polls in a row: reopening its source", self.name, failures)
-                    source.close()
-                    source, failures = None, 0
+                    self._abandon(calls, source)
+                    source, calls, failures = None, None, 0
                 try:
+                    if calls is None:
+                        calls = SourceThread(self.name, timeout, self._report, self._stop)
                     if source is None:
-                        source = open_source(spec.uri, spec.format, spec.options)
+                        opening = partial(open_source, spec.uri, spec.format, spec.options)
+                        source = calls.call("opening the source", opening)
                     failures += 1  # until this poll succeeds
-                    self._poll_once(source)
+                    self._poll_once(source, calls)
                     backoff, wait, failures = 0.0, interval, 0
                 except _DataLost as exc:
                     self._fail(str(exc))
@@ -113,9 +125,18 @@ class StreamPoller:
                         return
                     backoff = min(max(backoff * 2, interval, 0.1), MAX_BACKOFF)
                     wait = backoff
+                except SourceStuckError as exc:  # its thread is blocked in the client: every later call would wait
+                    if self._stop.is_set():
+                        break
+                    log.warning("dataset %s: %s", self.name, exc)
+                    self._abandon(calls, source)
+                    source, calls, failures = None, None, 0
+                    self._report(f"{exc} ({self._reopened()})")
+                    wait = 0.0
                 except SourceError as exc:
                     backoff = min(max(backoff * 2, 0.1), MAX_BACKOFF)
-                    self._report(f"{exc} (retrying every {backoff:.1f}s)")
+                    reopened = f"; {self._reopened()}" if self.reopens else ""
+                    self._report(f"{exc} (retrying every {backoff:.1f}s{reopened})")
                     log.warning("dataset %s: %s; retrying in %.1fs", self.name, exc, backoff)
                     wait = backoff
                 self._wake.wait(wait)
@@ -126,11 +147,22 @@ class StreamPoller:
             log.exception("the poller of dataset %s stopped", self.name)
             self._fail(f"the master's poller of this dataset stopped: {type(exc).__name__}: {exc}")
         finally:
-            if source is not None:
-                source.close()
+            if calls is not None:  # closed on its thread, waited for a while (a stuck client stays behind)
+                calls.retire(source.close if source is not None else None)
+                if not calls.join(CLOSE_WAIT):
+                    log.warning("dataset %s: its source's client did not close in %.0fs", self.name, CLOSE_WAIT)
 
-    def _poll_once(self, source: MasterSource) -> None:
-        polled = source.poll()
+    def _abandon(self, calls: SourceThread | None, source: MasterSource | None) -> None:
+        """Leave a client to its thread, which closes it and ends (or stays stuck where it is, a daemon)."""
+        if calls is not None:
+            calls.retire(source.close if source is not None else None)
+        self.reopens += 1
+
+    def _reopened(self) -> str:
+        return f"the source's client reopened {self.reopens} time{'s' if self.reopens != 1 else ''} so far"
+
+    def _poll_once(self, source: MasterSource, calls: SourceThread) -> None:
+        polled = calls.call("polling the end positions", source.poll)
         core, cond = self.servicer.core, self.servicer.cond
         with cond:
             if self._stop.is_set():  # removed (or resumed anew) while polling: plan nothing
@@ -148,14 +180,14 @@ class StreamPoller:
         self._missing_since = None
         with cond:
             core.streams.source_errors.pop(self.name, None)
-        self._commit(source, polled)
+        self._commit(source, calls)
 
-    def _commit(self, source: MasterSource, polled: list[Partition]) -> None:
+    def _commit(self, source: MasterSource, calls: SourceThread) -> None:
         with self._commit_lock:
             pending, self._to_commit = self._to_commit, {}
         if pending:
             try:
-                source.commit(pending)
+                calls.call("committing offsets upstream", lambda: source.commit(pending))
             except SourceError:
                 with self._commit_lock:  # keep the newest positions for the next round
                     self._to_commit = {**pending, **self._to_commit}

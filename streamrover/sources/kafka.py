@@ -210,7 +210,8 @@ class KafkaSource(Source):
             raise SourceUnavailableError(f"Kafka topic {self.topic!r}: {topic.error}")
         return sorted(topic.partitions)
 
-    def _offsets(self, numbers: list[int], spec: Any) -> dict[int, int]:
+    def _offsets(self, numbers: list[int], spec: Any, exact: bool = True) -> dict[int, int]:
+        """Per partition number, the offset ``spec`` names; ``exact``: every answer must be one (not -1 or -1001)."""
         level = IsolationLevel.READ_COMMITTED if self.read_committed else IsolationLevel.READ_UNCOMMITTED
         request = {TopicPartition(self.topic, n): spec for n in numbers}
         try:
@@ -218,7 +219,7 @@ class KafkaSource(Source):
             # Bounded here too: a future librdkafka never resolved (a broker fenced and back under load) held the
             # master's poller for good, and with it the stream's planning, silently.
             deadline = time.monotonic() + REQUEST_TIMEOUT + 5
-            return {
+            found = {
                 tp.partition: int(f.result(timeout=max(deadline - time.monotonic(), 0.0)).offset)
                 for tp, f in futures.items()
             }
@@ -228,6 +229,15 @@ class KafkaSource(Source):
             ) from exc
         except KafkaException as exc:
             raise SourceUnavailableError(f"cannot list offsets of {self.topic!r} at {self.bootstrap}: {exc}") from exc
+        # An answer without an offset (-1001, seen from a broker stopped and resumed) is no end: taken as one it
+        # read as "the end went back" (reported as records gone) and lag went negative.
+        invalid = sorted(n for n, off in found.items() if off < 0)
+        if exact and invalid:
+            raise SourceUnavailableError(
+                f"cannot list offsets of {self.topic!r} at {self.bootstrap}: no offset in the answer for partition(s) "
+                + ", ".join(f"{n} ({found[n]})" for n in invalid)
+            )
+        return found
 
     def _starts(self, numbers: list[int]) -> dict[int, int]:
         start = self.options.start
@@ -237,7 +247,7 @@ class KafkaSource(Source):
         if start == "latest":
             return self._offsets(numbers, OffsetSpec.latest())
         if start.startswith("timestamp:"):
-            found = self._offsets(numbers, OffsetSpec.for_timestamp(int(start.split(":", 1)[1])))
+            found = self._offsets(numbers, OffsetSpec.for_timestamp(int(start.split(":", 1)[1])), exact=False)
             latest = self._offsets(numbers, OffsetSpec.latest())
             return {n: (off if off >= 0 else latest[n]) for n, off in found.items()}
         if start == "group":

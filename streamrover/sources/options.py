@@ -104,6 +104,13 @@ class StreamPlanning(_Options):
     missing_grace_ms: int = _ms(
         "sr.missing_grace_ms", 120_000, "how long a missing topic or partition is waited for before the dataset fails"
     )
+    source_timeout_ms: int = _ms(
+        "sr.source_timeout_ms",
+        60_000,
+        "how long the master waits for one call to the source's client (a poll, a commit) before it abandons "
+        "that client and opens a new one",
+        minimum=1,
+    )
     on_data_loss: Literal["fail", "skip"] = Field(
         "fail",
         alias="sr.on_data_loss",

@@ -1,0 +1,252 @@
+"""The master's stream poller through broker outages and clients that wedge, against real Apache Kafka (KRaft).
+
+- The broker SIGKILLed for long enough that the poller fails polls in a row and reopens its source,
+  then restarted on the same port and log dir: new records are planned and leased again.
+- A client whose calls never answer (a librdkafka request left unresolved, a handle's destroy that
+  waits on it) is abandoned after ``sr.source_timeout_ms``, and status says what the poller waits on.
+- A client that keeps failing is reopened after a few failed polls; a list-offsets answer that never
+  comes is a source error, not a blocked poll.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamrover.shard_service import DatasetSpec, ShardClient
+from streamrover.shard_service.master import MasterServer
+from streamrover.sources.api import Partition, register_source
+from tests.helpers import wait_until
+from tests.sources.test_stream_failures import _create_topic, _produce
+
+pytestmark = pytest.mark.slow
+
+
+def _planned(admin: ShardClient) -> int:
+    return int(admin.describe_dataset("s").total_records)
+
+
+def test_planning_resumes_after_the_broker_is_killed_long_enough_to_reopen_the_source(
+    tmp_path: Path, kafka_broker: Any
+) -> None:
+    """SIGKILL the broker, wait for failed polls and the poller's reopen of its source (status says both), restart
+    the broker on the same port and log dir: records produced after the restart are planned and leased."""
+    topic = _create_topic(kafka_broker, 1)
+    _produce(kafka_broker, topic, range(100), 1)
+    master = MasterServer(tmp_path / "state", "token")
+    try:
+        with ShardClient(master.address, token="token", heartbeat=False, timeout=30) as admin:
+            options = {"sr.poll_interval_ms": "50", "sr.max_delay_ms": "0"}
+            uri = f"kafka://{kafka_broker.bootstrap}/{topic}"
+            spec = DatasetSpec("s", uri, options=options, records_per_shard=1000)
+            admin.register_dataset(spec)
+            wait_until(lambda: _planned(admin) == 100, 60, "the first records planned")
+            kafka_broker.kill()
+            try:
+                wait_until(lambda: "reopened" in admin.describe_dataset("s").error, 90,
+                           "status to show failed polls and the source reopened")  # fmt: skip
+            finally:
+                kafka_broker.start()  # also when the check failed: the broker is shared with later tests
+            _produce(kafka_broker, topic, range(100, 200), 1)
+            wait_until(lambda: _planned(admin) == 200, 60, "records produced after the restart planned")
+            with ShardClient(master.address, token="token", heartbeat=True, timeout=30) as worker:
+                _, leased = worker.lease("s", max_shards=2, wait=10)
+                assert [(s.lease.start, s.lease.end) for s in leased] == [(0, 100), (100, 200)]
+            wait_until(lambda: admin.describe_dataset("s").error == "", 60, "the outage cleared from status")
+    finally:
+        master.stop()
+
+
+class _StuckKafka:
+    """A Kafka source whose client stops answering: once ``stick`` is set, the instance polled next blocks in that
+    poll, and in its close, until ``release`` is set (a librdkafka answer that never comes, a destroy that waits on
+    it); instances opened later work."""
+
+    stick = False
+    stuck: object = None
+    release = threading.Event()
+
+    def __new__(cls, uri: str, format: str = "", options: dict[str, str] | None = None) -> Any:
+        from streamrover.sources.kafka import KafkaSource
+
+        source = KafkaSource(uri.replace("stuck-kafka://", "kafka://", 1), format, options)
+        real_poll, real_close = source.poll, source.close
+
+        def poll() -> list[Partition]:
+            if cls.stick and cls.stuck is None:
+                cls.stuck = source
+            if cls.stuck is source:
+                cls.release.wait()
+            return real_poll()
+
+        def close() -> None:
+            if cls.stuck is source:
+                cls.release.wait()
+            real_close()
+
+        source.poll = poll  # type: ignore[method-assign]
+        source.close = close  # type: ignore[method-assign]
+        return source
+
+
+def test_a_source_call_that_never_answers_is_abandoned_and_status_says_what_the_poller_waits_on(
+    tmp_path: Path, kafka_broker: Any
+) -> None:
+    register_source(_StuckKafka, schemes=("stuck-kafka",))
+    topic = _create_topic(kafka_broker, 1)
+    _produce(kafka_broker, topic, range(100), 1)
+    master = MasterServer(tmp_path / "state", "token")
+    try:
+        with ShardClient(master.address, token="token", heartbeat=False, timeout=30) as admin:
+            options = {"sr.poll_interval_ms": "50", "sr.max_delay_ms": "0", "sr.source_timeout_ms": "8000"}
+            spec = DatasetSpec("s", f"stuck-kafka://{kafka_broker.bootstrap}/{topic}", options=options,
+                               records_per_shard=1000)  # fmt: skip
+            admin.register_dataset(spec)
+            wait_until(lambda: _planned(admin) == 100, 60, "the first records planned")
+            _StuckKafka.stick = True
+            wait_until(lambda: "polling the end positions: waiting" in admin.describe_dataset("s").error, 60,
+                       "status to show what the poller waits on")  # fmt: skip
+            _produce(kafka_broker, topic, range(100, 200), 1)
+            wait_until(lambda: _planned(admin) == 200, 60, "records produced while the old client is stuck planned")
+            wait_until(lambda: admin.describe_dataset("s").error == "", 60, "the error to clear")
+            assert not admin.describe_dataset("s").failed
+    finally:
+        _StuckKafka.release.set()
+        master.stop()
+        _StuckKafka.stick, _StuckKafka.stuck = False, None
+
+
+class _WedgedKafka:
+    """A Kafka source whose client wedges: once ``wedge`` is set, the instance polled next fails every poll from
+    then on (librdkafka's "Broker transport failure" that a client kept after a bad minute of its broker, seen
+    in a loaded run for 5+ minutes while fresh clients worked); instances opened later work."""
+
+    wedge = False
+    wedged: object = None
+    opened = 0
+
+    def __new__(cls, uri: str, format: str = "", options: dict[str, str] | None = None) -> Any:
+        from streamrover.sources.api import SourceUnavailableError
+        from streamrover.sources.kafka import KafkaSource
+
+        source = KafkaSource(uri.replace("wedged-kafka://", "kafka://", 1), format, options)
+        cls.opened += 1
+        real_poll = source.poll
+
+        def poll() -> list[Partition]:
+            if cls.wedge and cls.wedged is None:
+                cls.wedged = source
+            if cls.wedged is source:
+                raise SourceUnavailableError("Failed to get metadata: Local: Broker transport failure")
+            return real_poll()
+
+        source.poll = poll  # type: ignore[method-assign]
+        return source
+
+
+class _Unanswered:
+    """An AdminClient whose list-offsets futures never resolve (what held a master's poller for good after its
+    Kafka broker was fenced and came back under load: the stream stopped being planned, with nothing logged)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def list_offsets(self, request: dict[Any, Any], **_: Any) -> dict[Any, Any]:
+        import concurrent.futures
+
+        return {tp: concurrent.futures.Future() for tp in request}
+
+
+def test_a_list_offsets_answer_that_never_comes_is_a_source_error(kafka_broker: Any, monkeypatch: Any) -> None:
+    """The master source's poll is bounded even when librdkafka never answers: it fails as
+    ``SourceUnavailableError`` (the poller reports it, retries and reopens) instead of blocking its caller."""
+    import threading
+
+    from streamrover.sources import kafka as kafka_module
+    from streamrover.sources.api import SourceUnavailableError
+
+    topic = _create_topic(kafka_broker, 1)
+    source = kafka_module.KafkaSource(f"kafka://{kafka_broker.bootstrap}/{topic}", "raw", {})
+    monkeypatch.setattr(kafka_module, "REQUEST_TIMEOUT", 0.5)
+    source._admin = _Unanswered(source._admin_client())  # type: ignore[assignment]
+    raised: list[BaseException] = []
+
+    def poll() -> None:
+        try:
+            source.poll()
+        except BaseException as exc:  # what poll raised is the test's subject
+            raised.append(exc)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    thread.join(60)
+    try:
+        assert not thread.is_alive(), "poll still blocked on a list-offsets answer after 60 s"
+        assert len(raised) == 1 and isinstance(raised[0], SourceUnavailableError), raised
+        assert "no answer in" in str(raised[0])
+    finally:
+        source._admin = None
+        source.close()
+
+
+def test_a_poller_whose_source_keeps_failing_reopens_it(tmp_path: Path, kafka_broker: Any) -> None:
+    """After a few failed polls in a row the master's poller closes its source and opens a fresh one: a client
+    that wedged must not stall the stream (no planning, no lag: the autoscaler then scaled the job in)."""
+    from streamrover.shard_service.master import MasterServer
+    from streamrover.sources.api import register_source
+
+    register_source(_WedgedKafka, schemes=("wedged-kafka",))
+    topic = _create_topic(kafka_broker, 1)
+    _produce(kafka_broker, topic, range(100), 1)
+    master = MasterServer(tmp_path / "state", "token")
+    try:
+        with ShardClient(master.address, token="token", heartbeat=False, timeout=30) as admin:
+            spec = DatasetSpec("s", f"wedged-kafka://{kafka_broker.bootstrap}/{topic}",
+                               options={"sr.poll_interval_ms": "50"}, records_per_shard=10)  # fmt: skip
+            admin.register_dataset(spec)
+            wait_until(lambda: admin.describe_dataset("s").total_records == 100, 60, "the first records planned")
+            _WedgedKafka.wedge = True
+            wait_until(lambda: "Broker transport failure" in admin.describe_dataset("s").error, 60, "the wedge")
+            _produce(kafka_broker, topic, range(100, 200), 1)
+            wait_until(lambda: admin.describe_dataset("s").total_records == 200, 60, "records after the wedge planned")
+            wait_until(lambda: admin.describe_dataset("s").error == "", 60, "the error to clear")
+            assert not admin.describe_dataset("s").failed
+    finally:
+        master.stop()
+        _WedgedKafka.wedge, _WedgedKafka.wedged = False, None
+
+
+class _NoOffset(_Unanswered):
+    """An AdminClient whose list-offsets answers carry no offset (-1001), as a Kafka broker stopped (SIGSTOP) and
+    resumed answered once: the poller took it as an end, reported "the end of ... went back from 311 to -1001"."""
+
+    def list_offsets(self, request: dict[Any, Any], **_: Any) -> dict[Any, Any]:
+        import concurrent.futures
+        from types import SimpleNamespace
+
+        answers = {}
+        for tp in request:
+            answers[tp] = concurrent.futures.Future()
+            answers[tp].set_result(SimpleNamespace(offset=-1001))
+        return answers
+
+
+def test_a_list_offsets_answer_without_an_offset_is_a_source_error(kafka_broker: Any) -> None:
+    from streamrover.sources.api import SourceUnavailableError
+    from streamrover.sources.kafka import KafkaSource
+
+    topic = _create_topic(kafka_broker, 2)
+    source = KafkaSource(f"kafka://{kafka_broker.bootstrap}/{topic}", "raw", {})
+    source._admin = _NoOffset(source._admin_client())  # type: ignore[assignment]
+    try:
+        with pytest.raises(SourceUnavailableError, match=r"no offset in the answer for partition\(s\) 0 \(-1001\), 1"):
+            source.poll()
+    finally:
+        source._admin = None
+        source.close()
