@@ -82,6 +82,8 @@ def test_a_4x_rate_step_scales_1_to_3_and_back_to_1_with_the_ledger_exact(tmp_pa
               f"{under.at - raised:.1f} s after the rate change (peak lag {peak:,})")  # fmt: skip
         wait_until(lambda: job.node("n1") is None and job.node("n2") is None, 400,
                    f"back to one node: {_decisions(job)}")  # fmt: skip
+        # (and the monitor has sampled it: the time printed below is read from its samples)
+        wait_until(lambda: monitor.first_after(dropped, lambda s: s.nodes == 1) is not None, 30, "a 1-node sample")
         produced = producer.finish(out / "produced")
         back = monitor.first_after(dropped, lambda s: s.nodes == 1)
         print(f"rate / 4 -> back to 1 node {back.at - dropped if back else float('nan'):.1f} s; {produced:,} produced")
