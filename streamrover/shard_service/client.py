@@ -281,7 +281,13 @@ class ShardClient(CursorClient):
         lease_more: int,
         wait: bool | None,
     ) -> AckResult | None:
-        """:meth:`ack`, telling ``shard`` (:meth:`LeasedShard.answered`) when the master recorded it."""
+        """:meth:`ack`, telling ``shard`` (:meth:`LeasedShard.answered`) when the master recorded it.
+
+        Without ``shard`` (an ack through :meth:`ack`), the lease object this client made for ``lease`` is
+        told, so a finished shard leaves the lease table (and the heartbeats) whichever way it was acked.
+        """
+        if shard is None:
+            shard = self.leases.live(lease.shard_id, lease.attempt)
         request = pb.AckRequest(
             lease_more=lease_more,
             dead_letters=dead_letters,

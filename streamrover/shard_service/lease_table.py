@@ -60,6 +60,10 @@ class LeaseTable:
         """Whether this client lost the lease of ``shard``."""
         return shard in self._revoked
 
+    def live(self, shard_id: str, attempt: int) -> LeasedShard | None:
+        """The lease object of (``shard_id``, ``attempt``) if one is still alive (held or not)."""
+        return self._live.get((shard_id, attempt))
+
     def finished(self, shard: LeasedShard) -> None:
         """``shard`` is done (its last ack was recorded): it is no longer held."""
         with self._lock:

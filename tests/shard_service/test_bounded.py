@@ -20,6 +20,7 @@ from streamrover.shard_service.planner import plan_epoch
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.positions import RecordRuns
 from streamrover.testing.procs import MasterProcess
+from tests.helpers import write_parquet_dataset
 
 
 class Clock:
@@ -211,3 +212,24 @@ def test_an_unshuffled_replan_leases_in_partition_then_position_order(
         mine = [(s.start, s.end) for s in planned if s.partition.index == p.index]
         assert IntervalSet(mine).to_list() == missing.to_list()
         assert all(b - a <= size for a, b in mine)
+
+
+def test_shards_acked_through_the_clients_ack_leave_its_lease_table(tmp_path: Path, master: MasterProcess) -> None:
+    # The soak's workers lease with ShardClient.lease and ack with ShardClient.ack(lease, ...) (not LeasedShard.ack):
+    # no finished shard left the client's lease table, so every heartbeat carried all of them (158 KB a second
+    # after 3 minutes), which the master decoded and its allocators kept ever bigger holes for.
+    write_parquet_dataset(tmp_path / "d", 200, files=1, row_group_size=200)
+    with ShardClient(master.address, token=master.token, heartbeat=False, timeout=30) as c:
+        c.register_dataset(DatasetSpec("d", str(tmp_path / "d"), records_per_shard=10))
+        c.join()
+        shards = []
+        for i in range(20):
+            _, (shard,) = c.lease("d")
+            shards.append(shard)
+            lease = shard.lease
+            c.ack(lease, lease.start + 5, wait=True)
+            c.ack(lease, lease.end, wait=i % 2 == 0)  # synchronous, and queued
+        c.flush()
+        held = c.leases.progress()
+        assert held == [], f"{len(held)} finished shards still held (and sent with every heartbeat)"
+        assert all(s.done and s.acked == s.lease.end for s in shards)
