@@ -18,7 +18,8 @@ Decisions, each with its inputs:
 * **out** when the lag is above the target and ``needed`` > nodes (at most MAX), as soon
   as the rates are measured afresh at the current node count (a step up needs no cooldown:
   the lag is growing);
-* **in**, in one decision, to the fewest nodes that keep up with ``P`` at 90% of a busy
+* **in**, in one decision, to the fewest nodes that keep up with the production measured over
+  the whole calm period (not its newest seconds, which may hold one burst) at 90% of a busy
   node's rate, when the lag has stayed under half the target (hysteresis) for
   ``cooldown_seconds`` and not within ``cooldown_seconds`` of the previous decision (each
   scale-in is a rendezvous of the nodes that stay: one step pays one pause). With no lag, a
@@ -102,8 +103,7 @@ class Autoscaler:
         recent = [s for s in self.samples if s.at >= at - self.rate_window]
         if len(recent) < 2 or recent[-1].at - recent[0].at < self.rate_window / 2:
             recent = self.samples[-2:]
-        r_span = recent[-1].at - recent[0].at
-        produce = max(0.0, (recent[-1].consumed - recent[0].consumed + recent[-1].lag - recent[0].lag) / r_span)
+        produce = _production(recent) or 0.0
         target = float(self.spec.target_lag_records or (self.spec.target_freshness_seconds or 0.0) * produce)
         target = max(target, 1.0)
         # far below what a node did while busy (a rendezvous or restore pauses training; its first and last
@@ -118,16 +118,20 @@ class Autoscaler:
         if lag >= target / 2 and per_node > (self.capacity or 0.0) / 2:  # busy, not paused
             self.capacity = per_node
         cooling = self.last_decision_at is not None and at - self.last_decision_at < self.spec.cooldown_seconds
-        # the nodes that keep up with the production at 90% of a busy node's rate (one fewer while that is unknown)
-        fits = math.ceil(produce / (self.capacity * 0.9)) if self.capacity else nodes - 1
-        fits = max(fits, self.min_nodes)
-        calm = lag < target / 2 and nodes > self.min_nodes and fits < nodes
-        self.calm_since = (self.calm_since or at) if calm else None
+        calm = lag < target / 2 and nodes > self.min_nodes
+        self.calm_since = (self.calm_since if self.calm_since is not None else at) if calm else None
         to, why = nodes, ""
         if lag > target and needed > nodes:
             to, why = needed, "lag above target"
         elif calm and self.calm_since is not None and at - self.calm_since >= self.spec.cooldown_seconds:
-            to, why = fits, "lag under half the target for a cooldown"
+            # sized on the production over the whole calm period: the newest seconds may hold one burst of a
+            # stream the master sees in bursts (its high watermark moves every few seconds under load)
+            produce = _production([s for s in self.samples if s.at >= self.calm_since]) or produce
+            # the nodes that keep up with it at 90% of a busy node's rate (one fewer while that is unknown)
+            fits = math.ceil(produce / (self.capacity * 0.9)) if self.capacity else nodes - 1
+            fits = max(fits, self.min_nodes)
+            if fits < nodes:
+                to, why = fits, "lag under half the target for a cooldown"
         if to == nodes or (cooling and to < nodes):
             return None
         decision = Decision(at, nodes, to, lag, target, produce, consume, per_node, needed, why)
@@ -135,3 +139,11 @@ class Autoscaler:
         self.last_decision_at, self.calm_since = at, None
         self.samples.clear()
         return decision
+
+
+def _production(samples: list[Sample]) -> float | None:
+    """Records produced per second between the first and the last of ``samples`` (consumed + the lag's change)."""
+    if len(samples) < 2 or samples[-1].at <= samples[0].at:
+        return None
+    first, last = samples[0], samples[-1]
+    return max(0.0, (last.consumed - first.consumed + last.lag - first.lag) / (last.at - first.at))

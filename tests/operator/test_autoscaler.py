@@ -107,3 +107,25 @@ def test_scale_in_keeps_the_nodes_the_rate_still_needs() -> None:
     _feed(scaler, 0, 30, 4, produce=600, per_node=160, lag=8_000, consumed=0)
     decisions, _, _ = _feed(scaler, 32, 120, 4, produce=200, per_node=160, lag=900)
     assert [(d.nodes_from, d.nodes_to) for d in decisions] == [(4, 2)], "200/s needs 2 nodes of 160/s (90%: 144/s)"
+
+
+def test_scale_in_reads_the_production_over_the_calm_period_not_its_newest_burst() -> None:
+    """Under load the master sees production in bursts (its high watermark moves every few seconds): a newest-6-s
+    window that holds a burst reads twice the rate. Seen in the acceptance test at load 12-25: "produced 162/s"
+    at 80/s, and the job scaled in 3 -> 2 -> 1. The scale-in is sized on the whole calm period, for every phase
+    of the bursts against the cooldown."""
+    for phase in range(0, 10, 2):
+        scaler = _scaler(target=2_000, cooldown=10.0)
+        _feed(scaler, 0, 30, 3, produce=360, per_node=120, lag=6_000, consumed=0)  # draining a backlog: busy
+        assert scaler.capacity is not None and 100 < scaler.capacity <= 120
+        consumed, lag, nodes, seen = float(_feed.consumed), 0.0, 3, []  # type: ignore[attr-defined]
+        for t in range(32, 152, 2):
+            if (t + phase) % 10 == 0:
+                lag += 800  # 80/s, visible every 10 s
+            decision = scaler.observe(t, int(lag), int(consumed), nodes)
+            if decision:
+                seen.append((decision.nodes_from, decision.nodes_to))
+                nodes = decision.nodes_to
+            consume = min(lag, 120 * nodes * 2)
+            lag, consumed = lag - consume, consumed + consume
+        assert seen == [(3, 1)], (phase, seen)
