@@ -1,6 +1,7 @@
 """Where a lease+ack cycle spends its time (a tool for whoever tunes the shard service, not a benchmark).
 
-    python -m benchmarks._profile core            # ShardCore + Journal alone, no gRPC, cProfile
+    python -m benchmarks._profile core [W] [A]    # ShardCore + Journal alone, no gRPC, cProfile
+                                                  # (W workers, each holding A leases; default 1 1)
     python -m benchmarks._profile server [N]      # a master in this process under yappi, N client processes
     python -m benchmarks._profile client          # one ShardClient in this process under cProfile
 
@@ -15,6 +16,7 @@ import pstats
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +35,32 @@ def _dataset(tmp: Path, rows: int) -> Any:
     return DatasetSpec("rtt", str(data), records_per_shard=1)
 
 
-def profile_core(tmp: Path) -> None:
-    """Lease+ack cycles straight on ShardCore: the cost of the state machine and the journal."""
+def profile_core(tmp: Path, workers: int = 1, ahead: int = 1) -> None:
+    """Lease+ack cycles straight on ShardCore: the cost of the state machine and the journal.
+
+    ``workers`` workers each hold ``ahead`` leases (as readers leasing ahead do); in turn each acks
+    its oldest lease and leases one more, so the master has ``workers * ahead`` leases out throughout.
+    """
     from streamrover.shard_service.core import ShardCore
     from streamrover.shard_service.journal import Journal
     from streamrover.sources.api import open_source
 
-    spec = _dataset(tmp, CYCLES)
+    spec = _dataset(tmp, CYCLES + workers * ahead)
     source = open_source(spec.uri, "", {})
     core = ShardCore(Journal(tmp / "journal.db"))
     core.register_dataset(spec, source.kind, source.partitions(), "[]")
-    w = core.join("bench")
+    held: dict[str, deque[Any]] = {core.join(f"bench-{i}").id: deque() for i in range(workers)}
+    for wid, queue in held.items():
+        queue.extend(core.lease(wid, "rtt", ahead - 1).leases if ahead > 1 else [])
 
     def run(n: int) -> None:
-        for _ in range(n):
-            grant = core.lease(w.id, "rtt", 1).leases[0]
-            core.ack(w.id, grant.shard_id, grant.attempt, grant.end)
+        ids = list(held)
+        for i in range(n):
+            wid = ids[i % len(ids)]
+            queue = held[wid]
+            queue.append(core.lease(wid, "rtt", 1).leases[0])
+            grant = queue.popleft()
+            core.ack(wid, grant.shard_id, grant.attempt, grant.end)
 
     best_wall, best_cpu, n = float("inf"), float("inf"), CYCLES // 8
     for _ in range(4):  # best of 4: other processes on the machine only ever make a round slower
@@ -58,7 +70,7 @@ def profile_core(tmp: Path) -> None:
         best_cpu = min(best_cpu, time.process_time() - c0)
     print(
         f"core alone: {n / best_wall:,.0f} lease+ack cycles/s; per cycle {best_wall / n * 1e6:.0f} us wall, "
-        f"{best_cpu / n * 1e6:.0f} us CPU (best of 4 rounds of {n})"
+        f"{best_cpu / n * 1e6:.0f} us CPU (best of 4 rounds of {n}; {workers} workers x {ahead} leases held)"
     )
     prof = cProfile.Profile()
     prof.runcall(run, CYCLES // 2 - 10)
@@ -91,8 +103,10 @@ def profile_server(tmp: Path, clients: int) -> None:
         yappi.stop()
     finally:
         master.stop(0.5)
-    print(f"{clients} clients: {sum(r[0] / r[1] for r in results):,.0f} RPC/s (under yappi); errors: "
-          f"{[r[2] for r in results if r[2]]}")
+    print(
+        f"{clients} clients: {sum(r[0] / r[1] for r in results):,.0f} RPC/s (under yappi); errors: "
+        f"{[r[2] for r in results if r[2]]}"
+    )
     stats = yappi.get_func_stats()
     rpcs = sum(r[0] for r in results)
     by_area: dict[str, float] = {}
@@ -141,7 +155,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmpdir:
         tmp = Path(tmpdir)
         if what == "core":
-            profile_core(tmp)
+            profile_core(tmp, *(int(a) for a in argv[1:3]))
         elif what == "server":
             profile_server(tmp, int(argv[1]) if len(argv) > 1 else 4)
         elif what == "client":

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from streamrover.cursor import DataCursor, PartitionKey
+from streamrover.cursor import DataCursor
 from streamrover.shard_service import datasets, fencing
 from streamrover.shard_service.api import (
     DEFAULT_LEASE_TTL,
@@ -41,9 +41,9 @@ from streamrover.shard_service.bookkeeping import (
     WorkerRecord,
 )
 from streamrover.shard_service.cuts import CutBook
+from streamrover.shard_service.deadlines import DeadlineQueue
 from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.kv import KvStore
-from streamrover.shard_service.planner import grid_cells_covered
 from streamrover.shard_service.staged import StagedCommits, StagedOutcome
 from streamrover.shard_service.state import CoreState
 from streamrover.shard_service.streams import StreamPlanner
@@ -61,6 +61,21 @@ class ShardCore(CoreState):
         self.cut_book = CutBook(journal, self.clock)
         self.streams = StreamPlanner(self, self.cut_book)
         self.staged = StagedCommits(self, self.streams)
+        # expiry (deadlines.py): lower bounds of every lease's deadline and every worker's heartbeat deadline
+        self.lease_due: DeadlineQueue[str] = DeadlineQueue(self._lease_deadline)
+        self.worker_due: DeadlineQueue[str] = DeadlineQueue(self._worker_deadline)
+        for w in self.workers.values():
+            self.worker_due.track(w.id, w.last_seen + self.lease_ttl)
+        for sid in self.leased:
+            self.lease_due.track(sid, self.shards[sid].deadline)
+
+    def _lease_deadline(self, sid: str) -> float | None:
+        s = self.shards.get(sid)
+        return s.deadline if s is not None and s.state is ShardState.LEASED else None
+
+    def _worker_deadline(self, worker_id: str) -> float | None:
+        w = self.workers.get(worker_id)
+        return None if w is None else w.last_seen + self.lease_ttl
 
     # ------------------------------------------------------------------ workers
     def join(self, name: str, worker_id: str = "") -> WorkerRecord:
@@ -74,6 +89,7 @@ class ShardCore(CoreState):
             with self.journal.transaction():
                 self.journal.put_worker(w)
         w.last_seen = self.clock()
+        self.worker_due.track(worker_id, w.last_seen + self.lease_ttl)
         return w
 
     def worker(self, worker_id: str) -> WorkerRecord:
@@ -115,10 +131,13 @@ class ShardCore(CoreState):
         self.journal.put_shard(s)
 
     def expire(self) -> int:
-        """Declare dead the workers that missed their heartbeats, returning their leases. Returns how many."""
+        """Declare dead the workers that missed their heartbeats, returning their leases. Returns how many.
+
+        Looks only at the leases and workers whose deadline may have passed (``lease_due``, ``worker_due``).
+        """
         now = self.clock()
-        dead = [w for w in self.workers.values() if w.last_seen + self.lease_ttl < now]
-        late = [self.shards[sid] for sid in self.leased if self.shards[sid].deadline < now]
+        dead = [self.workers[wid] for wid in self.worker_due.due(now)]
+        late = [self.shards[sid] for sid in self.lease_due.due(now)]
         if not dead and not late:
             return 0
         count = 0
@@ -135,8 +154,7 @@ class ShardCore(CoreState):
 
     def next_deadline(self) -> float | None:
         """The earliest moment a lease or a worker can expire (for the reaper's timer)."""
-        times = [self.shards[sid].deadline for sid in self.leased]
-        times += [w.last_seen + self.lease_ttl for w in self.workers.values()]
+        times = [t for t in (self.lease_due.earliest(), self.worker_due.earliest()) if t is not None]
         return min(times) if times else None
 
     def heartbeat(self, worker_id: str) -> tuple[float, list[tuple[str, int]]]:
@@ -173,8 +191,9 @@ class ShardCore(CoreState):
             held = [self.shards[s] for s in w.last_lease_ids if s in w.leases]
             return LeaseOutcome(LeaseStatus.OK if held else LeaseStatus.WAIT, [self._grant(ds, s) for s in held], 0.1)
         grants: list[LeaseGrant] = []
+        wanted = self._share(ds, w, max(max_shards, 1))
         with self.journal.transaction():
-            while len(grants) < max(max_shards, 1):
+            while len(grants) < wanted:
                 s = self.pop_todo(ds, w)
                 if s is None:
                     break
@@ -183,6 +202,7 @@ class ShardCore(CoreState):
                 self._set_state(s, ShardState.LEASED)
                 s.attempt, s.worker, s.deadline = self._lease_seq, w.id, now + self.lease_ttl
                 w.leases.add(s.id)
+                self.lease_due.track(s.id, s.deadline)
                 self.journal.put_shard(s)
                 grants.append(self._grant(ds, s))
                 self.events["leases_granted"] += 1
@@ -198,6 +218,25 @@ class ShardCore(CoreState):
         deadline = self.next_deadline()
         retry = 1.0 if deadline is None else min(max(deadline - now, 0.05), 1.0)
         return LeaseOutcome(LeaseStatus.WAIT, [], retry)
+
+    def _share(self, ds: DatasetRecord, w: WorkerRecord, wanted: int) -> int:
+        """How many of ``wanted`` leases ``w`` gets: at least one, at most its share of the shards left.
+
+        Its share: ceil((todo + leased) / readers) less the leases of ``ds`` it holds, where readers are the
+        live workers granted a lease of ``ds`` (and ``w``). It binds only near the end (a batch dataset's
+        last epoch planned, a stream's planned head), so that one worker's lease-ahead does not take every
+        shard left while another idles.
+        """
+        states = self.state_counts[ds.name]
+        todo = states[ShardState.TODO]
+        if wanted <= 1 or wanted * len(self.workers) <= todo:  # no share is smaller (readers <= workers)
+            return wanted
+        if ds.kind is SourceKind.BATCH and ds.epochs_planned < ds.spec.epochs:
+            return wanted  # more epochs to plan: not the end
+        readers = 1 + sum(1 for wid, name in self.tails if name == ds.name and wid != w.id)
+        held = sum(1 for sid in w.leases if self.shards[sid].dataset == ds.name)
+        share = -(-(todo + states[ShardState.LEASED]) // readers) - held
+        return max(1, min(wanted, share))
 
     def _grant(self, ds: DatasetRecord, s: ShardRecord) -> LeaseGrant:
         part = ds.partitions[s.pindex]
@@ -316,31 +355,8 @@ class ShardCore(CoreState):
         )
 
     def counts(self, ds: DatasetRecord) -> DatasetCounts:
-        """Shard and record counts for status (walks the committed cursor: not for hot paths)."""
-        states = self.state_counts[ds.name]
-        committed_cells = 0
-        committed_records = 0
-        for part in ds.partitions:
-            for epoch in range(ds.epochs_planned):
-                covered = self.committed.get(PartitionKey(ds.name, epoch, part.id))
-                committed_cells += grid_cells_covered(part, ds.shard_size, covered, ds.runs.get(part.index))
-                committed_records += ds.records_in_set(part.index, covered)
-        index = {p.id: p.index for p in ds.partitions}
-        acked_records = sum(
-            ds.records_in_set(index[key.partition], covered)
-            for key, covered in self.acked_cursor().only(ds.name).items()
-            if key.partition in index
-        )
-        finished = self.finished(ds)
-        return DatasetCounts(
-            todo=states[ShardState.TODO],
-            leased=states[ShardState.LEASED],
-            acked=states[ShardState.ACKED],
-            committed=committed_cells,
-            records_acked=acked_records,
-            records_committed=committed_records,
-            finished=finished,
-        )
+        """Shard and record counts for status (:func:`datasets.counts`; not for hot paths)."""
+        return datasets.counts(self, ds, self.committed, self.acked_cursor(), self.finished(ds))
 
     def planned_records(self, ds: DatasetRecord) -> int:
         """Records in the dataset's planned extents (a stream's grows as it is planned)."""

@@ -3,9 +3,17 @@ book, stream planning, staged commits), each given the parts it changes."""
 
 from __future__ import annotations
 
-from streamrover.shard_service.api import AlreadyExistsError, DatasetSpec, InvalidArgumentError, PartitionPlan
-from streamrover.shard_service.bookkeeping import DatasetRecord
+from streamrover.cursor import DataCursor, PartitionKey
+from streamrover.shard_service.api import (
+    AlreadyExistsError,
+    DatasetSpec,
+    InvalidArgumentError,
+    PartitionPlan,
+    ShardState,
+)
+from streamrover.shard_service.bookkeeping import DatasetCounts, DatasetRecord
 from streamrover.shard_service.cuts import CutBook
+from streamrover.shard_service.planner import grid_cells_covered
 from streamrover.shard_service.staged import StagedCommits
 from streamrover.shard_service.state import CoreState
 from streamrover.shard_service.streams import StreamPlanner
@@ -36,9 +44,7 @@ def register(
             f"({existing.spec.uri!r}); choose another name"
         )
     if kind is SourceKind.STREAM and (spec.epochs > 1 or spec.shuffle):
-        raise InvalidArgumentError(
-            f"dataset {spec.name!r} is a stream: epochs and shuffle apply to batch data only"
-        )
+        raise InvalidArgumentError(f"dataset {spec.name!r} is a stream: epochs and shuffle apply to batch data only")
     if kind is SourceKind.BATCH:
         plans = [PartitionPlan(i, p.id, p.start, p.end) for i, p in enumerate(partitions)]
     else:  # a stream's planned extent starts empty; the first poll plans what is there
@@ -78,3 +84,32 @@ def remove(
     staged.forget_dataset(name)
     table.restore_revoked.difference_update(sids)
     return revoked, len(sids)
+
+
+def counts(
+    table: CoreState, ds: DatasetRecord, committed: DataCursor, acked: DataCursor, finished: bool
+) -> DatasetCounts:
+    """Shard and record counts of ``ds`` for status, given the committed and acked cursors (not for hot paths)."""
+    states = table.state_counts[ds.name]
+    committed_cells = 0
+    committed_records = 0
+    for part in ds.partitions:
+        for epoch in range(ds.epochs_planned):
+            covered = committed.get(PartitionKey(ds.name, epoch, part.id))
+            committed_cells += grid_cells_covered(part, ds.shard_size, covered, ds.runs.get(part.index))
+            committed_records += ds.records_in_set(part.index, covered)
+    index = {p.id: p.index for p in ds.partitions}
+    acked_records = sum(
+        ds.records_in_set(index[key.partition], covered)
+        for key, covered in acked.only(ds.name).items()
+        if key.partition in index
+    )
+    return DatasetCounts(
+        todo=states[ShardState.TODO],
+        leased=states[ShardState.LEASED],
+        acked=states[ShardState.ACKED],
+        committed=committed_cells,
+        records_acked=acked_records,
+        records_committed=committed_records,
+        finished=finished,
+    )

@@ -1,0 +1,87 @@
+"""The master's own work per lease: expiry checks look at what may have expired, and near the end of a
+pass the shards left are shared between the readers instead of all going to whoever asks first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamrover.shard_service.api import DatasetSpec
+from streamrover.shard_service.core import ShardCore
+from streamrover.shard_service.journal import Journal
+from streamrover.sources.api import Partition, SourceKind
+from tests.shard_service.test_core_units import Clock
+
+
+class CountingDict(dict[str, Any]):
+    """A dict that counts the entries read from it (by key, or all of them by a values() walk)."""
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        super().__init__(items)
+        self.reads = 0
+
+    def __getitem__(self, key: str) -> Any:
+        self.reads += 1
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.reads += 1
+        return super().get(key, default)
+
+    def values(self) -> Any:
+        self.reads += len(self)
+        return super().values()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def _core(path: Path, clock: Clock, shards: int) -> ShardCore:
+    core = ShardCore(Journal(path / "j.db"), lease_ttl=5.0, clock=clock)
+    spec = DatasetSpec("d", "mem://", records_per_shard=1)
+    core.register_dataset(spec, SourceKind.BATCH, [Partition("p0", 0, shards)], "[]")
+    return core
+
+
+def test_expiry_checks_read_no_lease_or_worker_until_one_may_be_due(tmp_path: Path, clock: Clock) -> None:
+    core = _core(tmp_path, clock, 64)
+    workers = [core.join(f"w{i}").id for i in range(20)]
+    for w in workers:
+        assert len(core.lease(w, "d", 2).leases) == 2  # 40 leases out, every deadline at 1005
+    clock.now += 1
+    shards, live = CountingDict(core.shards), CountingDict(core.workers)
+    core.shards, core.workers = shards, live
+    assert [core.expire() for _ in range(100)] == [0] * 100
+    assert (shards.reads, live.reads) == (0, 0)  # nothing can have expired: nothing is looked at
+    assert core.next_deadline() == 1005.0
+    clock.now = 1003.0
+    for w in workers[:10]:
+        core.heartbeat(w)  # these ten and their leases now live until 1008
+    assert core.next_deadline() == 1005.0  # exact, not a bound: the others still expire at 1005
+    clock.now = 1006.0
+    assert core.expire() == 20  # the other ten's leases return, the ten are dead
+    assert sorted(core.workers) == sorted(workers[:10]) and len(core.leased) == 20
+    assert core.next_deadline() == 1008.0
+    assert core.expire() == 0
+
+
+def test_near_the_end_the_shards_left_are_shared_between_the_readers(tmp_path: Path, clock: Clock) -> None:
+    core = _core(tmp_path, clock, 10)
+    a, b = core.join("a").id, core.join("b").id
+    core.lease(a, "d", 1)
+    core.lease(b, "d", 1)  # both read d: 8 shards left
+    assert len(core.lease(a, "d", 128).leases) == 4  # ceil(8 / 2), not all 8 to a while b idles
+    assert len(core.lease(b, "d", 128).leases) == 4
+    (tmp_path / "alone").mkdir()
+    alone = _core(tmp_path / "alone", clock, 300)
+    c, d = alone.join("c").id, alone.join("d").id
+    assert len(alone.lease(c, "d", 128).leases) == 128  # far from the end nothing is held back...
+    assert len(alone.lease(d, "d", 128).leases) == 128
+    assert len(alone.lease(c, "d", 128).leases) == 22  # ...but 44 left between two readers is 22 each
+    alone.leave(d)  # d's 128 return: c, the one reader left, may take them all
+    assert len(alone.lease(c, "d", 128).leases) == 128
+    assert len(alone.lease(c, "d", 128).leases) == 22
