@@ -180,6 +180,10 @@ def run(
                   f"x{last[2] / first[2]:.2f}); "
                   f"journal: {first[3]:.0f} KiB -> {last[3]:.0f} KiB (x{last[3] / max(first[3], 1e-3):.2f}); "
                   f"refused acks (restores): {counters.refused:,}")  # fmt: skip
+            settled = rows[1]  # the first sample after the warm-up minute (the first restore, caches filled)
+            print(f"anonymous memory after t={settled[0]}s: {settled[2]:.1f} -> {last[2]:.1f} MiB over "
+                  f"{last[5] - settled[5]:,} acks: {(last[2] - settled[2]) * 2**20 / max(last[5] - settled[5], 1):.0f} "
+                  "bytes per ack (goal: ~0, nothing grows with the acks)")  # fmt: skip
         finally:
             master.stop()
             broker.stop()
