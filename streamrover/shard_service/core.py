@@ -191,16 +191,15 @@ class ShardCore(CoreState):
             held = [self.shards[s] for s in w.last_lease_ids if s in w.leases]
             return LeaseOutcome(LeaseStatus.OK if held else LeaseStatus.WAIT, [self._grant(ds, s) for s in held], 0.1)
         grants: list[LeaseGrant] = []
-        wanted = self._share(ds, w, max(max_shards, 1))
+        wanted = self.share(ds, w, max(max_shards, 1))
         with self.journal.transaction():
             while len(grants) < wanted:
                 s = self.pop_todo(ds, w)
                 if s is None:
                     break
                 self.tails[(w.id, ds.name)] = (s.epoch, s.pindex, s.end)
-                self._lease_seq += 1
                 self._set_state(s, ShardState.LEASED)
-                s.attempt, s.worker, s.deadline = self._lease_seq, w.id, now + self.lease_ttl
+                s.attempt, s.worker, s.deadline = self.next_attempt(), w.id, now + self.lease_ttl
                 w.leases.add(s.id)
                 self.lease_due.track(s.id, s.deadline)
                 self.journal.put_shard(s)
@@ -218,25 +217,6 @@ class ShardCore(CoreState):
         deadline = self.next_deadline()
         retry = 1.0 if deadline is None else min(max(deadline - now, 0.05), 1.0)
         return LeaseOutcome(LeaseStatus.WAIT, [], retry)
-
-    def _share(self, ds: DatasetRecord, w: WorkerRecord, wanted: int) -> int:
-        """How many of ``wanted`` leases ``w`` gets: at least one, at most its share of the shards left.
-
-        Its share: ceil((todo + leased) / readers) less the leases of ``ds`` it holds, where readers are the
-        live workers granted a lease of ``ds`` (and ``w``). It binds only near the end (a batch dataset's
-        last epoch planned, a stream's planned head), so that one worker's lease-ahead does not take every
-        shard left while another idles.
-        """
-        states = self.state_counts[ds.name]
-        todo = states[ShardState.TODO]
-        if wanted <= 1 or wanted * len(self.workers) <= todo:  # no share is smaller (readers <= workers)
-            return wanted
-        if ds.kind is SourceKind.BATCH and ds.epochs_planned < ds.spec.epochs:
-            return wanted  # more epochs to plan: not the end
-        readers = 1 + sum(1 for wid, name in self.tails if name == ds.name and wid != w.id)
-        held = sum(1 for sid in w.leases if self.shards[sid].dataset == ds.name)
-        share = -(-(todo + states[ShardState.LEASED]) // readers) - held
-        return max(1, min(wanted, share))
 
     def _grant(self, ds: DatasetRecord, s: ShardRecord) -> LeaseGrant:
         part = ds.partitions[s.pindex]

@@ -33,6 +33,7 @@ from streamrover.sources.api import SourceKind
 MAX_RESTORE_REVOKED = 65_536
 # how many queued shards a lease looks past for one of a partition no other worker reads
 AFFINITY_SCAN = 64
+LEASE_SEQ_BLOCK = 1024  # lease attempt numbers reserved in the journal at a time (state.next_attempt)
 
 
 class IllegalTransitionError(RuntimeError):
@@ -74,7 +75,10 @@ class CoreState:
         self.ack_log = AckRates()
         self.events: Counter[str] = Counter()  # since start, memory only (metrics): leases_granted, joins, workers_lost
         self.started = clock()
+        # lease attempts: the last one issued, and the highest the journal has reserved (LEASE_SEQ_BLOCK at a
+        # time, so a lease does not write the counter): a restart goes on after the reservation
         self._lease_seq = int(journal.get_meta("lease_seq") or 0)
+        self._lease_reserved = self._lease_seq
         self._front = float(journal.get_meta("front_priority") or 0.0)
         self._back = float(journal.get_meta("back_priority") or 0.0)
         self._load()
@@ -171,10 +175,22 @@ class CoreState:
             s.priority = self._front
         heapq.heappush(self.queues[s.dataset], (s.priority, s.id))
 
+    def next_attempt(self) -> int:
+        """A new lease attempt number: above every one issued before, by this process or one before it.
+
+        Journalled as a reservation of :data:`LEASE_SEQ_BLOCK` numbers (by :meth:`save_counters`, in the
+        transaction of the lease that needed it), so most leases write no counter; a restarted master
+        starts after the reservation, leaving the rest of the block unused.
+        """
+        self._lease_seq += 1
+        if self._lease_seq > self._lease_reserved:
+            self._lease_reserved = self._lease_seq + LEASE_SEQ_BLOCK - 1
+        return self._lease_seq
+
     def save_counters(self) -> None:
         """Journal the table's counters (lease attempts, queue priorities); call with a transaction open."""
         j = self.journal
-        j.put_meta("lease_seq", str(self._lease_seq))
+        j.put_meta("lease_seq", str(self._lease_reserved))  # skipped while unchanged
         j.put_meta("front_priority", repr(self._front))
         j.put_meta("back_priority", repr(self._back))
 
@@ -263,6 +279,25 @@ class CoreState:
                 self.plan_next_epoch(ds)
                 continue
             return None
+
+    def share(self, ds: DatasetRecord, w: WorkerRecord, wanted: int) -> int:
+        """How many of ``wanted`` leases ``w`` gets: at least one, at most its share of the shards left.
+
+        Its share: ceil((todo + leased) / readers) less the leases of ``ds`` it holds, where readers are the
+        live workers granted a lease of ``ds`` (and ``w``). It binds only near the end (a batch dataset's
+        last epoch planned, a stream's planned head), so that one worker's lease-ahead does not take every
+        shard left while another idles.
+        """
+        states = self.state_counts[ds.name]
+        todo = states[ShardState.TODO]
+        if wanted <= 1 or wanted * len(self.workers) <= todo:  # no share is smaller (readers <= workers)
+            return wanted
+        if ds.kind is SourceKind.BATCH and ds.epochs_planned < ds.spec.epochs:
+            return wanted  # more epochs to plan: not the end
+        readers = 1 + sum(1 for wid, name in self.tails if name == ds.name and wid != w.id)
+        held = sum(1 for sid in w.leases if self.shards[sid].dataset == ds.name)
+        share = -(-(todo + states[ShardState.LEASED]) // readers) - held
+        return max(1, min(wanted, share))
 
     def _queue_head(self, queue: list[tuple[float, str]]) -> tuple[float, str] | None:
         """The first live entry of a queue (stale entries in front of it are dropped)."""

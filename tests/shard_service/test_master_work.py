@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from streamrover.shard_service.api import DatasetSpec
+from streamrover.shard_service.api import DatasetSpec, StaleLeaseError
 from streamrover.shard_service.core import ShardCore
 from streamrover.shard_service.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
@@ -85,3 +85,42 @@ def test_near_the_end_the_shards_left_are_shared_between_the_readers(tmp_path: P
     alone.leave(d)  # d's 128 return: c, the one reader left, may take them all
     assert len(alone.lease(c, "d", 128).leases) == 128
     assert len(alone.lease(c, "d", 128).leases) == 22
+
+
+class CountingConnection:
+    """Stands in for the journal's SQLite connection: counts the statements that write the meta table."""
+
+    def __init__(self, db: Any) -> None:
+        self._db = db
+        self.meta_writes = 0
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if "meta" in sql and not sql.lstrip().upper().startswith("SELECT"):
+            self.meta_writes += 1
+        return self._db.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+
+def test_leases_do_not_write_the_counter_each_and_attempts_stay_fenced_across_a_restart(
+    tmp_path: Path, clock: Clock
+) -> None:
+    core = _core(tmp_path, clock, 300)
+    a = core.join("a").id
+    counting = CountingConnection(core.journal._db)
+    core.journal._db = counting  # type: ignore[assignment]
+    grants = [core.lease(a, "d", 1).leases[0] for _ in range(100)]
+    assert counting.meta_writes <= 1  # one reservation of attempt numbers, not one write per lease
+    core.journal._db = counting._db
+    attempts = [g.attempt for g in grants]
+    assert attempts == sorted(set(attempts))
+    core.journal.close()
+    again = ShardCore(Journal(tmp_path / "j.db"), lease_ttl=5.0, clock=clock)  # the journal as a crash left it
+    clock.now += 6  # a's leases expire: b leases one of them again
+    b = again.join("b").id
+    (regrant,) = again.lease(b, "d", 1).leases
+    old = {g.shard_id: g for g in grants}[regrant.shard_id]
+    assert regrant.attempt > max(attempts)
+    with pytest.raises(StaleLeaseError):
+        again.ack(a, old.shard_id, old.attempt, old.end)
