@@ -250,6 +250,7 @@ class CoreState:
         """
         queue = self.queues[ds.name]
         prefer = w is not None and not ds.spec.shuffle
+        mine: Counter[tuple[str, int, int] | None] = Counter()  # w's leases per partition, counted once if needed
         while True:
             head = self._queue_head(queue)
             if prefer and w is not None and (head is None or head[0] >= 0):  # (front priorities are < 0)
@@ -264,7 +265,7 @@ class CoreState:
                 s = self.shards.get(sid)
                 if s is None or s.state is not ShardState.TODO or s.priority != prio:
                     continue  # stale
-                if prefer and prio >= 0 and len(skipped) < AFFINITY_SCAN and self._read_by_others(s, w):
+                if prefer and prio >= 0 and len(skipped) < AFFINITY_SCAN and self._read_by_others(s, w, mine):
                     skipped.append((prio, sid))
                     continue
                 found = s
@@ -309,11 +310,21 @@ class CoreState:
             heapq.heappop(queue)
         return None
 
-    def _read_by_others(self, s: ShardRecord, w: WorkerRecord | None) -> bool:
-        """Whether another worker than ``w`` holds a lease on ``s``'s partition (in ``s``'s epoch)."""
+    def _read_by_others(
+        self, s: ShardRecord, w: WorkerRecord | None, mine: Counter[tuple[str, int, int] | None]
+    ) -> bool:
+        """Whether another worker than ``w`` holds a lease on ``s``'s partition (in ``s``'s epoch).
+
+        ``mine``: ``w``'s leases per partition, filled here on first use (empty: not counted yet; the
+        caller keeps it for one lease, while ``w``'s leases do not change).
+        """
         key = (s.dataset, s.epoch, s.pindex)
-        mine = 0 if w is None else sum(1 for sid in w.leases if self._reading_key(sid) == key)
-        return self.reading.get(key, 0) > mine
+        readers = self.reading.get(key, 0)
+        if readers == 0:
+            return False
+        if w is not None and not mine and w.leases:
+            mine.update(self._reading_key(sid) for sid in w.leases)
+        return readers > mine[key]
 
     def _reading_key(self, sid: str) -> tuple[str, int, int] | None:
         s = self.shards.get(sid)

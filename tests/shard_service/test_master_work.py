@@ -124,3 +124,16 @@ def test_leases_do_not_write_the_counter_each_and_attempts_stay_fenced_across_a_
     assert regrant.attempt > max(attempts)
     with pytest.raises(StaleLeaseError):
         again.ack(a, old.shard_id, old.attempt, old.end)
+
+
+def test_a_lease_counts_the_workers_own_leases_per_partition_once(tmp_path: Path, clock: Clock) -> None:
+    core = _core(tmp_path, clock, 200)  # one partition: every waiting shard is of a partition others read
+    a, b = core.join("a").id, core.join("b").id
+    assert len(core.lease(a, "d", 32).leases) == 32
+    core.lease(b, "d", 1)  # b reads the partition too
+    del core.tails[(a, "d")]  # a's reader moved on (no shard follows its last): a looks along the queue
+    shards = CountingDict(core.shards)
+    core.shards = shards
+    (mine,) = core.lease(a, "d", 1).leases
+    assert mine.start == 97  # looked past AFFINITY_SCAN (64) waiting shards of a partition b reads, 32-95
+    assert shards.reads < 300  # ~64 candidates + a's 32 leases counted once, not 32 per candidate
