@@ -118,7 +118,7 @@ class Autoscaler:
         if lag >= target / 2 and per_node > (self.capacity or 0.0) / 2:  # busy, not paused
             self.capacity = per_node
         cooling = self.last_decision_at is not None and at - self.last_decision_at < self.spec.cooldown_seconds
-        calm = lag < target / 2 and nodes > self.min_nodes
+        calm = lag < target / 2 and nodes > self.min_nodes and self._fits(produce, nodes) < nodes
         self.calm_since = (self.calm_since if self.calm_since is not None else at) if calm else None
         to, why = nodes, ""
         if lag > target and needed > nodes:
@@ -127,11 +127,7 @@ class Autoscaler:
             # sized on the production over the whole calm period: the newest seconds may hold one burst of a
             # stream the master sees in bursts (its high watermark moves every few seconds under load)
             produce = _production([s for s in self.samples if s.at >= self.calm_since]) or produce
-            # the nodes that keep up with it at 90% of a busy node's rate (one fewer while that is unknown)
-            fits = math.ceil(produce / (self.capacity * 0.9)) if self.capacity else nodes - 1
-            fits = max(fits, self.min_nodes)
-            if fits < nodes:
-                to, why = fits, "lag under half the target for a cooldown"
+            to, why = min(self._fits(produce, nodes), nodes), "lag under half the target for a cooldown"
         if to == nodes or (cooling and to < nodes):
             return None
         decision = Decision(at, nodes, to, lag, target, produce, consume, per_node, needed, why)
@@ -139,6 +135,11 @@ class Autoscaler:
         self.last_decision_at, self.calm_since = at, None
         self.samples.clear()
         return decision
+
+    def _fits(self, produce: float, nodes: int) -> int:
+        """The nodes that keep up with ``produce`` at 90% of a busy node's rate (one fewer while that is unknown)."""
+        fits = math.ceil(produce / (self.capacity * 0.9)) if self.capacity else nodes - 1
+        return max(fits, self.min_nodes)
 
 
 def _production(samples: list[Sample]) -> float | None:
