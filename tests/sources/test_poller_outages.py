@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -30,41 +32,49 @@ def _planned(admin: ShardClient) -> int:
     return int(admin.describe_dataset("s").total_records)
 
 
-def test_planning_resumes_after_the_broker_is_killed_long_enough_to_reopen_the_source(
-    tmp_path: Path, kafka_broker: Any
-) -> None:
-    """SIGKILL the broker, wait for failed polls and the poller's reopen of its source (status says both), restart
-    the broker on the same port and log dir: records produced after the restart are planned and leased."""
+@contextmanager
+def _stream_master(
+    tmp_path: Path, kafka_broker: Any, scheme: str, options: dict[str, str], records_per_shard: int
+) -> Iterator[tuple[MasterServer, ShardClient, str]]:
+    """A master with stream dataset "s" of a new one-partition topic (``scheme``), its first 100 records planned."""
     topic = _create_topic(kafka_broker, 1)
     _produce(kafka_broker, topic, range(100), 1)
     master = MasterServer(tmp_path / "state", "token")
     try:
         with ShardClient(master.address, token="token", heartbeat=False, timeout=30) as admin:
-            options = {"sr.poll_interval_ms": "50", "sr.max_delay_ms": "0"}
-            uri = f"kafka://{kafka_broker.bootstrap}/{topic}"
-            spec = DatasetSpec("s", uri, options=options, records_per_shard=1000)
-            admin.register_dataset(spec)
+            uri = f"{scheme}://{kafka_broker.bootstrap}/{topic}"
+            admin.register_dataset(DatasetSpec("s", uri, options=options, records_per_shard=records_per_shard))
             wait_until(lambda: _planned(admin) == 100, 60, "the first records planned")
-            kafka_broker.kill()
-            try:
-                wait_until(lambda: "reopened" in admin.describe_dataset("s").error, 90,
-                           "status to show failed polls and the source reopened")  # fmt: skip
-            finally:
-                kafka_broker.start()  # also when the check failed: the broker is shared with later tests
-            _produce(kafka_broker, topic, range(100, 200), 1)
-            wait_until(lambda: _planned(admin) == 200, 60, "records produced after the restart planned")
-            with ShardClient(master.address, token="token", heartbeat=True, timeout=30) as worker:
-                spans: list[tuple[int, int]] = []
-                while sum(b - a for a, b in spans) < 200:
-                    _, leased = worker.lease("s", max_shards=10, wait=10)
-                    assert leased, f"no shard leased after {spans}"
-                    spans += [(s.lease.start, s.lease.end) for s in leased]
-                spans.sort()  # one shard of the first 100 records, then what was produced after the restart
-                assert spans[0] == (0, 100) and spans[-1][1] == 200, spans
-                assert all(a == b for (_, a), (b, _) in pairwise(spans)), spans
-            wait_until(lambda: admin.describe_dataset("s").error == "", 60, "the outage cleared from status")
+            yield master, admin, topic
     finally:
         master.stop()
+
+
+def test_planning_resumes_after_the_broker_is_killed_long_enough_to_reopen_the_source(
+    tmp_path: Path, kafka_broker: Any
+) -> None:
+    """SIGKILL the broker, wait for failed polls and the poller's reopen of its source (status says both), restart
+    the broker on the same port and log dir: records produced after the restart are planned and leased."""
+    options = {"sr.poll_interval_ms": "50", "sr.max_delay_ms": "0"}
+    with _stream_master(tmp_path, kafka_broker, "kafka", options, 1000) as (master, admin, topic):
+        kafka_broker.kill()
+        try:
+            wait_until(lambda: "reopened" in admin.describe_dataset("s").error, 90,
+                       "status to show failed polls and the source reopened")  # fmt: skip
+        finally:
+            kafka_broker.start()  # also when the check failed: the broker is shared with later tests
+        _produce(kafka_broker, topic, range(100, 200), 1)
+        wait_until(lambda: _planned(admin) == 200, 60, "records produced after the restart planned")
+        with ShardClient(master.address, token="token", heartbeat=True, timeout=30) as worker:
+            spans: list[tuple[int, int]] = []
+            while sum(b - a for a, b in spans) < 200:
+                _, leased = worker.lease("s", max_shards=10, wait=10)
+                assert leased, f"no shard leased after {spans}"
+                spans += [(s.lease.start, s.lease.end) for s in leased]
+            spans.sort()  # one shard of the first 100 records, then what was produced after the restart
+            assert spans[0] == (0, 100) and spans[-1][1] == 200, spans
+            assert all(a == b for (_, a), (b, _) in pairwise(spans)), spans
+        wait_until(lambda: admin.describe_dataset("s").error == "", 60, "the outage cleared from status")
 
 
 class _StuckKafka:
@@ -103,26 +113,21 @@ def test_a_source_call_that_never_answers_is_abandoned_and_status_says_what_the_
     tmp_path: Path, kafka_broker: Any
 ) -> None:
     register_source(_StuckKafka, schemes=("stuck-kafka",))
-    topic = _create_topic(kafka_broker, 1)
-    _produce(kafka_broker, topic, range(100), 1)
-    master = MasterServer(tmp_path / "state", "token")
+    options = {"sr.poll_interval_ms": "50", "sr.max_delay_ms": "0", "sr.source_timeout_ms": "8000"}
     try:
-        with ShardClient(master.address, token="token", heartbeat=False, timeout=30) as admin:
-            options = {"sr.poll_interval_ms": "50", "sr.max_delay_ms": "0", "sr.source_timeout_ms": "8000"}
-            spec = DatasetSpec("s", f"stuck-kafka://{kafka_broker.bootstrap}/{topic}", options=options,
-                               records_per_shard=1000)  # fmt: skip
-            admin.register_dataset(spec)
-            wait_until(lambda: _planned(admin) == 100, 60, "the first records planned")
-            _StuckKafka.stick = True
-            wait_until(lambda: "polling the end positions: waiting" in admin.describe_dataset("s").error, 60,
-                       "status to show what the poller waits on")  # fmt: skip
-            _produce(kafka_broker, topic, range(100, 200), 1)
-            wait_until(lambda: _planned(admin) == 200, 60, "records produced while the old client is stuck planned")
-            wait_until(lambda: admin.describe_dataset("s").error == "", 60, "the error to clear")
-            assert not admin.describe_dataset("s").failed
+        with _stream_master(tmp_path, kafka_broker, "stuck-kafka", options, 1000) as (_, admin, topic):
+            try:
+                _StuckKafka.stick = True
+                wait_until(lambda: "polling the end positions: waiting" in admin.describe_dataset("s").error, 60,
+                           "status to show what the poller waits on")  # fmt: skip
+                _produce(kafka_broker, topic, range(100, 200), 1)
+                wait_until(lambda: _planned(admin) == 200, 60,
+                           "records produced while the old client is stuck planned")  # fmt: skip
+                wait_until(lambda: admin.describe_dataset("s").error == "", 60, "the error to clear")
+                assert not admin.describe_dataset("s").failed
+            finally:
+                _StuckKafka.release.set()  # the stuck calls return before the master stops
     finally:
-        _StuckKafka.release.set()
-        master.stop()
         _StuckKafka.stick, _StuckKafka.stuck = False, None
 
 
@@ -205,19 +210,11 @@ def test_a_list_offsets_answer_that_never_comes_is_a_source_error(kafka_broker: 
 def test_a_poller_whose_source_keeps_failing_reopens_it(tmp_path: Path, kafka_broker: Any) -> None:
     """After a few failed polls in a row the master's poller closes its source and opens a fresh one: a client
     that wedged must not stall the stream (no planning, no lag: the autoscaler then scaled the job in)."""
-    from streamrover.shard_service.master import MasterServer
-    from streamrover.sources.api import register_source
-
     register_source(_WedgedKafka, schemes=("wedged-kafka",))
-    topic = _create_topic(kafka_broker, 1)
-    _produce(kafka_broker, topic, range(100), 1)
-    master = MasterServer(tmp_path / "state", "token")
     try:
-        with ShardClient(master.address, token="token", heartbeat=False, timeout=30) as admin:
-            spec = DatasetSpec("s", f"wedged-kafka://{kafka_broker.bootstrap}/{topic}",
-                               options={"sr.poll_interval_ms": "50"}, records_per_shard=10)  # fmt: skip
-            admin.register_dataset(spec)
-            wait_until(lambda: admin.describe_dataset("s").total_records == 100, 60, "the first records planned")
+        with _stream_master(tmp_path, kafka_broker, "wedged-kafka", {"sr.poll_interval_ms": "50"}, 10) as (
+            _, admin, topic,
+        ):  # fmt: skip
             _WedgedKafka.wedge = True
             wait_until(lambda: "Broker transport failure" in admin.describe_dataset("s").error, 60, "the wedge")
             _produce(kafka_broker, topic, range(100, 200), 1)
@@ -225,7 +222,6 @@ def test_a_poller_whose_source_keeps_failing_reopens_it(tmp_path: Path, kafka_br
             wait_until(lambda: admin.describe_dataset("s").error == "", 60, "the error to clear")
             assert not admin.describe_dataset("s").failed
     finally:
-        master.stop()
         _WedgedKafka.wedge, _WedgedKafka.wedged = False, None
 
 
