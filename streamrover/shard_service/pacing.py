@@ -22,7 +22,9 @@ from collections import deque
 
 from streamrover.shard_service.lease_table import LeaseTable
 
-PREFETCH_SECONDS = 0.02  # a reader keeps about this much of its caller's work leased ahead when shards are small...
+# a reader keeps about this much of its caller's work leased ahead when shards are small (and its acks gather
+# while a third of it waits: each AckBatch then carries ~40 ms of shards, sent with ~20 ms of work still waiting)...
+PREFETCH_SECONDS = 0.06
 MAX_PREFETCH = 128  # ...but no more than this many shards
 PREFETCH_RECORDS = 256 * 1024  # until the caller's pace is known (RAMP_SHARDS taken): about this many records
 RAMP_SHARDS = 16
@@ -114,14 +116,14 @@ class Pacing:
             pace.dry = got < asked
 
     def readers_supplied(self) -> bool:
-        """Whether every reader pacing deeper than asked has 2/3 of its depth waiting, or is dry (acks may gather)."""
+        """Whether every reader pacing deeper than asked has 1/3 of its depth waiting, or is dry (acks may gather)."""
         deep = False
         with self._lock:
             paces = list(self._paces.items())
         for dataset, pace in paces:
             if pace.target <= pace.base:
                 continue
-            if not pace.dry and self._table.waiting_count(dataset) * 3 < pace.target * 2:
+            if not pace.dry and self._table.waiting_count(dataset) * 3 < pace.target:
                 return False
             deep = True
         return deep
