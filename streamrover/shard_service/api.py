@@ -118,6 +118,10 @@ class ShardState(enum.Enum):
     ACKED = "acked"  # every position acked; not yet folded into the committed cursor
     # Shards inside the committed cursor are deleted from the journal (compaction).
 
+    # Members are singletons compared by identity: hash them so too, in C (Enum's own __hash__, hash of the
+    # name, is a Python call, and the shard table hashes states ~14 times per lease and ack: per-state counts).
+    __hash__ = object.__hash__
+
 
 class LeaseStatus(enum.Enum):
     """The answer to a lease request."""

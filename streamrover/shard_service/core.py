@@ -202,13 +202,13 @@ class ShardCore(CoreState):
                 s.attempt, s.worker, s.deadline = self.next_attempt(), w.id, now + self.lease_ttl
                 w.leases.add(s.id)
                 self.lease_due.track(s.id, s.deadline)
-                self.journal.put_shard(s)
+                self.journal.put_shard_leased(s)
                 grants.append(self._grant(ds, s))
                 self.events["leases_granted"] += 1
             if grants:
                 w.last_request_id = request_id
                 w.last_lease_ids = [g.shard_id for g in grants]
-                self.journal.put_worker(w)
+                self.journal.put_worker_request(w)
                 self.save_counters()
         if grants:
             return LeaseOutcome(LeaseStatus.OK, grants)
@@ -263,7 +263,7 @@ class ShardCore(CoreState):
             s.worker = None
             w.leases.discard(s.id)
         with self.journal.transaction():
-            self.journal.put_shard(s)
+            self.journal.put_shard_acked(s)
             if dead_letters:
                 ds = self.datasets[s.dataset]
                 ds.dead_letters += dead_letters

@@ -50,6 +50,9 @@ class CommitLock:
         if self._owner == me:
             self._depth += 1
             return self
+        if self._lock.acquire(blocking=False):  # free: this thread is not one arriving behind a holder
+            self._owner, self._depth = me, 1
+            return self
         with self._count_lock:
             self._arriving += 1
         self._lock.acquire()

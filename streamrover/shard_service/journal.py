@@ -65,6 +65,11 @@ CREATE TABLE IF NOT EXISTS staged (
     records INTEGER NOT NULL, files TEXT NOT NULL, PRIMARY KEY (dataset, producer, part, epoch)) WITHOUT ROWID;
 """
 
+# the columns a lease, an ack and a lease request change (an UPDATE, not a delete and re-insert of the whole row)
+_LEASED = "UPDATE shards SET state = ?, attempt = ?, worker = ? WHERE id = ?"
+_ACKED = "UPDATE shards SET state = ?, worker = ?, acked_to = ?, acks = ?, acked_by = ? WHERE id = ?"
+_REQUEST = "UPDATE workers SET last_request_id = ?, last_lease_ids = ? WHERE id = ?"
+
 
 class JournalError(Exception):
     """The journal cannot be opened or written (wrong version, disk full...)."""
@@ -292,6 +297,18 @@ class Journal:
             ),
         )
 
+    def put_shard_leased(self, s: ShardRecord) -> None:
+        """Write what a lease changes in a shard's row (state, attempt, worker; the whole row when it has none)."""
+        if self._db.execute(_LEASED, (s.state.value, s.attempt, s.worker, s.id)).rowcount != 1:
+            self.put_shard(s)
+
+    def put_shard_acked(self, s: ShardRecord) -> None:
+        """Write what an ack changes in a shard's row (state, worker, acked_to, acks, acked_by; the whole row when
+        it has none)."""
+        row = (s.state.value, s.worker, s.acked_to, json.dumps(s.acks), json.dumps(sorted(s.acked_by.items())), s.id)
+        if self._db.execute(_ACKED, row).rowcount != 1:
+            self.put_shard(s)
+
     def delete_shard(self, shard_id: str) -> None:
         """Delete a shard's row."""
         self._db.execute("DELETE FROM shards WHERE id = ?", (shard_id,))
@@ -331,6 +348,11 @@ class Journal:
             "INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?)",
             (w.id, w.name, w.last_request_id, json.dumps(w.last_lease_ids)),
         )
+
+    def put_worker_request(self, w: WorkerRecord) -> None:
+        """Write a worker's last lease request (its id and lease ids; the whole row when it has none)."""
+        if self._db.execute(_REQUEST, (w.last_request_id, json.dumps(w.last_lease_ids), w.id)).rowcount != 1:
+            self.put_worker(w)
 
     def delete_worker(self, worker_id: str) -> None:
         """Delete a worker's row."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from streamrover.shard_service import convert
 from streamrover.shard_service.api import ShardServiceError
 from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
@@ -66,7 +67,6 @@ class WorkerSessions:
             "ack_batch": self._body(cls.AckBatch),
             "heartbeat": self._body(cls.Heartbeat),
         }
-        self._lease_body = self._body(cls.LeaseShards)
 
     @property
     def open(self) -> int:
@@ -79,12 +79,16 @@ class WorkerSessions:
         return lambda request, context: body(servicer, request, context)
 
     def _lease_now(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
-        if request.wait_seconds:
-            now = pb.LeaseRequest()
-            now.CopyFrom(request)
-            now.wait_seconds = 0.0
-            request = now
-        return self._lease_body(request, context)
+        """``LeaseShards`` with no wait (the stream never long-polls): one lease under the lock, the same checks."""
+        servicer = self._servicer
+        core = servicer.core
+        with servicer.cond:  # leaving it waits until the lease is journalled (group commit)
+            outcome = core.lease(request.worker_id, request.dataset, request.max_shards, request.request_id)
+        return pb.LeaseResponse(
+            status=convert.lease_status_to_pb(outcome.status),
+            leases=[convert.lease_to_pb(g) for g in outcome.leases],
+            retry_after_seconds=outcome.retry_after,
+        )
 
     def serve(
         self, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
