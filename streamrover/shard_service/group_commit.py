@@ -37,6 +37,7 @@ class CommitLock:
         self._committed = threading.Condition(self._lock)  # a group was committed (or its commit failed)
         self._count_lock = threading.Lock()
         self._arriving = 0  # threads that asked for the lock and do not hold it yet
+        self._awaiting = 0  # threads sleeping on _committed (nobody to notify when none)
         self._owner: int | None = None
         self._depth = 0
 
@@ -73,7 +74,11 @@ class CommitLock:
             self._commit_point()
             while journal.durable < seen and not journal.failed:
                 self._owner = None
-                self._committed.wait()  # the group's last call commits it
+                self._awaiting += 1
+                try:
+                    self._committed.wait()  # the group's last call commits it
+                finally:
+                    self._awaiting -= 1
                 self._owner = me
         finally:
             self._owner, self._depth = None, 0
@@ -89,7 +94,8 @@ class CommitLock:
             try:
                 journal.commit()
             finally:
-                self._committed.notify_all()
+                if self._awaiting:
+                    self._committed.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Sleep until notified or ``timeout`` (as ``threading.Condition.wait``); the open group is committed first."""

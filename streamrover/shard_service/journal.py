@@ -26,9 +26,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from types import TracebackType
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, PartitionPlan, ShardState
@@ -71,6 +70,12 @@ _ACKED = "UPDATE shards SET state = ?, worker = ?, acked_to = ?, acks = ?, acked
 _REQUEST = "UPDATE workers SET last_request_id = ?, last_lease_ids = ? WHERE id = ?"
 
 
+
+def _pairs(pairs: list[tuple[int | None, int]]) -> str:
+    """A shard's acks or acked_by as JSON (integers, and null for no step), written without the json module."""
+    return "[" + ",".join([f"[{'null' if a is None else f'{a:d}'},{b:d}]" for a, b in pairs]) + "]"
+
+
 class JournalError(Exception):
     """The journal cannot be opened or written (wrong version, disk full...)."""
 
@@ -82,6 +87,21 @@ class JournalWriteError(JournalError):
     state that is not durable. A restarted master replays the journal, which holds exactly the
     transactions that committed.
     """
+
+
+class _Transaction:
+    """The context manager :meth:`Journal.transaction` returns (one per journal: transactions nest by depth)."""
+
+    __slots__ = ("_journal",)
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+
+    def __enter__(self) -> None:
+        self._journal._begin()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._journal._end(exc)
 
 
 class Journal:
@@ -98,6 +118,8 @@ class Journal:
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
         self._depth = 0
+        self._in_group = False  # the open transaction is a savepoint in the open group
+        self._transaction = _Transaction(self)
         self.group_commit = False  # True: an ended transaction waits in the open group for commit()
         self._group_open = False  # an SQLite transaction holds ended, not yet committed transactions
         self.written = 0  # transactions ended (committed, or waiting in the open group)
@@ -117,41 +139,51 @@ class Journal:
             self.commit()
         self._db.close()
 
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
+    def transaction(self) -> _Transaction:
         """One atomic unit: everything written inside is committed together, or not at all.
 
         With ``group_commit`` it is committed by :meth:`commit` (with the transactions around it),
         not when it ends: nothing built from its state may be answered before ``durable`` reaches it.
         """
+        return self._transaction
+
+    def _begin(self) -> None:
+        """Enter a transaction (:class:`_Transaction`): the outermost begins it (a savepoint in an open group)."""
         if self._depth:
             self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
             return
         if self.failed:
             raise JournalWriteError(self.failed)
-        self._depth = 1
-        in_group = self._group_open  # earlier transactions wait in the open one: this one is a savepoint in it
+        self._in_group = self._group_open  # earlier transactions wait in the open one: this one is a savepoint in it
         try:
-            self._db.execute("SAVEPOINT tx" if in_group else "BEGIN IMMEDIATE")
-            try:
-                yield
-            except BaseException:
-                self._undo(in_group)
-                raise
-            if in_group:
+            self._db.execute("SAVEPOINT tx" if self._in_group else "BEGIN IMMEDIATE")
+        except (sqlite3.Error, OSError) as exc:  # a write failed (an OSError from below SQLite, e.g. a VFS, too)
+            self._fail(exc)
+        self._depth = 1
+
+    def _end(self, raised: BaseException | None) -> None:
+        """Leave a transaction: the outermost ends it (rolled back when the body ``raised``; a failed write fails
+        the journal)."""
+        if self._depth > 1:
+            self._depth -= 1
+            return
+        try:
+            if raised is not None:
+                self._undo(self._in_group)
+                if isinstance(raised, (sqlite3.Error, OSError)):  # a write inside failed
+                    self._fail(raised)
+            elif self._in_group:
                 self._db.execute("RELEASE tx")
+                self.written += 1
             elif self.group_commit:
                 self._group_open = True
+                self.written += 1
             else:
                 self._db.execute("COMMIT")
                 self.commits += 1
                 self.durable = self.written + 1
-            self.written += 1
-        except (sqlite3.Error, OSError) as exc:  # a write failed (an OSError from below SQLite, e.g. a VFS, too)
+                self.written += 1
+        except (sqlite3.Error, OSError) as exc:
             self._fail(exc)
         finally:
             self._depth = 0
@@ -291,8 +323,8 @@ class Journal:
                 s.attempt,
                 s.worker,
                 s.acked_to,
-                json.dumps(s.acks),
-                json.dumps(sorted(s.acked_by.items())),
+                _pairs(s.acks),
+                _pairs(sorted(s.acked_by.items())),
                 s.priority,
             ),
         )
@@ -305,7 +337,7 @@ class Journal:
     def put_shard_acked(self, s: ShardRecord) -> None:
         """Write what an ack changes in a shard's row (state, worker, acked_to, acks, acked_by; the whole row when
         it has none)."""
-        row = (s.state.value, s.worker, s.acked_to, json.dumps(s.acks), json.dumps(sorted(s.acked_by.items())), s.id)
+        row = (s.state.value, s.worker, s.acked_to, _pairs(s.acks), _pairs(sorted(s.acked_by.items())), s.id)
         if self._db.execute(_ACKED, row).rowcount != 1:
             self.put_shard(s)
 
