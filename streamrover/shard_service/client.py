@@ -24,6 +24,7 @@ seconds (safe: acks are idempotent per attempt, lease requests carry a request i
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -130,6 +131,10 @@ class ShardClient(CursorClient):
         self.worker_id = resp.worker_id
         self._left = False
         self.heartbeat_interval = resp.heartbeat_interval_seconds
+        if self._want_heartbeat and self._transport.streaming:  # the stream opens now, not in the first lease's time
+            beat = pb.HeartbeatRequest(worker_id=self.worker_id)
+            with contextlib.suppress(ShardServiceError):  # it opens again with the next call
+                self._transport.worker_call("heartbeat", self._stub.Heartbeat, beat)
         if self._want_heartbeat and self._hb_thread is None:
             self._hb_thread = threading.Thread(target=self._heartbeats, name="shard-heartbeat", daemon=True)
             self._hb_thread.start()

@@ -124,3 +124,23 @@ def _stream_through_a_master_kill(tmp_path: Path, master: MasterProcess, workers
     assert all(intervals.covers(a, b) for a, b in before_kill)  # nothing answered before the kill was lost
     assert intervals.covers(0, 1000) and info.finished and info.records_acked == 1000
     assert sorted(answered) == [(i, i + 10) for i in range(0, 1000, 10)]  # each shard read and acked once
+
+
+def test_join_opens_the_session_stream_so_the_first_lease_pays_no_stream_set_up(
+    tmp_path: Path, master: MasterProcess
+) -> None:
+    """Opening the stream (and the master's session) is a once-per-worker cost, like the join: not the first lease's."""
+    with _client(master, session=True, heartbeat=True) as client:
+        dataset = register_rows(tmp_path, client, records_per_shard=10)
+        stub, opened = client._transport.stub, []
+
+        def counted(*args: object, **kwargs: object) -> object:
+            opened.append(1)
+            return real(*args, **kwargs)
+
+        real = stub.WorkerSession
+        stub.WorkerSession = counted
+        client.join()
+        assert len(opened) == 1  # the stream is open once join() returns
+        _, leased = client.lease(dataset, 2)
+        assert len(leased) == 2 and len(opened) == 1 and client._transport.streaming  # the same stream
