@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, LeaseGrant, LeaseStatus, PartitionPlan
@@ -92,6 +93,23 @@ def lease_to_pb(g: LeaseGrant) -> pb.Lease:
         resume=g.resume,
         deadline_unix=g.deadline,
     )
+
+
+def add_leases(leases: Any, grants: Iterable[LeaseGrant]) -> None:
+    """Append lease grants to a repeated ``Lease`` field in place (as :func:`lease_to_pb` each, without a copy)."""
+    for g in grants:
+        p = g.partition
+        leases.add(
+            shard_id=g.shard_id,
+            attempt=g.attempt,
+            dataset=g.dataset,
+            epoch=g.epoch,
+            partition=pb.PartitionInfo(index=p.index, id=p.id, start=p.start, end=p.end),
+            start=g.start,
+            end=g.end,
+            resume=g.resume,
+            deadline_unix=g.deadline,
+        )
 
 
 def lease_from_pb(msg: pb.Lease) -> LeaseGrant:

@@ -192,23 +192,24 @@ class ShardCore(CoreState):
             return LeaseOutcome(LeaseStatus.OK if held else LeaseStatus.WAIT, [self._grant(ds, s) for s in held], 0.1)
         grants: list[LeaseGrant] = []
         wanted = self.share(ds, w, max(max_shards, 1))
-        with self.journal.transaction():
+        journal, tail, until = self.journal, (w.id, ds.name), now + self.lease_ttl
+        with journal.transaction():
             while len(grants) < wanted:
                 s = self.pop_todo(ds, w)
                 if s is None:
                     break
-                self.tails[(w.id, ds.name)] = (s.epoch, s.pindex, s.end)
+                self.tails[tail] = (s.epoch, s.pindex, s.end)
                 self._set_state(s, ShardState.LEASED)
-                s.attempt, s.worker, s.deadline = self.next_attempt(), w.id, now + self.lease_ttl
+                s.attempt, s.worker, s.deadline = self.next_attempt(), w.id, until
                 w.leases.add(s.id)
-                self.lease_due.track(s.id, s.deadline)
-                self.journal.put_shard_leased(s)
+                self.lease_due.track(s.id, until)
+                journal.put_shard_leased(s)
                 grants.append(self._grant(ds, s))
-                self.events["leases_granted"] += 1
             if grants:
+                self.events["leases_granted"] += len(grants)
                 w.last_request_id = request_id
                 w.last_lease_ids = [g.shard_id for g in grants]
-                self.journal.put_worker_request(w)
+                journal.put_worker_request(w)
                 self.save_counters()
         if grants:
             return LeaseOutcome(LeaseStatus.OK, grants)

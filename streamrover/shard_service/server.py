@@ -17,6 +17,7 @@ import grpc
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import (
     InvalidArgumentError,
+    LeaseGrant,
     LeaseStatus,
     ShardServiceError,
 )
@@ -301,6 +302,12 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         """RPC: :meth:`ShardCore.ack`; an ack that finishes its shard with ``lease_more`` brings new leases in its
         answer.
         """
+        answer = pb.AckResponse()
+        self.ack_into(request, answer)
+        return answer
+
+    def ack_into(self, request: pb.AckRequest, answer: pb.AckResponse) -> None:
+        """:meth:`Ack`'s work, its answer written into ``answer`` (a session message's, in place)."""
         step = request.step if request.has_step else None
         with self.cond:
             result = self.core.ack(
@@ -308,15 +315,15 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             )
             if result.shard_done:
                 self._wake_lease_waiters()
-            more: list[pb.Lease] = []
+            grants: list[LeaseGrant] = []
             if result.shard_done and request.lease_more > 0:
                 dataset = self.core.shards_dataset(request.shard_id)
                 if dataset is not None:
                     # Request id -attempt (attempts are unique in the job): a retried ack, whose first answer
                     # was lost with the master, gets the same leases back instead of orphaning them.
-                    outcome = self.core.lease(request.worker_id, dataset, request.lease_more, -request.attempt)
-                    more = [convert.lease_to_pb(g) for g in outcome.leases]
-            return pb.AckResponse(shard_done=result.shard_done, duplicate=result.duplicate, leases=more)
+                    grants = self.core.lease(request.worker_id, dataset, request.lease_more, -request.attempt).leases
+        answer.shard_done, answer.duplicate = result.shard_done, result.duplicate  # (leaving waits for the journal)
+        convert.add_leases(answer.leases, grants)
 
     @_rpc
     def AckBatch(self, request: pb.AckBatchRequest, context: Any) -> pb.AckBatchResponse:

@@ -60,12 +60,13 @@ class WorkerSessions:
         self._open = 0
         self._lock = threading.Lock()
         cls = type(servicer)
-        # the unary handlers' bodies, without their status mapping: a refusal answers one message, not the stream
-        self._calls: dict[str, Callable[[Any, Any], Any]] = {
+        # each fills its part of the answer; the unary handlers' bodies without their status mapping (a refusal
+        # answers one message, not the stream)
+        self._calls: dict[str, Callable[[Any, pb.SessionResponse, Any], None]] = {
             "lease": self._lease_now,
-            "ack": self._body(cls.Ack),
-            "ack_batch": self._body(cls.AckBatch),
-            "heartbeat": self._body(cls.Heartbeat),
+            "ack": lambda request, answer, context: servicer.ack_into(request, answer.ack),
+            "ack_batch": self._copied(cls.AckBatch, "ack_batch"),
+            "heartbeat": self._copied(cls.Heartbeat, "heartbeat"),
         }
 
     @property
@@ -73,22 +74,21 @@ class WorkerSessions:
         """Sessions being served now."""
         return self._open
 
-    def _body(self, method: Any) -> Callable[[Any, Any], Any]:
+    def _copied(self, method: Any, kind: str) -> Callable[[Any, pb.SessionResponse, Any], None]:
         body = method.__wrapped__
         servicer = self._servicer
-        return lambda request, context: body(servicer, request, context)
+        return lambda request, answer, context: getattr(answer, kind).CopyFrom(body(servicer, request, context))
 
-    def _lease_now(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
+    def _lease_now(self, request: pb.LeaseRequest, answer: pb.SessionResponse, context: Any) -> None:
         """``LeaseShards`` with no wait (the stream never long-polls): one lease under the lock, the same checks."""
         servicer = self._servicer
         core = servicer.core
         with servicer.cond:  # leaving it waits until the lease is journalled (group commit)
             outcome = core.lease(request.worker_id, request.dataset, request.max_shards, request.request_id)
-        return pb.LeaseResponse(
-            status=convert.lease_status_to_pb(outcome.status),
-            leases=[convert.lease_to_pb(g) for g in outcome.leases],
-            retry_after_seconds=outcome.retry_after,
-        )
+        lease = answer.lease
+        lease.status = convert.lease_status_to_pb(outcome.status)
+        lease.retry_after_seconds = outcome.retry_after
+        convert.add_leases(lease.leases, outcome.leases)
 
     def serve(
         self, requests: Iterator[pb.SessionRequest], context: grpc.ServicerContext
@@ -115,10 +115,10 @@ class WorkerSessions:
             return pb.SessionResponse(
                 seq=request.seq, error_code="INVALID_ARGUMENT", error=f"session message {request.seq} carries no call"
             )
-        answer: pb.SessionResponse
+        answer = pb.SessionResponse(seq=request.seq)
         try:
-            result = call(getattr(request, kind or ""), context)
-            answer = pb.SessionResponse(seq=request.seq, **{kind or "": result})
+            call(getattr(request, kind or ""), answer, context)
+            getattr(answer, kind or "").SetInParent()  # (an answer of all defaults still names its call)
         except (JournalWriteError, ShardServiceError, SourceError) as exc:
             code, message = status_of(exc) or (grpc.StatusCode.UNKNOWN, str(exc))
             answer = pb.SessionResponse(seq=request.seq, error_code=code.name, error=message)
