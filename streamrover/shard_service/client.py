@@ -210,10 +210,10 @@ class ShardClient(CursorClient):
         Shards are leased ahead, so one round trip serves several shards; the ones waiting
         their turn are kept alive by heartbeats like the rest. The first lease asks for
         ``prefetch`` or more (:class:`~streamrover.shard_service.pacing.PrefetchPace`: about
-        60 ms of the caller's work, by its measured pace); from then on the acks that
-        finish shards bring the next leases back with them (no extra round trip), enough to
-        keep that many waiting. Then queued acks (``async_acks``) gather into fewer batches
-        while 1/3 of that is waiting.
+        20 ms of the caller's work by its measured pace, at least 8 shards of up to 100 ms in all);
+        from then on the acks that finish shards bring the next leases back with them (no
+        extra round trip), enough to keep that many waiting. Then queued acks (``async_acks``)
+        gather into fewer batches while ~12 ms of work is waiting.
         """
         self._source(dataset)  # opened before the first lease: its spec says how big the shards are
         queue = self.leases.waiting(dataset)

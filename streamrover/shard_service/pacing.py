@@ -22,10 +22,15 @@ from collections import deque
 
 from streamrover.shard_service.lease_table import LeaseTable
 
-# a reader keeps about this much of its caller's work leased ahead when shards are small (and its acks gather
-# while a third of it waits: each AckBatch then carries ~40 ms of shards, sent with ~20 ms of work still waiting)...
-PREFETCH_SECONDS = 0.06
+PREFETCH_SECONDS = 0.02  # a reader keeps about this much of its caller's work leased ahead when shards are small...
 MAX_PREFETCH = 128  # ...but no more than this many shards
+# ...and at least this many when they are at most BATCH_SECONDS of its work: one AckBatch round trip (its acks, the
+# next leases) then serves several big shards, not one or two (the master's and the worker's cost is per message)
+BATCH_SHARDS = 8
+BATCH_SECONDS = 0.1
+# queued acks may gather while a reader has about this much of its work waiting (or 2/3 of its depth, if less):
+# a round trip is 1-2 ms on a quiet machine, so the reader still has work when the answer brings the next leases
+HOLD_SECONDS = 0.012
 PREFETCH_RECORDS = 256 * 1024  # until the caller's pace is known (RAMP_SHARDS taken): about this many records
 RAMP_SHARDS = 16
 
@@ -37,7 +42,8 @@ class PrefetchPace:
     about :data:`PREFETCH_RECORDS` records ahead (the first shards pay the first reads, so
     they say nothing of the pace yet); then the depth is :data:`PREFETCH_SECONDS` over the
     median time the caller spent per shard over its last :data:`RAMP_SHARDS` shards, at least
-    ``prefetch``, at most :data:`MAX_PREFETCH`. The median, not the mean: where one shard in
+    ``prefetch`` and :data:`BATCH_SHARDS` (when they are at most :data:`BATCH_SECONDS` of work),
+    at most :data:`MAX_PREFETCH`. The median, not the mean: where one shard in
     a dozen pays the decoding of a whole row group, the others go by in a fraction of the
     mean, and a depth sized by the mean ran dry a dozen times per row group, each time for
     the round trip that brings the next leases.
@@ -51,16 +57,30 @@ class PrefetchPace:
         self._recent: deque[float] = deque(maxlen=RAMP_SHARDS)
         self._taken = 0
         self.dry = False  # the last request got fewer leases than it asked for (Pacing.granted)
+        self.seconds = 0.0  # the caller's median time per shard (0: not known yet)
 
     def took(self, seconds: float) -> None:
         """The caller spent ``seconds`` on one more shard: the depth follows its recent median pace."""
         self._recent.append(seconds)
         self._taken += 1
-        pace = statistics.median(self._recent)
-        depth = math.ceil(PREFETCH_SECONDS / pace) if pace > 0 else MAX_PREFETCH
+        pace = self.seconds = statistics.median(self._recent)
+        if pace > 0:
+            depth = max(math.ceil(PREFETCH_SECONDS / pace), min(BATCH_SHARDS, int(BATCH_SECONDS / pace)))
+        else:
+            depth = MAX_PREFETCH
         if self._taken < RAMP_SHARDS:
             depth = max(depth, self.ramp)
         self.target = max(self.base, min(MAX_PREFETCH, depth))
+
+    def supplied(self, waiting: int) -> bool:
+        """Whether ``waiting`` shards are enough work to let queued acks gather: :data:`HOLD_SECONDS` of it.
+
+        At most 2/3 of the depth (the rule before the pace is known).
+        """
+        enough = self.target * 2 / 3
+        if self.seconds > 0:
+            enough = min(enough, HOLD_SECONDS / self.seconds)
+        return waiting >= enough
 
 
 class Pacing:
@@ -116,17 +136,27 @@ class Pacing:
             pace.dry = got < asked
 
     def readers_supplied(self) -> bool:
-        """Whether every reader pacing deeper than asked has 1/3 of its depth waiting, or is dry (acks may gather)."""
+        """Whether each reader pacing deeper than asked has work enough waiting (PrefetchPace.supplied) or is dry."""
         deep = False
         with self._lock:
             paces = list(self._paces.items())
         for dataset, pace in paces:
             if pace.target <= pace.base:
                 continue
-            if not pace.dry and self._table.waiting_count(dataset) * 3 < pace.target:
+            if not pace.dry and not pace.supplied(self._table.waiting_count(dataset)):
                 return False
             deep = True
         return deep
 
 
-__all__ = ["MAX_PREFETCH", "PREFETCH_RECORDS", "PREFETCH_SECONDS", "RAMP_SHARDS", "Pacing", "PrefetchPace"]
+__all__ = [
+    "BATCH_SECONDS",
+    "BATCH_SHARDS",
+    "HOLD_SECONDS",
+    "MAX_PREFETCH",
+    "PREFETCH_RECORDS",
+    "PREFETCH_SECONDS",
+    "RAMP_SHARDS",
+    "Pacing",
+    "PrefetchPace",
+]

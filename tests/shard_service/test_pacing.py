@@ -60,23 +60,37 @@ def test_a_reader_that_got_fewer_leases_than_it_asked_for_lets_its_acks_gather_u
 def test_a_reader_of_whole_row_group_shards_leases_several_ahead_so_one_ack_batch_serves_several() -> None:
     """One 128k-row row group per shard, ~8 ms each: 20 ms ahead was 3 shards, so every AckBatch carried 2-3 acks.
 
-    With 60 ms ahead (8 shards) and acks held while a third of that waits, a batch carries ~6 acks and the
-    reader still has ~2 shards (16 ms) of work when the batch goes: the bench's 32-shard pass went from
-    11-35 AckBatch messages to 7.
+    At least 8 ahead (they are less than 100 ms of work), and acks held while 12 ms of work waits: a batch
+    carries ~7 acks, sent with one shard waiting besides the one being read; the bench's 32-shard pass went
+    from 11-35 AckBatch messages to ~6. A slow reader (50 ms a shard) keeps its 2, a fast one its 20 ms.
     """
     pacing = Pacing(LeaseTable())
     pace = pacing.start("d", prefetch=2, records_per_shard=128 * 1024)
     _feed(pace, [0.008], rounds=4)
     assert pace.target == 8, pace.target
+    slow = PrefetchPace(prefetch=2, records_per_shard=128 * 1024)
+    _feed(slow, [0.05], rounds=4)
+    assert slow.target == 2, slow.target
+    fast = PrefetchPace(prefetch=2, records_per_shard=10_000)
+    _feed(fast, [0.0005], rounds=RAMP_SHARDS)
+    assert fast.target == 40, fast.target
 
 
-def test_acks_may_gather_while_a_third_of_the_readers_depth_is_waiting() -> None:
+def test_acks_may_gather_while_the_reader_has_12_ms_of_work_waiting() -> None:
     table = LeaseTable()
     pacing = Pacing(table)
     pace = pacing.start("d", prefetch=2, records_per_shard=128 * 1024)
     _feed(pace, [0.008], rounds=4)  # depth 8
     queue = table.waiting("d")
-    queue.extend(cast(Any, [object()] * 3))  # 3 of 8 waiting: the reader has ~24 ms of work left
+    queue.extend(cast(Any, [object()] * 2))  # 2 of 8 waiting: ~16 ms of work
     assert pacing.readers_supplied()
     queue.popleft()
-    assert not pacing.readers_supplied()  # 2 of 8 (~16 ms): send now, the answer brings the next leases
+    assert not pacing.readers_supplied()  # 1 (~8 ms): send now, the answer brings the next leases
+    table = LeaseTable()
+    pacing = Pacing(table)
+    fast = pacing.start("e", prefetch=2, records_per_shard=10_000)
+    _feed(fast, [0.0005], rounds=RAMP_SHARDS)  # depth 40, 12 ms of work is 24 shards (less than 2/3 of 40)
+    table.waiting("e").extend(cast(Any, [object()] * 23))
+    assert not pacing.readers_supplied()
+    table.waiting("e").append(cast(Any, object()))
+    assert pacing.readers_supplied()
