@@ -115,6 +115,9 @@ class ShardClient(CursorClient):
             self.close()
 
     def _source(self, dataset: str) -> Source:
+        source = self._sources.get(dataset)  # opened once: then read without the lock
+        if source is not None:
+            return source
         with self._source_lock:  # the ack sender adopts leases too
             source = self._sources.get(dataset)
             if source is None:
@@ -304,16 +307,6 @@ class ShardClient(CursorClient):
             step=step or 0,
         )
 
-        def answered(shard_done: bool) -> None:
-            self._last_ack_answer = time.monotonic()
-            if shard is not None:
-                shard.answered(position, shard_done)
-
-        def on_answer(resp: pb.AckResponse) -> None:
-            answered(resp.shard_done)
-            if resp.leases:
-                self._adopt(lease.dataset, resp.leases, self.leases.waiting(lease.dataset))
-
         if not (self.async_acks if wait is None else not wait):
             self._acks.wait()  # acks queued earlier go first
             self._raise_if_lost(lease)
@@ -322,8 +315,18 @@ class ShardClient(CursorClient):
             except ShardServiceError as exc:
                 self._acks.note_lost(AckFailure(lease.shard_id, lease.attempt, position, step, exc))
                 raise
-            on_answer(resp)
+            self._last_ack_answer = time.monotonic()
+            if shard is not None:
+                shard.answered(position, resp.shard_done)
+            if resp.leases:
+                self._adopt(lease.dataset, resp.leases, self.leases.waiting(lease.dataset))
             return AckResult(shard_done=resp.shard_done, duplicate=resp.duplicate)
+
+        def answered(shard_done: bool) -> None:
+            self._last_ack_answer = time.monotonic()
+            if shard is not None:
+                shard.answered(position, shard_done)
+
         self._raise_if_lost(lease)
         if not lease.start <= position <= lease.end:  # the master's check, made now: its answer would come late
             raise InvalidArgumentError(
@@ -380,4 +383,4 @@ class ShardClient(CursorClient):
     def _adopt(self, dataset: str, leases: Any, into: Any) -> None:
         """New leases of ``dataset`` (protobuf): held from now on, appended to ``into``."""
         source = self._source(dataset)
-        self.leases.add((LeasedShard(self, convert.lease_from_pb(msg), source) for msg in leases), into)
+        self.leases.add([LeasedShard(self, convert.lease_from_pb(msg), source) for msg in leases], into)

@@ -177,6 +177,8 @@ class AckQueue:
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every ack queued so far is answered. Raises TimeoutError after ``timeout`` seconds."""
+        if self._answered_seq >= self._queued_seq:  # nothing queued is unanswered (ints read whole: no lock needed)
+            return
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             target = self._queued_seq
@@ -196,6 +198,8 @@ class AckQueue:
     # ------------------------------------------------------------------ failures
     def lost(self, shard_id: str, attempt: int) -> AckFailure | None:
         """The failure that lost this lease, if any; it counts as reported from now on."""
+        if not self._lost:  # no lease lost (the common case): no lock
+            return None
         with self._cond:
             failure = self._lost.get((shard_id, attempt))
             if failure is not None:

@@ -112,14 +112,25 @@ def add_leases(leases: Any, grants: Iterable[LeaseGrant]) -> None:
         )
 
 
+_PARTITIONS: dict[tuple[int, str, int, int], PartitionPlan] = {}  # the few a worker's leases name, made once
+_PARTITIONS_KEPT = 4096
+
+
 def lease_from_pb(msg: pb.Lease) -> LeaseGrant:
     """The lease grant a protobuf message holds."""
+    p = msg.partition
+    key = (p.index, p.id, p.start, p.end)
+    partition = _PARTITIONS.get(key)
+    if partition is None:
+        if len(_PARTITIONS) >= _PARTITIONS_KEPT:
+            _PARTITIONS.clear()
+        partition = _PARTITIONS[key] = PartitionPlan(*key)
     return LeaseGrant(
         shard_id=msg.shard_id,
         attempt=msg.attempt,
         dataset=msg.dataset,
         epoch=msg.epoch,
-        partition=partition_from_pb(msg.partition),
+        partition=partition,
         start=msg.start,
         end=msg.end,
         resume=msg.resume,

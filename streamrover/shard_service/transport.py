@@ -134,39 +134,60 @@ class WorkerStream:
         self.usable = True
         self._closed = False
         self._started: float | None = None  # when the message in flight was sent
+        self._sent = 0.0  # when the last message was sent
         self._expired = False
         self._watch = threading.Condition()
         self._watchdog: threading.Thread | None = None
 
     def call(self, kind: str, message: Any) -> Any:
         """Send ``message`` as call ``kind``; its answer, or its refusal raised as the typed error."""
-        give_up = time.monotonic() + self._t.timeout
-        delay = 0.05
         with self._lock:
-            while True:
-                if self._closed:
-                    raise ShardServiceError(f"the client is closed [CANCELLED from {self._t.address}]")
-                try:
-                    answer = self._once(kind, message)
-                except grpc.RpcError as exc:
-                    code = exc.code()
-                    self._reset()
-                    if code in _NO_SESSION:
-                        self.usable = False
-                        raise _NoSession(code.name) from None
-                    if code == grpc.StatusCode.CANCELLED and self._expired:
-                        raise self._t.error("DEADLINE_EXCEEDED", f"no answer within {self._t.timeout}s") from None
-                    if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay >= give_up:
-                        raise self._t.error(code.name, exc.details() or "") from None
-                    answer = None
-                if answer is not None and answer.error_code != "UNAVAILABLE":
-                    if answer.error_code:
-                        raise self._t.error(answer.error_code, answer.error)
-                    return getattr(answer, kind)
-                if time.monotonic() + delay >= give_up:
-                    raise self._t.error("UNAVAILABLE", answer.error if answer is not None else "the master is gone")
-                time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
-                delay = min(delay * 2, 2.0)
+            if self._closed:
+                raise ShardServiceError(f"the client is closed [CANCELLED from {self._t.address}]")
+            try:
+                answer = self._once(kind, message)
+            except grpc.RpcError as exc:
+                answer = self._failed(exc)
+            if answer is not None and not answer.error_code:  # the fast path: answered at the first try
+                return getattr(answer, kind)
+            return self._retry(kind, message, answer)
+
+    def _retry(self, kind: str, message: Any, answer: pb.SessionResponse | None) -> Any:
+        """After a first try that got no answer or a refusal: raise it, or retry ``UNAVAILABLE`` with backoff.
+
+        The retries end ``timeout`` seconds after the first try was sent (called with the lock held).
+        """
+        give_up = self._sent + self._t.timeout
+        delay = 0.05
+        while True:
+            if answer is not None and answer.error_code != "UNAVAILABLE":
+                if answer.error_code:
+                    raise self._t.error(answer.error_code, answer.error)
+                return getattr(answer, kind)
+            if time.monotonic() + delay >= give_up:
+                raise self._t.error("UNAVAILABLE", answer.error if answer is not None else "the master is gone")
+            time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
+            delay = min(delay * 2, 2.0)
+            if self._closed:
+                raise ShardServiceError(f"the client is closed [CANCELLED from {self._t.address}]")
+            try:
+                answer = self._once(kind, message)
+            except grpc.RpcError as exc:
+                answer = self._failed(exc)
+
+    def _failed(self, exc: grpc.RpcError) -> pb.SessionResponse:
+        """The stream broke (it is dropped): its error raised, or for ``UNAVAILABLE`` an answer saying so (retried)."""
+        code = exc.code()
+        expired = self._expired  # the deadline watch cancelled it
+        self._reset()
+        if code in _NO_SESSION:
+            self.usable = False
+            raise _NoSession(code.name) from None
+        if code == grpc.StatusCode.CANCELLED and expired:
+            raise self._t.error("DEADLINE_EXCEEDED", f"no answer within {self._t.timeout}s") from None
+        if code != grpc.StatusCode.UNAVAILABLE:
+            raise self._t.error(code.name, exc.details() or "") from None
+        return pb.SessionResponse(error_code=code.name, error=exc.details() or "")
 
     def _once(self, kind: str, message: Any) -> pb.SessionResponse | None:
         if self._responses is None:
@@ -180,7 +201,7 @@ class WorkerStream:
         self._seq += 1
         assert self._requests is not None
         self._requests.put(pb.SessionRequest(seq=self._seq, **{kind: message}))
-        self._started = time.monotonic()
+        self._started = self._sent = time.monotonic()
         try:
             answer: pb.SessionResponse = next(self._responses)
         except StopIteration:  # the master ended the stream: as if it had gone away

@@ -20,7 +20,7 @@ from streamrover.shard_service.api import ShardServiceError
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.testing.procs import MasterProcess
 from tests.helpers import wait_until, write_parquet_dataset
-from tests.shard_service.queued import partition_key, register_rows
+from tests.shard_service.queued import partition_key, register_rows, stopped
 
 
 def _client(master: MasterProcess, session: bool, heartbeat: bool = False) -> ShardClient:
@@ -144,3 +144,19 @@ def test_join_opens_the_session_stream_so_the_first_lease_pays_no_stream_set_up(
         assert len(opened) == 1  # the stream is open once join() returns
         _, leased = client.lease(dataset, 2)
         assert len(leased) == 2 and len(opened) == 1 and client._transport.streaming  # the same stream
+
+
+def test_a_session_message_unanswered_within_the_timeout_raises_deadline_exceeded(
+    tmp_path: Path, master: MasterProcess
+) -> None:
+    """The client's deadline on a message: a frozen master (SIGSTOP) gets it refused as DEADLINE_EXCEEDED."""
+    client = ShardClient(master.address, token=master.token, heartbeat=False, timeout=1.0)
+    try:
+        register_rows(tmp_path, client, 20)
+        client.join()
+        assert client.lease("rows", 1, wait=0)[1]  # the stream is open and answered
+        with stopped(master), pytest.raises(ShardServiceError, match=r"no answer within 1.0s \[DEADLINE_EXCEEDED"):
+            client.lease("rows", 1, wait=0)
+        assert client.lease("rows", 1, wait=0)[1]  # a new stream opens with the next call
+    finally:
+        client.close()
