@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 MAX_QUEUED_ACKS = 256  # ack() blocks beyond this many unsent acks (a sender far behind is back-pressure, not memory)
 MAX_BATCH = 256  # acks per AckBatch round trip
 # seconds the sender may let acks gather while may_hold() says the readers have work (or can get no more):
-# holding stops as soon as a reader's queue falls under 2/3 of its depth, so this bounds only how late an ack is
-# recorded, not a reader's wait
+# holding stops as soon as a reader's queue falls under ~12 ms of its work (pacing.PrefetchPace.supplied), so this
+# bounds only how late an ack is recorded, not a reader's wait
 ACK_LINGER = 0.05
 # seconds the sender may let acks gather while every queued ack is progress inside its shard (nothing waits on it)
 PROGRESS_LINGER = 0.05
