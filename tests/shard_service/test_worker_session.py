@@ -19,7 +19,7 @@ from streamrover.shard_service import DatasetSpec, FailedPreconditionError, NotF
 from streamrover.shard_service.api import ShardServiceError
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.testing.procs import MasterProcess
-from tests.helpers import wait_until, write_parquet_dataset
+from tests.helpers import write_parquet_dataset
 from tests.shard_service.queued import partition_key, register_rows, stopped
 
 
@@ -91,6 +91,7 @@ def _stream_through_a_master_kill(tmp_path: Path, master: MasterProcess, workers
         dataset = register_rows(tmp_path, clients[0], records_per_shard=10)  # 100 shards of 10 rows
         answered: list[tuple[int, int]] = []  # (start, end) of every shard whose finishing ack was answered
         errors: list[BaseException] = []
+        thirty = threading.Event()  # set by the worker that records the 30th answer: the kill follows at once
 
         def work(client: ShardClient) -> None:
             try:
@@ -98,13 +99,18 @@ def _stream_through_a_master_kill(tmp_path: Path, master: MasterProcess, workers
                     result = shard.ack(shard.lease.end, wait=True)
                     assert result is not None and result.shard_done
                     answered.append((shard.lease.start, shard.lease.end))
+                    if len(answered) >= 30:
+                        thirty.set()
             except BaseException as exc:  # reported by the test thread
                 errors.append(exc)
+                thirty.set()
 
         threads = [threading.Thread(target=work, args=(c,), name=f"session-worker-{i}") for i, c in enumerate(clients)]
         for t in threads:
             t.start()
-        wait_until(lambda: len(answered) >= 30 or bool(errors), 60, "30 shards acked over the stream")
+        # an event, not a poll: a poll's 50 ms let a fast run ack all 100 shards before the kill
+        assert thirty.wait(60), "30 shards acked over the stream"
+        assert not errors, errors
         master.kill()  # SIGKILL while the workers stream acks
         before_kill = list(answered)
         master.start()  # same state dir and port: the streams reconnect and the workers go on
