@@ -285,9 +285,10 @@ class CoreState:
         """How many of ``wanted`` leases ``w`` gets: at least one, at most its share of the shards left.
 
         Its share: ceil((todo + leased) / readers) less the leases of ``ds`` it holds, where readers are the
-        live workers granted a lease of ``ds`` (and ``w``). It binds only near the end (a batch dataset's
-        last epoch planned, a stream's planned head), so that one worker's lease-ahead does not take every
-        shard left while another idles.
+        live workers granted a lease of ``ds`` (and ``w``), and with other readers at most ceil(todo / (2 *
+        readers)) per call (guided self-scheduling: the grants shrink as the end nears, so the readers'
+        lease-ahead queues drain together instead of one reader idling while another empties a full queue).
+        It binds only near the end (a batch dataset's last epoch planned, a stream's planned head).
         """
         states = self.state_counts[ds.name]
         todo = states[ShardState.TODO]
@@ -298,6 +299,8 @@ class CoreState:
         readers = 1 + sum(1 for wid, name in self.tails if name == ds.name and wid != w.id)
         held = sum(1 for sid in w.leases if self.shards[sid].dataset == ds.name)
         share = -(-(todo + states[ShardState.LEASED]) // readers) - held
+        if readers > 1:
+            share = min(share, -(-todo // (2 * readers)))
         return max(1, min(wanted, share))
 
     def _queue_head(self, queue: list[tuple[float, str]]) -> tuple[float, str] | None:

@@ -48,7 +48,7 @@ def _core(path: Path, clock: Clock, shards: int) -> ShardCore:
 
 
 def test_expiry_checks_read_no_lease_or_worker_until_one_may_be_due(tmp_path: Path, clock: Clock) -> None:
-    core = _core(tmp_path, clock, 64)
+    core = _core(tmp_path, clock, 128)  # far from the end: no share binds (test_near_the_end...)
     workers = [core.join(f"w{i}").id for i in range(20)]
     for w in workers:
         assert len(core.lease(w, "d", 2).leases) == 2  # 40 leases out, every deadline at 1005
@@ -74,17 +74,20 @@ def test_near_the_end_the_shards_left_are_shared_between_the_readers(tmp_path: P
     a, b = core.join("a").id, core.join("b").id
     core.lease(a, "d", 1)
     core.lease(b, "d", 1)  # both read d: 8 shards left
-    assert len(core.lease(a, "d", 128).leases) == 4  # ceil(8 / 2), not all 8 to a while b idles
-    assert len(core.lease(b, "d", 128).leases) == 4
+    # not all 8 to a while b idles, and not even its fair half at once: ceil(todo / (2 * readers)) per call,
+    # so that the grants shrink as the end nears and both lease-ahead queues drain together
+    grants = [len(core.lease(w, "d", 128).leases) for w in (a, b, a, b, a, b)]
+    assert grants == [2, 2, 1, 1, 1, 1]  # ceil(8/4), ceil(6/4), ceil(4/4)...: every shard out, none twice
+    assert core.lease(a, "d", 128).leases == [] and core.lease(b, "d", 128).leases == []
     (tmp_path / "alone").mkdir()
-    alone = _core(tmp_path / "alone", clock, 300)
+    alone = _core(tmp_path / "alone", clock, 600)
     c, d = alone.join("c").id, alone.join("d").id
     assert len(alone.lease(c, "d", 128).leases) == 128  # far from the end nothing is held back...
     assert len(alone.lease(d, "d", 128).leases) == 128
-    assert len(alone.lease(c, "d", 128).leases) == 22  # ...but 44 left between two readers is 22 each
-    alone.leave(d)  # d's 128 return: c, the one reader left, may take them all
     assert len(alone.lease(c, "d", 128).leases) == 128
-    assert len(alone.lease(c, "d", 128).leases) == 22
+    assert len(alone.lease(d, "d", 128).leases) == 54  # ...but 216 left between two readers: ceil(216 / 4)
+    alone.leave(d)  # d's 182 return: c, the one reader left, may take them all
+    assert [len(alone.lease(c, "d", 128).leases) for _ in range(3)] == [128, 128, 88]  # nobody to share with
 
 
 class CountingConnection:
