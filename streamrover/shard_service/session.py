@@ -77,7 +77,13 @@ class WorkerSessions:
     def _copied(self, method: Any, kind: str) -> Callable[[Any, pb.SessionResponse, Any], None]:
         body = method.__wrapped__
         servicer = self._servicer
-        return lambda request, answer, context: getattr(answer, kind).CopyFrom(body(servicer, request, context))
+
+        def call(request: Any, answer: pb.SessionResponse, context: Any) -> None:
+            part = getattr(answer, kind)
+            part.CopyFrom(body(servicer, request, context))
+            part.SetInParent()  # (an answer of all defaults still names its call)
+
+        return call
 
     def _lease_now(self, request: pb.LeaseRequest, answer: pb.SessionResponse, context: Any) -> None:
         """``LeaseShards`` with no wait (the stream never long-polls): one lease under the lock, the same checks."""
@@ -86,7 +92,7 @@ class WorkerSessions:
         with servicer.cond:  # leaving it waits until the lease is journalled (group commit)
             outcome = core.lease(request.worker_id, request.dataset, request.max_shards, request.request_id)
         lease = answer.lease
-        lease.status = convert.lease_status_to_pb(outcome.status)
+        lease.status = convert.lease_status_to_pb(outcome.status)  # (set even when 0: the answer is a lease's)
         lease.retry_after_seconds = outcome.retry_after
         convert.add_leases(lease.leases, outcome.leases)
 
@@ -117,8 +123,7 @@ class WorkerSessions:
             )
         answer = pb.SessionResponse(seq=request.seq)
         try:
-            call(getattr(request, kind or ""), answer, context)
-            getattr(answer, kind or "").SetInParent()  # (an answer of all defaults still names its call)
+            call(getattr(request, kind or ""), answer, context)  # (a lease or an ack sets a field of its answer)
         except (JournalWriteError, ShardServiceError, SourceError) as exc:
             code, message = status_of(exc) or (grpc.StatusCode.UNKNOWN, str(exc))
             answer = pb.SessionResponse(seq=request.seq, error_code=code.name, error=message)
