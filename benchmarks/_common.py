@@ -53,7 +53,8 @@ def environment() -> str:
     return (
         f"cores: {cores()} usable of {os.cpu_count()} ({_cpu_model()}); "
         f"python {platform.python_version()} on {platform.system()} {platform.release()}\n"
-        f"{', '.join(versions)}"
+        f"{', '.join(versions)}\n"
+        f"GRPC_EXPERIMENTS={os.environ.get('GRPC_EXPERIMENTS', '(unset)')} (in every process of the run, peers too)"
     )
 
 
