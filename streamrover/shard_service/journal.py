@@ -29,9 +29,9 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
-from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, PartitionPlan, ShardState
-from streamrover.shard_service.bookkeeping import CutRecord, CutState, DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.journal_tables import JournalTables
 from streamrover.sources.api import SourceKind
 from streamrover.sources.positions import RecordRuns
 
@@ -104,15 +104,20 @@ class _Transaction:
         self._journal._end(exc)
 
 
-class Journal:
+class Journal(JournalTables):
     """Write-through storage of the core's records. Not thread-safe: the core serialises access."""
 
-    def __init__(self, path: str | Path, durability: str = "normal") -> None:
+    def __init__(self, path: str | Path, durability: str = "normal", exclusive: bool = False) -> None:
+        """Open (or create) the journal at ``path``; ``exclusive``: this connection alone may read or write the
+        file while it is open (SQLite's EXCLUSIVE locking mode: no file lock taken and released per transaction,
+        the WAL index in this process's memory), which the master uses, as it owns its state directory anyway."""
         if durability not in ("normal", "fsync"):
             raise JournalError(f"durability must be 'normal' or 'fsync', got {durability!r}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        if exclusive:  # before the first WAL access, so that no shared-memory WAL index is made
+            self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={'FULL' if durability == 'fsync' else 'NORMAL'}")
         self._db.executescript(_SCHEMA)
@@ -396,85 +401,3 @@ class Journal:
             WorkerRecord(id=i, name=n, last_request_id=r, last_lease_ids=json.loads(ids))
             for i, n, r, ids in self._db.execute("SELECT * FROM workers")
         ]
-
-    # -- committed cursor ------------------------------------------------------
-    def put_cursor(self, cursor: DataCursor) -> None:
-        """Replace the committed cursor."""
-        self._db.execute("DELETE FROM cursor")
-        self._db.executemany(
-            "INSERT INTO cursor VALUES (?, ?, ?, ?)",
-            [(k.dataset, k.epoch, k.partition, json.dumps(v.to_list())) for k, v in cursor.items()],
-        )
-
-    def load_cursor(self) -> DataCursor:
-        """The committed cursor."""
-        entries = {
-            PartitionKey(ds, epoch, part): IntervalSet.from_list(json.loads(ivs))
-            for ds, epoch, part, ivs in self._db.execute("SELECT * FROM cursor")
-        }
-        return DataCursor(entries)
-
-    # -- cuts ----------------------------------------------------------------
-    def put_cut(self, cut: CutRecord) -> None:
-        """Write a cut's row."""
-        self._db.execute(
-            "INSERT OR REPLACE INTO cuts VALUES (?, ?, ?, ?)", (cut.id, cut.step, cut.cursor.to_json(), cut.state.value)
-        )
-
-    def delete_cut(self, cut_id: int) -> None:
-        """Delete a cut's row."""
-        self._db.execute("DELETE FROM cuts WHERE id = ?", (cut_id,))
-
-    def load_cuts(self) -> list[CutRecord]:
-        """Every remembered cut, by id."""
-        return [
-            CutRecord(int(i), None if step is None else int(step), DataCursor.from_json(c), CutState(state))
-            for i, step, c, state in self._db.execute("SELECT * FROM cuts ORDER BY id")
-        ]
-
-    # -- key-value store -------------------------------------------------------
-    def kv_get(self, key: str) -> tuple[bytes, int] | None:
-        """(value, version) of key ``key`` of the key-value store, or None."""
-        row = self._db.execute("SELECT value, version FROM kv WHERE key = ?", (key,)).fetchone()
-        return None if row is None else (bytes(row[0]), int(row[1]))
-
-    def kv_put(self, key: str, value: bytes, version: int) -> None:
-        """Write key ``key`` at ``version``."""
-        self._db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?, ?)", (key, value, version))
-
-    def kv_delete(self, key: str) -> None:
-        """Delete key ``key``."""
-        self._db.execute("DELETE FROM kv WHERE key = ?", (key,))
-
-    def kv_delete_range(self, key: str, range_end: str) -> tuple[int, int]:
-        """Delete the keys in ``[key, range_end)``: (how many, the highest version among them; 0 if none)."""
-        found = self._db.execute("SELECT COUNT(*), MAX(version) FROM kv WHERE key >= ? AND key < ?",
-                                 (key, range_end)).fetchone()  # fmt: skip
-        if found[0]:
-            self._db.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (key, range_end))
-        return int(found[0]), int(found[1] or 0)
-
-    def kv_scan(self, prefix: str) -> list[tuple[str, bytes]]:
-        """The keys that start with ``prefix`` and their values, in key order."""
-        rows = self._db.execute("SELECT key, value FROM kv WHERE substr(key, 1, ?) = ? ORDER BY key",
-                                (len(prefix), prefix))  # fmt: skip
-        return [(str(k), bytes(v)) for k, v in rows]
-
-    # -- staged commits (sinks) ------------------------------------------------
-    def put_staged(self, dataset: str, producer: str, part: str, epoch: int, records: int, files: list[str]) -> None:
-        """Record a staged commit: its key (dataset, producer, part, epoch), records and files."""
-        self._db.execute(
-            "INSERT INTO staged VALUES (?, ?, ?, ?, ?, ?)",
-            (dataset, producer, part, epoch, records, json.dumps(files)),
-        )
-
-    def load_staged(self) -> list[tuple[str, str, str, int, int, list[str]]]:
-        """Every staged commit, by key."""
-        return [
-            (str(d), str(p), str(k), int(e), int(r), [str(f) for f in json.loads(files)])
-            for d, p, k, e, r, files in self._db.execute("SELECT * FROM staged ORDER BY dataset, producer, part, epoch")
-        ]
-
-    def delete_staged_of(self, dataset: str) -> None:
-        """Delete the staged commits of ``dataset``."""
-        self._db.execute("DELETE FROM staged WHERE dataset = ?", (dataset,))

@@ -76,7 +76,7 @@ class MasterServer:
         self._stopped = threading.Event()
         self._lock = StateDirLock(self.state_dir)  # before the journal is opened: one master per state dir
         try:
-            self.journal = Journal(self.state_dir / "journal.db", durability=durability)
+            self.journal = Journal(self.state_dir / "journal.db", durability=durability, exclusive=True)
             self.core = ShardCore(self.journal, lease_ttl=lease_ttl)
             # a worker session holds a server thread for its life: keep threads for the unary calls
             sessions = max(max_workers - 16, max_workers // 2)

@@ -23,6 +23,20 @@ from streamrover.testing.procs import MasterProcess
 from tests.helpers import write_parquet_dataset
 
 
+def _journal_rows(master: MasterProcess, sql: str) -> list[tuple[object, ...]]:
+    """The rows of ``sql`` in the master's journal, read by another connection: the master holds its journal
+    exclusively (SQLite EXCLUSIVE locking), so it is stopped (SIGTERM) for the read and started again."""
+    master.stop()
+    try:
+        db = sqlite3.connect(f"file:{master.state_dir / 'journal.db'}?mode=ro", uri=True)
+        try:
+            return db.execute(sql).fetchall()
+        finally:
+            db.close()
+    finally:
+        master.start()
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -79,9 +93,7 @@ def test_deleted_kv_keys_leave_no_rows_and_versions_are_never_reused(master: Mas
         store.set(f"k{i}", b"v")
         assert store.delete_key(f"k{i}")
     assert not store.check(["k0"])
-    db = sqlite3.connect(f"file:{master.state_dir / 'journal.db'}?mode=ro", uri=True)
-    rows = db.execute("SELECT COUNT(*) FROM kv").fetchone()[0]
-    db.close()
+    ((rows,),) = _journal_rows(master, "SELECT COUNT(*) FROM kv")
     assert rows == 0, f"{rows} key-value rows left after every key was deleted"
 
     assert client.kv_set("again", b"1", 0)[:2] == (True, b"1")
@@ -156,9 +168,7 @@ def test_rendezvous_rounds_leave_the_keys_of_two_rounds_at_most(master: MasterPr
         store.set("torchelastic/role_info/0", f"role-{round_}")
         store.multi_set(["torchelastic/assigned_ranks/0"], [f"[{round_}, 1, 0, 1]"])
         assert store.get("torchelastic/assigned_ranks/0") == f"[{round_}, 1, 0, 1]".encode()
-    db = sqlite3.connect(f"file:{master.state_dir / 'journal.db'}?mode=ro", uri=True)
-    keys = [k for (k,) in db.execute("SELECT key FROM kv WHERE key LIKE 'rdzv/job/store/%' ORDER BY key")]
-    db.close()
+    keys = [k for (k,) in _journal_rows(master, "SELECT key FROM kv WHERE key LIKE 'rdzv/job/store/%' ORDER BY key")]
     assert len(keys) <= 6, f"{len(keys)} rendezvous store keys kept after 12 rounds: {keys}"
     assert store.get("torchelastic/role_info/0") == b"role-11"  # the current round's keys are all there
 
