@@ -148,6 +148,8 @@ class StreamJob:
 
     def stop(self) -> None:
         self._stop_cuts.set()
+        if self._cutter is not None:  # its call in flight answered first: a stopped master would leave it retrying
+            self._cutter.join(timeout=10)
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
