@@ -142,12 +142,7 @@ class WorkerStream:
     def call(self, kind: str, message: Any) -> Any:
         """Send ``message`` as call ``kind``; its answer, or its refusal raised as the typed error."""
         with self._lock:
-            if self._closed:
-                raise ShardServiceError(f"the client is closed [CANCELLED from {self._t.address}]")
-            try:
-                answer = self._once(kind, message)
-            except grpc.RpcError as exc:
-                answer = self._failed(exc)
+            answer = self._try(kind, message)
             if answer is not None and not answer.error_code:  # the fast path: answered at the first try
                 return getattr(answer, kind)
             return self._retry(kind, message, answer)
@@ -168,12 +163,16 @@ class WorkerStream:
                 raise self._t.error("UNAVAILABLE", answer.error if answer is not None else "the master is gone")
             time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
             delay = min(delay * 2, 2.0)
-            if self._closed:
-                raise ShardServiceError(f"the client is closed [CANCELLED from {self._t.address}]")
-            try:
-                answer = self._once(kind, message)
-            except grpc.RpcError as exc:
-                answer = self._failed(exc)
+            answer = self._try(kind, message)
+
+    def _try(self, kind: str, message: Any) -> pb.SessionResponse | None:
+        """One try of ``message`` (called with the lock held): its answer, None if the master ended the stream."""
+        if self._closed:
+            raise ShardServiceError(f"the client is closed [CANCELLED from {self._t.address}]")
+        try:
+            return self._once(kind, message)
+        except grpc.RpcError as exc:
+            return self._failed(exc)
 
     def _failed(self, exc: grpc.RpcError) -> pb.SessionResponse:
         """The stream broke (it is dropped): its error raised, or for ``UNAVAILABLE`` an answer saying so (retried)."""
