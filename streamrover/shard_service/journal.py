@@ -70,7 +70,6 @@ _ACKED = "UPDATE shards SET state = ?, worker = ?, acked_to = ?, acks = ?, acked
 _REQUEST = "UPDATE workers SET last_request_id = ?, last_lease_ids = ? WHERE id = ?"
 
 
-
 def _pairs(pairs: list[tuple[int | None, int]]) -> str:
     """A shard's acks or acked_by as JSON (integers, and null for no step), written without the json module."""
     return "[" + ",".join([f"[{'null' if a is None else f'{a:d}'},{b:d}]" for a, b in pairs]) + "]"
