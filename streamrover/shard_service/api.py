@@ -208,6 +208,7 @@ class LeaseGrant:
     end: int
     resume: int
     deadline: float
+    shards: int = 1  # the planned shards it covers: more than one when the master merged them (merging.py)
 
 
 @dataclass(frozen=True)

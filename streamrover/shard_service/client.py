@@ -186,7 +186,11 @@ class ShardClient(CursorClient):
         if not self.worker_id:
             self.join()
         request = pb.LeaseRequest(
-            worker_id=self.worker_id, dataset=dataset, max_shards=max_shards, request_id=next(self._request_ids)
+            worker_id=self.worker_id,
+            dataset=dataset,
+            max_shards=max_shards,
+            request_id=next(self._request_ids),
+            merge_records=self.pacing.merge_records(dataset),
         )
         try:
             resp = self._transport.worker_call("lease", self._stub.LeaseShards, request)  # never waits on the stream
@@ -202,7 +206,7 @@ class ShardClient(CursorClient):
             self.join()
             return LeaseStatus.WAIT, []
         shards: list[LeasedShard] = []
-        self.pacing.granted(dataset, max_shards, len(resp.leases))
+        self.pacing.granted(dataset, max_shards, self.pacing.units_of(resp.leases), resp.todo)
         if resp.leases:
             self._adopt(dataset, resp.leases, shards)
         return convert.lease_status_from_pb(resp.status), shards
@@ -234,7 +238,7 @@ class ShardClient(CursorClient):
                     shard = queue.popleft()
                     t0 = time.monotonic()
                     yield shard
-                    pace.took(time.monotonic() - t0)
+                    pace.took(time.monotonic() - t0, shard.lease.shards)
         finally:
             self.pacing.stop(dataset)
 
@@ -298,6 +302,7 @@ class ShardClient(CursorClient):
             shard = self.leases.live(lease.shard_id, lease.attempt)
         request = pb.AckRequest(
             lease_more=lease_more,
+            merge_records=self.pacing.merge_records(lease.dataset) if lease_more else 0,
             dead_letters=dead_letters,
             worker_id=self.worker_id,
             shard_id=lease.shard_id,
@@ -357,9 +362,10 @@ class ShardClient(CursorClient):
             lease_dataset=dataset if more else "",
             lease_more=more,
             request_id=next(self._request_ids),
+            merge_records=self.pacing.merge_records(dataset) if more else 0,
         )
         resp = self._transport.worker_call("ack_batch", self._stub.AckBatch, request)
-        self.pacing.granted(dataset, more, len(resp.leases))
+        self.pacing.granted(dataset, more, self.pacing.units_of(resp.leases), resp.todo)
         outcomes: list[bool | ShardServiceError] = [
             self._transport.error(r.error_code, r.error) if r.error_code else r.shard_done for r in resp.results
         ]

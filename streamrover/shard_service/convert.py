@@ -92,6 +92,7 @@ def lease_to_pb(g: LeaseGrant) -> pb.Lease:
         end=g.end,
         resume=g.resume,
         deadline_unix=g.deadline,
+        shards=g.shards,
     )
 
 
@@ -109,6 +110,7 @@ def add_leases(leases: Any, grants: Iterable[LeaseGrant]) -> None:
             end=g.end,
             resume=g.resume,
             deadline_unix=g.deadline,
+            shards=g.shards,
         )
 
 
@@ -135,6 +137,7 @@ def lease_from_pb(msg: pb.Lease) -> LeaseGrant:
         end=msg.end,
         resume=msg.resume,
         deadline=msg.deadline_unix,
+        shards=max(msg.shards, 1),
     )
 
 

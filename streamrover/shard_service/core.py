@@ -44,6 +44,7 @@ from streamrover.shard_service.cuts import CutBook
 from streamrover.shard_service.deadlines import DeadlineQueue
 from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.kv import KvStore
+from streamrover.shard_service.merging import merge_run
 from streamrover.shard_service.staged import StagedCommits, StagedOutcome
 from streamrover.shard_service.state import CoreState
 from streamrover.shard_service.streams import StreamPlanner
@@ -170,17 +171,20 @@ class ShardCore(CoreState):
         return deadline, revoked
 
     # ------------------------------------------------------------------- leases
-    def lease(self, worker_id: str, dataset: str, max_shards: int = 1, request_id: int = 0) -> LeaseOutcome:
+    def lease(
+        self, worker_id: str, dataset: str, max_shards: int = 1, request_id: int = 0, merge_records: int = 0
+    ) -> LeaseOutcome:
         """Lease up to ``max_shards`` shards of ``dataset`` to a worker (expired leases are returned first).
 
         ``request_id``: a retry of the worker's last request (same id) gets the same leases, not new ones.
+        ``merge_records`` > 0: runs of never-leased shards may be granted merged (:mod:`.merging`).
         OK with the grants; END when a batch dataset is finished; WAIT with when to ask again otherwise.
         Raises NotFoundError (worker, dataset) and FailedPreconditionError (a failed dataset).
         """
         self.expire()
-        return self._lease(worker_id, dataset, max_shards, request_id)
+        return self._lease(worker_id, dataset, max_shards, request_id, merge_records)
 
-    def _lease(self, worker_id: str, dataset: str, max_shards: int, request_id: int) -> LeaseOutcome:
+    def _lease(self, worker_id: str, dataset: str, max_shards: int, request_id: int, merge: int = 0) -> LeaseOutcome:
         """:meth:`lease` once expired leases and workers are gone."""
         w = self.worker(worker_id)
         ds = self.dataset(dataset)
@@ -192,19 +196,23 @@ class ShardCore(CoreState):
             return LeaseOutcome(LeaseStatus.OK if held else LeaseStatus.WAIT, [self._grant(ds, s) for s in held], 0.1)
         grants: list[LeaseGrant] = []
         wanted = self.share(ds, w, max(max_shards, 1))
+        cap = wanted if wanted >= max_shards else -(-wanted // 2)  # a binding share (the end): two leases at least
         journal, tail, until = self.journal, (w.id, ds.name), now + self.lease_ttl
+        taken = 0  # planned shards granted (a merged shard counts each of its members: .merging)
         with journal.transaction():
-            while len(grants) < wanted:
+            while taken < wanted:
                 s = self.pop_todo(ds, w)
                 if s is None:
                     break
+                s, covered = merge_run(self, ds, s, min(wanted - taken, cap), merge)
+                taken += covered
                 self.tails[tail] = (s.epoch, s.pindex, s.end)
                 self._set_state(s, ShardState.LEASED)
                 s.attempt, s.worker, s.deadline = self.next_attempt(), w.id, until
                 w.leases.add(s.id)
                 self.lease_due.track(s.id, until)
                 journal.put_shard_leased(s)
-                grants.append(self._grant(ds, s))
+                grants.append(self._grant(ds, s, covered))
             if grants:
                 self.events["leases_granted"] += len(grants)
                 w.last_request_id = request_id
@@ -219,9 +227,9 @@ class ShardCore(CoreState):
         retry = 1.0 if deadline is None else min(max(deadline - now, 0.05), 1.0)
         return LeaseOutcome(LeaseStatus.WAIT, [], retry)
 
-    def _grant(self, ds: DatasetRecord, s: ShardRecord) -> LeaseGrant:
+    def _grant(self, ds: DatasetRecord, s: ShardRecord, shards: int = 1) -> LeaseGrant:
         part = ds.partitions[s.pindex]
-        return LeaseGrant(s.id, s.attempt, ds.name, s.epoch, part, s.start, s.end, s.acked_to, s.deadline)
+        return LeaseGrant(s.id, s.attempt, ds.name, s.epoch, part, s.start, s.end, s.acked_to, s.deadline, shards)
 
     # --------------------------------------------------------------------- acks
     def ack(
@@ -278,6 +286,7 @@ class ShardCore(CoreState):
         lease_dataset: str = "",
         lease_more: int = 0,
         request_id: int = 0,
+        merge_records: int = 0,
     ) -> tuple[list[AckResult | ShardServiceError], LeaseOutcome | None]:
         """Several acks in order, each judged as :meth:`ack` judges it, in one journal transaction.
 
@@ -287,7 +296,7 @@ class ShardCore(CoreState):
         (refusals are raised before anything changes). Every accepted ack is committed to
         the journal before this returns, all in one transaction. Then, when ``lease_more``
         > 0, up to that many shards of ``lease_dataset`` are leased to ``worker_id`` (no
-        wait; ``request_id`` as in :meth:`lease`: a retried batch gets the same leases); a
+        wait; ``request_id`` and ``merge_records`` as in :meth:`lease`); a
         lease that cannot be granted (unknown worker or dataset, a failed dataset) yields None.
         """
         results: list[AckResult | ShardServiceError] = []
@@ -301,7 +310,7 @@ class ShardCore(CoreState):
                     results.append(exc)
             if lease_more > 0 and lease_dataset:
                 try:
-                    outcome = self._lease(worker_id, lease_dataset, lease_more, request_id)
+                    outcome = self._lease(worker_id, lease_dataset, lease_more, request_id, merge_records)
                 except ShardServiceError:
                     outcome = None
         return results, outcome

@@ -48,6 +48,11 @@ class LeaseTable:
         queue = self._waiting.get(dataset)
         return 0 if queue is None else len(queue)
 
+    def waiting_snapshot(self, dataset: str) -> list[LeasedShard]:
+        """The leases of ``dataset`` waiting their turn, now (a copy: the reader pops while others count)."""
+        queue = self._waiting.get(dataset)
+        return [] if queue is None else list(queue)  # (one C call under the GIL: no torn read)
+
     def add(self, shards: Iterable[LeasedShard], into: deque[LeasedShard] | list[LeasedShard]) -> None:
         """New leases: held from now on, and appended to ``into`` (a waiting queue or the caller's list)."""
         with self._lock:

@@ -7,7 +7,7 @@ the client asks of all readers: how many leases an ack that finishes a shard sho
 (:meth:`Pacing.leases_wanted`, :meth:`Pacing.refill`) and whether the ack sender may let acks
 gather (:meth:`Pacing.readers_supplied`).
 
-A reader whose last request got fewer leases than it asked for is *dry* (:meth:`Pacing.granted`):
+A reader whose last request got fewer leases than it asked for, none left, is *dry* (:meth:`Pacing.granted`):
 the master has no more to give it now (the end of a batch dataset, a stream at its head), so
 sending its acks at once would not bring more; they may gather like a supplied reader's, and
 the reader's own wait when its queue runs out (``shards()`` waits for its acks first) sends them.
@@ -19,6 +19,8 @@ import math
 import statistics
 import threading
 from collections import deque
+from collections.abc import Iterable
+from typing import Any
 
 from streamrover.shard_service.lease_table import LeaseTable
 
@@ -33,6 +35,9 @@ BATCH_SECONDS = 0.1
 HOLD_SECONDS = 0.012
 PREFETCH_RECORDS = 256 * 1024  # until the caller's pace is known (RAMP_SHARDS taken): about this many records
 RAMP_SHARDS = 16
+# once the pace is known, leases ask the master to merge runs of small shards into shards of about this much of the
+# reader's work (.merging): a lease and its ack cost both sides the same whatever the shard's size
+MERGE_SECONDS = 0.01
 
 
 class PrefetchPace:
@@ -51,17 +56,21 @@ class PrefetchPace:
 
     def __init__(self, prefetch: int, records_per_shard: int) -> None:
         self.base = max(prefetch, 1)
+        self.records_per_shard = records_per_shard
         by_records = math.ceil(PREFETCH_RECORDS / records_per_shard) if records_per_shard > 0 else 0
         self.ramp = max(self.base, min(MAX_PREFETCH, by_records))
         self.target = self.ramp
         self._recent: deque[float] = deque(maxlen=RAMP_SHARDS)
         self._taken = 0
-        self.dry = False  # the last request got fewer leases than it asked for (Pacing.granted)
+        self.dry = False  # the last request got fewer leases than it asked for, none left (Pacing.granted)
         self.seconds = 0.0  # the caller's median time per shard (0: not known yet)
+        self.merged = 1  # the planned shards of the last lease taken
 
-    def took(self, seconds: float) -> None:
-        """The caller spent ``seconds`` on one more shard: the depth follows its recent median pace."""
-        self._recent.append(seconds)
+    def took(self, seconds: float, shards: int = 1) -> None:
+        """The caller spent ``seconds`` on one more lease, of ``shards`` planned shards (more than one when merged):
+        the depth follows its recent median pace per planned shard."""
+        self._recent.append(seconds / shards)
+        self.merged = shards
         self._taken += 1
         pace = self.seconds = statistics.median(self._recent)
         if pace > 0:
@@ -70,7 +79,28 @@ class PrefetchPace:
             depth = MAX_PREFETCH
         if self._taken < RAMP_SHARDS:
             depth = max(depth, self.ramp)
-        self.target = max(self.base, min(MAX_PREFETCH, depth))
+        # merged shards arrive, and are consumed, several planned shards at a time: two more of them ahead, so that
+        # the queue holds PREFETCH_SECONDS of work between two of them and acks may still gather (supplied)
+        merged = 2 * self.merged if self.merged > 1 else 0
+        self.target = max(self.base, min(MAX_PREFETCH, depth + merged))
+
+    def merge_records(self) -> int:
+        """How many records a merged shard may hold: :data:`MERGE_SECONDS` of the caller's work at its pace.
+
+        Until the pace is known, a quarter of the first lease's :data:`PREFETCH_RECORDS` (leased ahead anyway),
+        but at most :data:`BATCH_SHARDS` shards (their records may be costly: unbounded, a dataset of small
+        shards went to one worker as one shard). 0 (no merging) when that is less than two planned shards.
+        """
+        return self.merge_shards() * self.records_per_shard
+
+    def merge_shards(self) -> int:
+        """:meth:`merge_records` in planned shards (0: no merging)."""
+        rps = self.records_per_shard
+        if rps <= 0:
+            return 0
+        unknown = min(PREFETCH_RECORDS // 4 // rps, BATCH_SHARDS)
+        shards = int(MERGE_SECONDS / self.seconds) if self.seconds > 0 else unknown
+        return shards if shards >= 2 else 0
 
     def supplied(self, waiting: int) -> bool:
         """Whether ``waiting`` shards are enough work to let queued acks gather: :data:`HOLD_SECONDS` of it.
@@ -78,8 +108,8 @@ class PrefetchPace:
         At most 2/3 of the depth (the rule before the pace is known).
         """
         enough = self.target * 2 / 3
-        if self.seconds > 0:
-            enough = min(enough, HOLD_SECONDS / self.seconds)
+        if self.seconds > 0:  # (the next merged shard taken, HOLD_SECONDS must still be waiting)
+            enough = min(enough, HOLD_SECONDS / self.seconds + (self.merged if self.merged > 1 else 0))
         return waiting >= enough
 
 
@@ -108,10 +138,19 @@ class Pacing:
         pace = self._paces.get(dataset)
         return default if pace is None else pace.target
 
-    def _shortfall(self, dataset: str) -> int | None:
-        """The reader's depth minus the leases waiting for it (None when no reader paces ``dataset``)."""
+    def merge_records(self, dataset: str) -> int:
+        """The ``merge_records`` of a request for leases of ``dataset`` (0 when no reader paces it)."""
         pace = self._paces.get(dataset)
-        return None if pace is None else pace.target - self._table.waiting_count(dataset)
+        return 0 if pace is None else pace.merge_records()
+
+    def _waiting(self, dataset: str) -> int:
+        """The planned shards waiting for the reader of ``dataset`` (a merged lease counts each of its own)."""
+        return sum(s.lease.shards for s in self._table.waiting_snapshot(dataset))
+
+    def _shortfall(self, dataset: str) -> int | None:
+        """The reader's depth minus the shards waiting for it (None when no reader paces ``dataset``)."""
+        pace = self._paces.get(dataset)
+        return None if pace is None else pace.target - self._waiting(dataset)
 
     def leases_wanted(self, dataset: str) -> int:
         """How many leases an ack that finishes a shard of ``dataset`` asks for: one, or a refill of a dry queue.
@@ -129,11 +168,17 @@ class Pacing:
         short = self._shortfall(dataset)
         return asked if short is None else max(0, short)
 
-    def granted(self, dataset: str, asked: int, got: int) -> None:
-        """A request asked for ``asked`` leases of ``dataset`` and got ``got``: fewer makes its reader dry."""
+    @staticmethod
+    def units_of(leases: Iterable[Any]) -> int:
+        """How many planned shards ``leases`` (protobuf ``Lease`` messages) cover."""
+        return sum(max(msg.shards, 1) for msg in leases)
+
+    def granted(self, dataset: str, asked: int, got: int, todo: int = 0) -> None:
+        """A request asked for ``asked`` shards of ``dataset`` and got ``got`` with ``todo`` left unleased: fewer and
+        none left makes its reader dry (fewer with some left is a share near the end of a pass: acks bring more)."""
         pace = self._paces.get(dataset)
         if pace is not None and asked > 0:
-            pace.dry = got < asked
+            pace.dry = got < asked and todo <= 0
 
     def readers_supplied(self) -> bool:
         """Whether each reader pacing deeper than asked has work enough waiting (PrefetchPace.supplied) or is dry."""
@@ -143,7 +188,7 @@ class Pacing:
         for dataset, pace in paces:
             if pace.target <= pace.base:
                 continue
-            if not pace.dry and not pace.supplied(self._table.waiting_count(dataset)):
+            if not pace.dry and not pace.supplied(self._waiting(dataset)):
                 return False
             deep = True
         return deep
@@ -154,6 +199,7 @@ __all__ = [
     "BATCH_SHARDS",
     "HOLD_SECONDS",
     "MAX_PREFETCH",
+    "MERGE_SECONDS",
     "PREFETCH_RECORDS",
     "PREFETCH_SECONDS",
     "RAMP_SHARDS",

@@ -271,7 +271,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         with self.cond:
             give_up = self.core.clock() + wait
             while True:
-                outcome = self.core.lease(request.worker_id, request.dataset, request.max_shards, request.request_id)
+                outcome = self.core.lease(
+                    request.worker_id, request.dataset, request.max_shards, request.request_id, request.merge_records
+                )
                 remaining = give_up - self.core.clock()
                 if outcome.status is not LeaseStatus.WAIT or remaining <= 0 or not context.is_active():
                     break
@@ -284,6 +286,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 status=convert.lease_status_to_pb(outcome.status),
                 leases=[convert.lease_to_pb(g) for g in outcome.leases],
                 retry_after_seconds=outcome.retry_after,
+                todo=self.core.todo(request.dataset),
             )
 
     @_rpc
@@ -321,7 +324,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 if dataset is not None:
                     # Request id -attempt (attempts are unique in the job): a retried ack, whose first answer
                     # was lost with the master, gets the same leases back instead of orphaning them.
-                    grants = self.core.lease(request.worker_id, dataset, request.lease_more, -request.attempt).leases
+                    grants = self.core.lease(
+                        request.worker_id, dataset, request.lease_more, -request.attempt, request.merge_records
+                    ).leases
         answer.shard_done, answer.duplicate = result.shard_done, result.duplicate  # (leaving waits for the journal)
         convert.add_leases(answer.leases, grants)
 
@@ -334,7 +339,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         ]
         with self.cond:
             results, outcome = self.core.ack_batch(
-                acks, request.worker_id, request.lease_dataset, request.lease_more, request.request_id
+                acks, request.worker_id, request.lease_dataset, request.lease_more, request.request_id,
+                request.merge_records,
             )
             answers: list[pb.AckOutcome] = []
             for r in results:
@@ -345,7 +351,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             if any(a.shard_done for a in answers):
                 self._wake_lease_waiters()
             leases = [] if outcome is None else [convert.lease_to_pb(g) for g in outcome.leases]
-            return pb.AckBatchResponse(results=answers, leases=leases)
+            return pb.AckBatchResponse(results=answers, leases=leases, todo=self.core.todo(request.lease_dataset))
 
     def WorkerSession(self, requests: Iterator[pb.SessionRequest], context: Any) -> Iterator[pb.SessionResponse]:
         """A worker's leases, acks and heartbeats on one stream, each answered as its unary call (see .session)."""

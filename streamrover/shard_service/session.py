@@ -90,8 +90,12 @@ class WorkerSessions:
         servicer = self._servicer
         core = servicer.core
         with servicer.cond:  # leaving it waits until the lease is journalled (group commit)
-            outcome = core.lease(request.worker_id, request.dataset, request.max_shards, request.request_id)
+            outcome = core.lease(
+                request.worker_id, request.dataset, request.max_shards, request.request_id, request.merge_records
+            )
+            todo = core.todo(request.dataset)
         lease = answer.lease
+        lease.todo = todo
         lease.status = convert.lease_status_to_pb(outcome.status)  # (set even when 0: the answer is a lease's)
         lease.retry_after_seconds = outcome.retry_after
         convert.add_leases(lease.leases, outcome.leases)

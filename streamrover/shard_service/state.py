@@ -140,6 +140,15 @@ class CoreState:
         else:
             self.leased.discard(s.id)
 
+    def todo(self, name: str) -> int:
+        """How many shards of dataset ``name`` wait to be leased (0 for an unknown name)."""
+        counts = self.state_counts.get(name)
+        return counts[ShardState.TODO] if counts is not None else 0
+
+    def add_shard(self, s: ShardRecord) -> None:
+        """Add a shard's record to memory and its indexes (the caller journals it)."""
+        self._index(s)
+
     def drop_shard(self, sid: str) -> ShardRecord:
         """Remove a shard from memory (the caller deletes its journal row)."""
         s = self.shards.pop(sid)

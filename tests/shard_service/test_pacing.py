@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, cast
 
 from streamrover.shard_service.lease_table import LeaseTable
 from streamrover.shard_service.pacing import MAX_PREFETCH, RAMP_SHARDS, Pacing, PrefetchPace
+
+
+def _lease() -> Any:
+    """A waiting lease as pacing sees one: of one planned shard."""
+    return SimpleNamespace(lease=SimpleNamespace(shards=1))
 
 
 def _feed(pace: PrefetchPace, seconds: list[float], rounds: int) -> None:
@@ -82,7 +88,7 @@ def test_acks_may_gather_while_the_reader_has_12_ms_of_work_waiting() -> None:
     pace = pacing.start("d", prefetch=2, records_per_shard=128 * 1024)
     _feed(pace, [0.008], rounds=4)  # depth 8
     queue = table.waiting("d")
-    queue.extend(cast(Any, [object()] * 2))  # 2 of 8 waiting: ~16 ms of work
+    queue.extend(cast(Any, [_lease() for _ in range(2)]))  # 2 of 8 waiting: ~16 ms of work
     assert pacing.readers_supplied()
     queue.popleft()
     assert not pacing.readers_supplied()  # 1 (~8 ms): send now, the answer brings the next leases
@@ -90,7 +96,7 @@ def test_acks_may_gather_while_the_reader_has_12_ms_of_work_waiting() -> None:
     pacing = Pacing(table)
     fast = pacing.start("e", prefetch=2, records_per_shard=10_000)
     _feed(fast, [0.0005], rounds=RAMP_SHARDS)  # depth 40, 12 ms of work is 24 shards (less than 2/3 of 40)
-    table.waiting("e").extend(cast(Any, [object()] * 23))
+    table.waiting("e").extend(cast(Any, [_lease() for _ in range(23)]))
     assert not pacing.readers_supplied()
-    table.waiting("e").append(cast(Any, object()))
+    table.waiting("e").append(cast(Any, _lease()))
     assert pacing.readers_supplied()

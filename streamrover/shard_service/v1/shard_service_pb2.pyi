@@ -530,6 +530,7 @@ class Lease(google.protobuf.message.Message):
     END_FIELD_NUMBER: builtins.int
     RESUME_FIELD_NUMBER: builtins.int
     DEADLINE_UNIX_FIELD_NUMBER: builtins.int
+    SHARDS_FIELD_NUMBER: builtins.int
     shard_id: builtins.str
     """derived from (dataset, epoch, partition, start, end)"""
     attempt: builtins.int
@@ -543,6 +544,8 @@ class Lease(google.protobuf.message.Message):
     resume: builtins.int
     """first position not yet acked; read from here"""
     deadline_unix: builtins.float
+    shards: builtins.int
+    """the planned shards it covers: more than one when they were merged (0 = 1)"""
     @property
     def partition(self) -> global___PartitionInfo: ...
     def __init__(
@@ -557,9 +560,10 @@ class Lease(google.protobuf.message.Message):
         end: builtins.int = ...,
         resume: builtins.int = ...,
         deadline_unix: builtins.float = ...,
+        shards: builtins.int = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["partition", b"partition"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["attempt", b"attempt", "dataset", b"dataset", "deadline_unix", b"deadline_unix", "end", b"end", "epoch", b"epoch", "partition", b"partition", "resume", b"resume", "shard_id", b"shard_id", "start", b"start"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["attempt", b"attempt", "dataset", b"dataset", "deadline_unix", b"deadline_unix", "end", b"end", "epoch", b"epoch", "partition", b"partition", "resume", b"resume", "shard_id", b"shard_id", "shards", b"shards", "start", b"start"]) -> None: ...
 
 global___Lease = Lease
 
@@ -572,6 +576,7 @@ class LeaseRequest(google.protobuf.message.Message):
     MAX_SHARDS_FIELD_NUMBER: builtins.int
     REQUEST_ID_FIELD_NUMBER: builtins.int
     WAIT_SECONDS_FIELD_NUMBER: builtins.int
+    MERGE_RECORDS_FIELD_NUMBER: builtins.int
     worker_id: builtins.str
     dataset: builtins.str
     max_shards: builtins.int
@@ -580,6 +585,10 @@ class LeaseRequest(google.protobuf.message.Message):
     """per worker, increasing; a retry with the same id returns the same leases"""
     wait_seconds: builtins.float
     """when nothing can be leased now, wait up to this long for a shard"""
+    merge_records: builtins.int
+    """> 0: never-leased shards next to each other in one partition of a batch dataset may be granted as one
+    merged shard of up to this many records (each counts towards max_shards); 0 = one planned shard per lease
+    """
     def __init__(
         self,
         *,
@@ -588,8 +597,9 @@ class LeaseRequest(google.protobuf.message.Message):
         max_shards: builtins.int = ...,
         request_id: builtins.int = ...,
         wait_seconds: builtins.float = ...,
+        merge_records: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "max_shards", b"max_shards", "request_id", b"request_id", "wait_seconds", b"wait_seconds", "worker_id", b"worker_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "max_shards", b"max_shards", "merge_records", b"merge_records", "request_id", b"request_id", "wait_seconds", b"wait_seconds", "worker_id", b"worker_id"]) -> None: ...
 
 global___LeaseRequest = LeaseRequest
 
@@ -600,8 +610,11 @@ class LeaseResponse(google.protobuf.message.Message):
     STATUS_FIELD_NUMBER: builtins.int
     LEASES_FIELD_NUMBER: builtins.int
     RETRY_AFTER_SECONDS_FIELD_NUMBER: builtins.int
+    TODO_FIELD_NUMBER: builtins.int
     status: global___LeaseStatus.ValueType
     retry_after_seconds: builtins.float
+    todo: builtins.int
+    """shards of the dataset still waiting to be leased (fewer granted than asked with todo"""
     @property
     def leases(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___Lease]: ...
     def __init__(
@@ -610,8 +623,9 @@ class LeaseResponse(google.protobuf.message.Message):
         status: global___LeaseStatus.ValueType = ...,
         leases: collections.abc.Iterable[global___Lease] | None = ...,
         retry_after_seconds: builtins.float = ...,
+        todo: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["leases", b"leases", "retry_after_seconds", b"retry_after_seconds", "status", b"status"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["leases", b"leases", "retry_after_seconds", b"retry_after_seconds", "status", b"status", "todo", b"todo"]) -> None: ...
 
 global___LeaseResponse = LeaseResponse
 
@@ -695,6 +709,7 @@ class AckRequest(google.protobuf.message.Message):
     STEP_FIELD_NUMBER: builtins.int
     DEAD_LETTERS_FIELD_NUMBER: builtins.int
     LEASE_MORE_FIELD_NUMBER: builtins.int
+    MERGE_RECORDS_FIELD_NUMBER: builtins.int
     worker_id: builtins.str
     shard_id: builtins.str
     attempt: builtins.int
@@ -707,6 +722,8 @@ class AckRequest(google.protobuf.message.Message):
     """records in this ack's range that failed to decode (sent to the dead-letter dataset)"""
     lease_more: builtins.int
     """when this ack finishes the shard: lease up to this many more of its dataset (no wait)"""
+    merge_records: builtins.int
+    """for those leases, as LeaseRequest.merge_records"""
     def __init__(
         self,
         *,
@@ -718,8 +735,9 @@ class AckRequest(google.protobuf.message.Message):
         step: builtins.int = ...,
         dead_letters: builtins.int = ...,
         lease_more: builtins.int = ...,
+        merge_records: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["attempt", b"attempt", "dead_letters", b"dead_letters", "has_step", b"has_step", "lease_more", b"lease_more", "position", b"position", "shard_id", b"shard_id", "step", b"step", "worker_id", b"worker_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["attempt", b"attempt", "dead_letters", b"dead_letters", "has_step", b"has_step", "lease_more", b"lease_more", "merge_records", b"merge_records", "position", b"position", "shard_id", b"shard_id", "step", b"step", "worker_id", b"worker_id"]) -> None: ...
 
 global___AckRequest = AckRequest
 
@@ -764,6 +782,7 @@ class AckBatchRequest(google.protobuf.message.Message):
     LEASE_DATASET_FIELD_NUMBER: builtins.int
     LEASE_MORE_FIELD_NUMBER: builtins.int
     REQUEST_ID_FIELD_NUMBER: builtins.int
+    MERGE_RECORDS_FIELD_NUMBER: builtins.int
     worker_id: builtins.str
     """leases are granted to this worker (each ack is judged by its own worker_id)"""
     lease_dataset: builtins.str
@@ -771,6 +790,8 @@ class AckBatchRequest(google.protobuf.message.Message):
     """after the acks: lease up to this many shards of lease_dataset (no wait)"""
     request_id: builtins.int
     """as LeaseRequest.request_id: a retried batch gets the same leases back"""
+    merge_records: builtins.int
+    """as LeaseRequest.merge_records"""
     @property
     def acks(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___AckRequest]:
         """applied in this order; their own lease_more is ignored"""
@@ -783,8 +804,9 @@ class AckBatchRequest(google.protobuf.message.Message):
         lease_dataset: builtins.str = ...,
         lease_more: builtins.int = ...,
         request_id: builtins.int = ...,
+        merge_records: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["acks", b"acks", "lease_dataset", b"lease_dataset", "lease_more", b"lease_more", "request_id", b"request_id", "worker_id", b"worker_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["acks", b"acks", "lease_dataset", b"lease_dataset", "lease_more", b"lease_more", "merge_records", b"merge_records", "request_id", b"request_id", "worker_id", b"worker_id"]) -> None: ...
 
 global___AckBatchRequest = AckBatchRequest
 
@@ -821,6 +843,9 @@ class AckBatchResponse(google.protobuf.message.Message):
 
     RESULTS_FIELD_NUMBER: builtins.int
     LEASES_FIELD_NUMBER: builtins.int
+    TODO_FIELD_NUMBER: builtins.int
+    todo: builtins.int
+    """as LeaseResponse.todo, for lease_dataset"""
     @property
     def results(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___AckOutcome]:
         """one per ack, in the request's order"""
@@ -834,8 +859,9 @@ class AckBatchResponse(google.protobuf.message.Message):
         *,
         results: collections.abc.Iterable[global___AckOutcome] | None = ...,
         leases: collections.abc.Iterable[global___Lease] | None = ...,
+        todo: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["leases", b"leases", "results", b"results"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["leases", b"leases", "results", b"results", "todo", b"todo"]) -> None: ...
 
 global___AckBatchResponse = AckBatchResponse
 

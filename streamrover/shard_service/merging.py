@@ -1,0 +1,73 @@
+"""Small shards merged at lease time: a reader that gets through shards quickly is granted them as fewer, bigger ones.
+
+Small planned shards are what relieves stragglers and bounds the work redone after a failure,
+but each lease and each ack costs the master and the worker the same whatever the shard's size.
+A lease request that carries ``merge_records`` (:meth:`ShardClient.shards` sends about
+:data:`~streamrover.shard_service.pacing.MERGE_SECONDS` of its reader's work) lets the master grant
+a run of planned shards as one: the shard it was about to grant and the never-leased TODO
+shards that follow it in the same partition and epoch, up to ``merge_records`` records and the
+number of shards the request may still take (each planned shard counts as one). The members'
+journal rows are replaced by the merged shard's row in the lease's transaction; from then on it
+is a shard like any other: its id names its coordinates (:func:`shard_id_for`), it is leased,
+fenced, acked, expired and returned as one, and it never merges again.
+
+Only shards never leased merge (attempt 0, nothing acked): no lease of a member was ever
+issued, so no ack of one can arrive, and fencing has nothing to translate. Only batch datasets
+that are not shuffled: a shuffled dataset asked for its shards in random order, and a stream's
+planner extends its newest shards as offsets arrive. The guided end of a pass
+(:meth:`CoreState.share`) still counts planned shards, so merged grants shrink as the end nears.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from streamrover.shard_service.api import ShardState, shard_id_for
+from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord
+from streamrover.sources.api import SourceKind
+
+if TYPE_CHECKING:
+    from streamrover.shard_service.state import CoreState
+
+
+def _fresh(s: ShardRecord) -> bool:
+    """Never leased, nothing acked: a merge changes nothing anyone was told."""
+    return s.state is ShardState.TODO and s.attempt == 0 and s.acked_to == s.start and not s.acks
+
+
+def merge_run(
+    state: CoreState, ds: DatasetRecord, s: ShardRecord, max_shards: int, max_records: int
+) -> tuple[ShardRecord, int]:
+    """``s`` (about to be leased) and the fresh TODO shards after it in its partition, as one shard.
+
+    Returns the shard to lease (``s`` itself when nothing merges) and how many planned shards it
+    covers (at most ``max_shards``, at most ``max_records`` records in all). Call inside the lease's
+    journal transaction: the members' rows are deleted and the merged shard's row written.
+    """
+    if max_shards <= 1 or max_records <= 0 or ds.kind is not SourceKind.BATCH or ds.spec.shuffle or not _fresh(s):
+        return s, 1
+    members = [s]
+    end = s.end
+    while len(members) < max_shards:
+        sid = state.todo_at.get((ds.name, s.epoch, s.pindex, end))
+        t = None if sid is None else state.shards.get(sid)
+        if t is None or not _fresh(t) or t.end - s.start > max_records:
+            break
+        members.append(t)
+        end = t.end
+    if len(members) == 1:
+        return s, 1
+    journal = state.journal
+    for m in members:
+        state.drop_shard(m.id)
+        journal.delete_shard(m.id)
+    merged = ShardRecord(
+        shard_id_for(ds.name, s.epoch, s.pindex, s.start, end), ds.name, s.epoch, s.pindex, s.start, end,
+        priority=s.priority,
+    )  # fmt: skip
+    state.add_shard(merged)
+    journal.put_shard(merged)
+    return merged, len(members)
+
+
+__all__ = ["merge_run"]
