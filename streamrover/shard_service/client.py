@@ -220,7 +220,9 @@ class ShardClient(CursorClient):
         20 ms of the caller's work by its measured pace, at least 8 shards of up to 100 ms in all);
         from then on the acks that finish shards bring the next leases back with them (no
         extra round trip), enough to keep that many waiting. Then queued acks (``async_acks``)
-        gather into fewer batches while ~12 ms of work is waiting.
+        gather into fewer batches while ~12 ms of work is waiting. The leases ask the master to merge
+        runs of small shards (:mod:`~streamrover.shard_service.merging`: about 10 ms of the caller's
+        work per lease once its pace is known), so a lease and its ack serve several planned shards.
         """
         self._source(dataset)  # opened before the first lease: its spec says how big the shards are
         queue = self.leases.waiting(dataset)

@@ -52,6 +52,9 @@ class PrefetchPace:
     a dozen pays the decoding of a whole row group, the others go by in a fraction of the
     mean, and a depth sized by the mean ran dry a dozen times per row group, each time for
     the round trip that brings the next leases.
+
+    Depth and pace count planned shards: a merged lease (:meth:`merge_records`) counts each of its
+    own, and two more of its size are kept ahead (it is taken, and finished, all at once).
     """
 
     def __init__(self, prefetch: int, records_per_shard: int) -> None:
