@@ -14,23 +14,11 @@ from streamrover.cursor import IntervalSet, PartitionKey
 from streamrover.shard_service import StaleLeaseError
 from streamrover.shard_service.api import DatasetSpec, LeaseStatus, ShardState, shard_id_for
 from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.testing.procs import MasterProcess
 from tests.helpers import write_parquet_dataset
+from tests.shard_service.fake_clock import Clock, core_on
 from tests.shard_service.queued import queued_client
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _core(path: Path, clock: Clock) -> ShardCore:
-    return ShardCore(Journal(path / "j.db"), lease_ttl=5.0, clock=clock)
 
 
 def _register(core: ShardCore, shuffle: bool = False) -> None:
@@ -45,7 +33,7 @@ def _spans(core: ShardCore) -> list[tuple[int, int, int, str]]:
 
 def test_a_run_of_fresh_shards_is_leased_as_one_shard_and_journalled_so(tmp_path: Path) -> None:
     clock = Clock()
-    core = _core(tmp_path, clock)
+    core = core_on(tmp_path, clock)
     _register(core)
     w = core.join("w").id
     (g,) = core.lease(w, "d", 4, merge_records=100).leases
@@ -54,7 +42,7 @@ def test_a_run_of_fresh_shards_is_leased_as_one_shard_and_journalled_so(tmp_path
     assert (states[ShardState.TODO], states[ShardState.LEASED]) == (7, 1)  # 11 planned: 4 became one
     # the journal holds the merged shard and not its members: a master restarted on it agrees
     core.journal.close()
-    again = _core(tmp_path, clock)
+    again = core_on(tmp_path, clock)
     assert _spans(again) == _spans(core)
     assert (0, 0, 20, "leased") in _spans(again) and not any(s[1] in (5, 10, 15) and s[0] == 0 for s in _spans(again))
     # acking the merged shard's end finishes it; its records are acked once, as a shard's
@@ -63,7 +51,7 @@ def test_a_run_of_fresh_shards_is_leased_as_one_shard_and_journalled_so(tmp_path
 
 
 def test_merging_stops_at_the_record_cap_the_partition_and_the_shards_asked_for(tmp_path: Path) -> None:
-    core = _core(tmp_path, Clock())
+    core = core_on(tmp_path, Clock())
     _register(core)
     w = core.join("w").id
     grants = core.lease(w, "d", 9, merge_records=15).leases  # at most 3 shards' records per merged shard
@@ -79,18 +67,18 @@ def test_merging_stops_at_the_record_cap_the_partition_and_the_shards_asked_for(
 
 def test_nothing_merges_without_merge_records_when_shuffled_or_once_leased(tmp_path: Path) -> None:
     clock = Clock()
-    core = _core(tmp_path / "a", clock)
+    core = core_on(tmp_path / "a", clock)
     _register(core)
     w = core.join("w").id
     assert [g.end - g.start for g in core.lease(w, "d", 3).leases] == [5, 5, 5]  # the default: no merging
 
-    shuffled = _core(tmp_path / "b", clock)
+    shuffled = core_on(tmp_path / "b", clock)
     _register(shuffled, shuffle=True)
     v = shuffled.join("v").id
     assert all(g.shards == 1 for g in shuffled.lease(v, "d", 4, merge_records=100).leases)
 
     # a shard leased once (expired, back at the front) is never merged again, nor merged into
-    once = _core(tmp_path / "c", clock)
+    once = core_on(tmp_path / "c", clock)
     _register(once)
     a = once.join("a").id
     (first,) = once.lease(a, "d", 1).leases
@@ -103,7 +91,7 @@ def test_nothing_merges_without_merge_records_when_shuffled_or_once_leased(tmp_p
 
 def test_a_merged_shard_is_fenced_as_one_shard(tmp_path: Path) -> None:
     clock = Clock()
-    core = _core(tmp_path, clock)
+    core = core_on(tmp_path, clock)
     _register(core)
     a = core.join("a").id
     (g,) = core.lease(a, "d", 3, merge_records=100).leases
