@@ -1,7 +1,10 @@
 """The round-trip bench's client processes (bench [1] of ``python -m benchmarks shard_service``).
 
-A client loops cycles for a fixed time after a barrier. One cycle is one bare RPC for the echo kinds
-and one shard leased and acked for the shard kinds, which differ in how many round trips that takes:
+A client loops cycles for a fixed time after a barrier (:func:`rtt_client`), or, as bench [1] runs them,
+in short slices of each kind in turn against servers that all stay up (:func:`sliced_client`), so that
+a ratio compares slices a second apart, not runs a minute apart on a machine whose speed drifts. One
+cycle is one bare RPC for the echo kinds and one shard leased and acked for the shard kinds, which
+differ in how many round trips that takes:
 
 - ``shard``: ``lease()`` then ``ack()``, two worker-session messages (``shard-unary``: two unary RPCs);
 - ``shard-ahead``: the steady state of a worker that leases one shard ahead, as ``ShardClient.shards()``
@@ -112,6 +115,88 @@ def rtt_client(
         out.put((0, 0.0, f"client {index}: {type(exc).__name__}: {exc}", 0))
 
 
+def sliced_client(
+    kinds: list[tuple[str, str, str]],
+    seconds: float,
+    rounds: int,
+    warmup: int,
+    barrier: Barrier,
+    out: Queue[Any],
+    index: int,
+) -> None:
+    """Slices of ``seconds`` of each (kind, address, dataset) in turn, ``rounds`` times; each slice starts at the
+    barrier (every client and the parent), and one more barrier follows the last.
+
+    The order of the kinds reverses every other round (A B C, C B A, ...), so that none always follows
+    the same one. Puts ([(kind index, RPCs or messages, cycles, seconds)] per slice in order, error).
+    """
+    try:
+        cycles = [
+            _echo_cycle(kind, address) if kind.startswith("echo") else _shard_cycle(kind, address, dataset, index)
+            for kind, address, dataset in kinds
+        ]
+        for cycle in cycles:
+            for _ in range(warmup):
+                cycle()
+        slices: list[tuple[int, int, int, float]] = []
+        for i in slice_order(len(kinds), rounds):
+            cycle = cycles[i]
+            barrier.wait(BARRIER_TIMEOUT)
+            rpcs = made = 0
+            t0 = time.perf_counter()
+            stop = t0 + seconds
+            while time.perf_counter() < stop:
+                rpcs += cycle()
+                made += 1
+            slices.append((i, rpcs, made, time.perf_counter() - t0))
+        barrier.wait(BARRIER_TIMEOUT)
+        out.put((slices, ""))
+    except BaseException as exc:
+        barrier.abort()
+        out.put(([], f"client {index}: {type(exc).__name__}: {exc}"))
+
+
+def slice_order(kinds: int, rounds: int) -> list[int]:
+    """The kind of each slice: 0..k-1, then k-1..0, and so on for ``rounds`` rounds."""
+    order: list[int] = []
+    for r in range(rounds):
+        order += list(range(kinds)) if r % 2 == 0 else list(reversed(range(kinds)))
+    return order
+
+
+def run_sliced(
+    kinds: list[tuple[str, str, str]], n: int, seconds: float, rounds: int, warmup: int, pids: list[int]
+) -> list[list[tuple[float, float, float, int]]]:
+    """``n`` :func:`sliced_client` processes; per kind, per round: (RPCs/s and cycles/s summed over the clients,
+    the CPU seconds processes ``pids`` used during the slice, summed; the cycles made in it)."""
+    from benchmarks._servers import cpu_seconds
+
+    barrier = CTX.Barrier(n + 1)
+    out: Queue[Any] = CTX.Queue()
+    procs = [
+        CTX.Process(
+            target=sliced_client, args=(kinds, seconds, rounds, warmup, barrier, out, i), name=f"bench-rtt-client-{i}"
+        )
+        for i in range(n)
+    ]
+    order = slice_order(len(kinds), rounds)
+    cpu: list[float] = []
+    with processes(procs, grace=60):
+        for _ in range(len(order) + 1):  # each slice's start, and the end of the last
+            barrier.wait(BARRIER_TIMEOUT + seconds)
+            cpu.append(sum(cpu_seconds(pid) for pid in pids))
+        results = [out.get(timeout=BARRIER_TIMEOUT) for _ in procs]
+    errors = [r[1] for r in results if r[1]]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    per_kind: list[list[tuple[float, float, float, int]]] = [[] for _ in kinds]
+    for k, kind in enumerate(order):
+        rpcs = sum(r[0][k][1] / r[0][k][3] for r in results)
+        cycles = sum(r[0][k][2] / r[0][k][3] for r in results)
+        per_kind[kind].append((rpcs, cycles, cpu[k + 1] - cpu[k], sum(r[0][k][2] for r in results)))
+    return per_kind
+
+
 def write_rtt_file(path: Path, rows: int) -> None:
     """A parquet file of ``rows`` ids in one row group (one-record shards of it)."""
     import pyarrow as pa
@@ -142,4 +227,4 @@ def run_rtt(kind: str, address: str, dataset: str, n: int, duration: float, warm
     return rpcs, cycles, sum(r[3] for r in results)
 
 
-__all__ = ["KINDS", "TOKEN", "rtt_client", "run_rtt", "write_rtt_file"]
+__all__ = ["KINDS", "TOKEN", "rtt_client", "run_rtt", "run_sliced", "slice_order", "sliced_client", "write_rtt_file"]

@@ -8,7 +8,10 @@
    (:mod:`benchmarks._rtt`): lease() then ack(), two RPCs, the ratio RPC for RPC;
    and a worker leasing one shard ahead (the ack that finishes a shard brings the
    next lease, as ``ShardClient.shards()`` does), one message per cycle, the ratio
-   a whole cycle against one bare RPC. Goal: >= 0.8.
+   a whole cycle against one bare RPC. Goal: >= 0.8. The echo server and the master stay up
+   together and the kinds take turns of half a second, round after round, so that each ratio
+   compares turns a second apart: on these VMs a machine's speed drifts by 2-3x within a minute
+   (steal time), and runs of seconds each, one kind after another, put 0.5-1.3 in one column.
 2. Records per second through ``ShardClient`` (lease, ``shard.batches()``, ack at
    the shard's end) against pyarrow reading the same parquet row groups directly,
    the same per-batch work in both, with 1 and 2 worker processes. Goal (issue 14): >= 0.9 with
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import CTX, cores, environment, load, processes, table
-from benchmarks._rtt import BARRIER_TIMEOUT, TOKEN, run_rtt, write_rtt_file
+from benchmarks._rtt import BARRIER_TIMEOUT, TOKEN, run_sliced, write_rtt_file
 from benchmarks._servers import MASTER_THREADS, cpu_seconds, served, server_process
 
 RECORDS_WARMUP = 1  # records bench: passes per configuration, both sides, made before the measured ones
@@ -44,10 +47,10 @@ RECORDS_WARMUP = 1  # records bench: passes per configuration, both sides, made 
 @dataclass(frozen=True)
 class Sizes:
     clients: tuple[int, ...]
-    duration: float          # seconds each client loops, per configuration
-    rtt_repeats: int         # echo/master pairs per client count (alternating)
-    warmup: int              # cycles each client runs before the clock starts
-    rtt_shards: int          # one-record shards planned per configuration
+    slice_seconds: float     # round trips: each kind's turn, per round
+    rtt_rounds: int          # rounds of turns (echo, stream echo, lease+ack, ack+next) per client count
+    warmup: int              # cycles of each kind each client runs before the first turn
+    rtt_shards: int          # one-record shards planned per round-trip dataset (100 epochs of them)
     files: int
     rows: int                # total rows over all files
     row_group: int
@@ -56,66 +59,61 @@ class Sizes:
     repeats: int
 
 
-FULL = Sizes((1, 4, 16), 3.0, 3, 50, 20_000, 8, 4_000_000, 128 * 1024, 4096, (10_000, 128 * 1024), 15)
-QUICK = Sizes((1, 4), 1.0, 1, 10, 5_000, 4, 200_000, 16 * 1024, 4096, (10_000,), 1)
+FULL = Sizes((1, 4, 16), 0.5, 12, 50, 20_000, 8, 4_000_000, 128 * 1024, 4096, (10_000, 128 * 1024), 15)
+QUICK = Sizes((1, 4), 0.25, 2, 10, 5_000, 4, 200_000, 16 * 1024, 4096, (10_000,), 1)
 
 
 # --------------------------------------------------------------------------- round trips
-def _master_run(tmp: Path, data: Path, kind: str, n: int, r: int, sizes: Sizes) -> tuple[float, float, float]:
-    """A fresh master, ``n`` clients of ``kind``: (RPCs/s, cycles/s, the master's CPU seconds per acked shard)."""
+def bench_round_trips(tmp: Path, sizes: Sizes, session: bool = True) -> list[tuple[Any, ...]]:
+    """Per client count: echo, stream echo, the master (lease, ack), the master (ack leasing the next), in turns.
+
+    Both servers (the echo and a fresh master) stay up through the count's rounds; each round gives every kind
+    one slice of ``sizes.slice_seconds`` in turn (:func:`benchmarks._rtt.run_sliced`), and a ratio is taken per
+    round, between slices a second apart. The master's CPU (all its threads, from /proc) is summed over its
+    kind's slices: per acked shard.
+    """
     from streamrover.shard_service import DatasetSpec, ShardClient
 
-    state = tempfile.mkdtemp(prefix=f"master-{kind}-{n}-{r}-", dir=tmp)
-    with served("master", state, TOKEN, MASTER_THREADS) as (address, pid):
-        admin = ShardClient(address, token=TOKEN, heartbeat=False)
-        # epochs > 1 only as a safety margin: a faster machine plans another epoch instead of running dry
-        admin.register_dataset(DatasetSpec("rtt", str(data), records_per_shard=1, epochs=100))
-        admin.close()
-        cpu0 = cpu_seconds(pid)
-        rpcs, cycles, made = run_rtt(kind, address, "rtt", n, sizes.duration, sizes.warmup)
-        # the warm-up cycles run before the clients' clock, but inside this CPU window: count them
-        return rpcs, cycles, (cpu_seconds(pid) - cpu0) / (made + n * sizes.warmup)
-
-
-def bench_round_trips(tmp: Path, sizes: Sizes, session: bool = True) -> list[tuple[Any, ...]]:
-    """Per client count: echo, stream echo, the master (lease, ack), the master (ack leasing the next), in turn.
-
-    ``sizes.rtt_repeats`` times, fresh servers every time. The master's CPU (all its threads, from /proc)
-    is measured over its clients' run: per acked shard.
-    """
     data = tmp / "rtt.parquet"
     write_rtt_file(data, sizes.rtt_shards)
     rows = []
     for n in sizes.clients:
-        echo, stream, shard, ahead, cpu, cpu_ahead, msgs = [], [], [], [], [], [], []
-        for r in range(sizes.rtt_repeats):
-            with server_process("echo", max_workers=MASTER_THREADS) as address:
-                echo.append(run_rtt("echo", address, "", n, sizes.duration, sizes.warmup)[0])
-                stream.append(run_rtt("echo-stream", address, "", n, sizes.duration, sizes.warmup)[0])
-            rate, _, per_shard = _master_run(tmp, data, "shard" if session else "shard-unary", n, r, sizes)
-            shard.append(rate)
-            cpu.append(per_shard)
-            ahead_rpcs, ahead_cycles, per_shard = _master_run(tmp, data, "shard-ahead", n, r, sizes)
-            ahead.append(ahead_cycles)
-            cpu_ahead.append(per_shard)
-            msgs.append(ahead_rpcs / ahead_cycles)
-            print(
-                f"  {n:>2} clients, run {r + 1}: lease+ack {shard[-1]:,.0f} RPC/s, echo {echo[-1]:,.0f} RPC/s, "
-                f"ratio {shard[-1] / echo[-1]:.2f}; stream echo {stream[-1]:,.0f} msg/s, ratio "
-                f"{shard[-1] / stream[-1]:.2f}; master CPU {cpu[-1] * 1e6:,.0f} us/shard; ack leasing the next "
-                f"{ahead[-1]:,.0f} cycles/s ({msgs[-1]:.2f} msg/cycle), ratio {ahead[-1] / echo[-1]:.2f} (cycle/RPC), "
-                f"{ahead[-1] / stream[-1]:.2f} (cycle/stream msg), "
-                f"master CPU {cpu_ahead[-1] * 1e6:,.0f} us/shard; load {load()}",
-                flush=True,
-            )
-        ratios = [a / b for a, b in zip(shard, echo)]
-        ahead_ratios = [a / b for a, b in zip(ahead, echo)]
+        state = tempfile.mkdtemp(prefix=f"master-{n}-", dir=tmp)
+        with server_process("echo", max_workers=MASTER_THREADS) as echo_address, served(
+            "master", state, TOKEN, MASTER_THREADS
+        ) as (address, pid):
+            admin = ShardClient(address, token=TOKEN, heartbeat=False)
+            for name in ("rtt", "rtt-ahead"):  # epochs > 1 only as a margin: a faster machine plans more epochs
+                admin.register_dataset(DatasetSpec(name, str(data), records_per_shard=1, epochs=100))
+            admin.close()
+            kinds = [
+                ("echo", echo_address, ""),
+                ("echo-stream", echo_address, ""),
+                ("shard" if session else "shard-unary", address, "rtt"),
+                ("shard-ahead", address, "rtt-ahead"),
+            ]
+            echo, stream, shard, ahead = run_sliced(kinds, n, sizes.slice_seconds, sizes.rtt_rounds, sizes.warmup,
+                                                    [pid])  # fmt: skip
+        ratios = [b[0] / a[0] for a, b in zip(echo, shard)]
+        ahead_ratios = [b[1] / a[0] for a, b in zip(echo, ahead)]
+        cpu = sum(s[2] for s in shard) / sum(s[3] for s in shard)
+        cpu_ahead = sum(s[2] for s in ahead) / sum(s[3] for s in ahead)
+        msgs = statistics.median(s[0] / s[1] for s in ahead)
+        print(
+            f"  {n:>2} clients, {len(echo)} rounds: lease+ack {statistics.median(s[0] for s in shard):,.0f} RPC/s, "
+            f"echo {statistics.median(s[0] for s in echo):,.0f} RPC/s, stream echo "
+            f"{statistics.median(s[0] for s in stream):,.0f} msg/s; ratio per round "
+            f"{' '.join(f'{r:.2f}' for r in ratios)}; ack+next per round {' '.join(f'{r:.2f}' for r in ahead_ratios)}; "
+            f"load {load()}",
+            flush=True,
+        )
         rows.append((
-            n, statistics.median(shard) / 2, statistics.median(echo), statistics.median(ratios),
-            f"{min(ratios):.2f}-{max(ratios):.2f}", statistics.median(a / b for a, b in zip(shard, stream)),
-            statistics.median(cpu) * 1e6, statistics.median(ahead), statistics.median(msgs),
-            statistics.median(ahead_ratios), f"{min(ahead_ratios):.2f}-{max(ahead_ratios):.2f}",
-            statistics.median(a / b for a, b in zip(ahead, stream)), statistics.median(cpu_ahead) * 1e6,
+            n, statistics.median(s[0] for s in shard) / 2, statistics.median(s[0] for s in echo),
+            statistics.median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}",
+            statistics.median(b[0] / a[0] for a, b in zip(stream, shard)), cpu * 1e6,
+            statistics.median(s[1] for s in ahead), msgs, statistics.median(ahead_ratios),
+            f"{min(ahead_ratios):.2f}-{max(ahead_ratios):.2f}",
+            statistics.median(b[1] / a[0] for a, b in zip(stream, ahead)), cpu_ahead * 1e6,
         ))  # fmt: skip
     return rows
 
@@ -334,16 +332,17 @@ def main(argv: list[str]) -> int:
         tmp = Path(tmpdir)
         if args.only in (None, "rtt"):
             print(
-                f"\n[1] lease+ack round trips: one-record shards, {sizes.rtt_repeats} run(s) of {sizes.duration:.0f}s, "
-                f"{MASTER_THREADS} server threads, one process per client, journal durability 'normal'"
+                f"\n[1] lease+ack round trips: one-record shards, {sizes.rtt_rounds} rounds of a "
+                f"{sizes.slice_seconds}s turn per kind, {MASTER_THREADS} server threads, one process per client, "
+                "journal durability 'normal'"
             )
             rtt = bench_round_trips(tmp, sizes, session)
             print(
                 table(
                     [
-                        "clients", "lease+ack cycles/s", "echo RPCs/s", "ratio (RPC/RPC)", "per run", "vs stream echo",
-                        "master CPU us/shard", "ack+next cycles/s", "msg/cycle", "ratio (cycle/RPC)", "per run",
-                        "vs stream echo", "master CPU us/shard",
+                        "clients", "lease+ack cycles/s", "echo RPCs/s", "ratio (RPC/RPC)", "per round",
+                        "vs stream echo", "master CPU us/shard", "ack+next cycles/s", "msg/cycle",
+                        "ratio (cycle/RPC)", "per round", "vs stream echo", "master CPU us/shard",
                     ],
                     rtt,
                 )
@@ -354,9 +353,9 @@ def main(argv: list[str]) -> int:
                 "); ratio = its RPCs/s / echo RPCs/s;\nack+next = a worker leasing one shard ahead (as shards() does): "
                 "the ack that finishes a shard\nbrings the next lease (lease_more=1), one session message per cycle; "
                 "ratio = its cycles/s / echo RPCs/s\n(a whole cycle against one bare RPC); echo = one bare unary RPC; "
-                "stream echo = one message each way on one bare\nstream; rates and ratios are medians over runs, "
-                "echo and masters alternating; goal: >= 0.8\nmaster CPU = the master process's user+system CPU "
-                "over the run / shards acked"
+                "stream echo = one message each way on one bare\nstream; rates and ratios are medians over rounds "
+                "(each kind a turn per round, both servers up); goal: >= 0.8\nmaster CPU = the master process's "
+                "user+system CPU over its slices / shards acked"
             )
         if args.only in (None, "records"):
             print(
