@@ -293,10 +293,10 @@ class CoreState:
     def share(self, ds: DatasetRecord, w: WorkerRecord, wanted: int) -> int:
         """How many of ``wanted`` leases ``w`` gets: at least one, at most its share of the shards left.
 
-        Its share: ceil((todo + leased) / readers) less the leases of ``ds`` it holds, where readers are the
-        live workers granted a lease of ``ds`` (and ``w``), and with other readers at most ceil(todo / (2 *
-        readers)) per call (guided self-scheduling: the grants shrink as the end nears, so the readers'
-        lease-ahead queues drain together instead of one reader idling while another empties a full queue).
+        Its share: ceil((todo + leased) / readers) less the shards of ``ds`` it holds, all in planned shards,
+        where readers are the live workers granted a lease of ``ds`` (and ``w``), and with other readers at
+        most ceil(todo / (2 * readers)) per call (guided self-scheduling: the grants shrink as the end nears,
+        so the readers' lease-ahead queues drain together instead of one idling while another empties a full one).
         It binds only near the end (a batch dataset's last epoch planned, a stream's planned head).
         """
         states = self.state_counts[ds.name]
@@ -306,11 +306,24 @@ class CoreState:
         if ds.kind is SourceKind.BATCH and ds.epochs_planned < ds.spec.epochs:
             return wanted  # more epochs to plan: not the end
         readers = 1 + sum(1 for wid, name in self.tails if name == ds.name and wid != w.id)
-        held = sum(1 for sid in w.leases if self.shards[sid].dataset == ds.name)
-        share = -(-(todo + states[ShardState.LEASED]) // readers) - held
+        held, leased = self._leased_planned(ds, w)
+        share = -(-(todo + leased) // readers) - held
         if readers > 1:
             share = min(share, -(-todo // (2 * readers)))
         return max(1, min(wanted, share))
+
+    def _leased_planned(self, ds: DatasetRecord, w: WorkerRecord) -> tuple[int, int]:
+        """The planned shards of ``ds`` leased to ``w``, and to all: a merged shard (.merging) counts its members
+        (counted as one, a reader holding merged leases looked short of its share and took on as another ran dry)."""
+        size, name, merges = ds.shard_size, ds.name, ds.kind is SourceKind.BATCH and not ds.spec.shuffle
+
+        def planned(sid: str) -> int:
+            s = self.shards[sid]
+            if s.dataset != name:
+                return 0
+            return max(1, -(-ds.records_in(s.pindex, s.start, s.end) // size)) if merges else 1
+
+        return sum(map(planned, w.leases)), sum(planned(sid) for x in self.workers.values() for sid in x.leases)
 
     def _queue_head(self, queue: list[tuple[float, str]]) -> tuple[float, str] | None:
         """The first live entry of a queue (stale entries in front of it are dropped)."""

@@ -129,3 +129,17 @@ def test_shards_reader_gets_merged_shards_and_every_record_once(tmp_path: Path, 
     assert merged > 0, "no lease was merged"
     assert len(seen) == len(set(seen)) and sum(e - s for _, s, e in seen) == 20_000
     assert info.records_acked == 20_000
+
+
+def test_the_guided_end_counts_a_merged_lease_as_its_planned_shards(tmp_path: Path) -> None:
+    core = core_on(tmp_path, Clock())
+    spec = DatasetSpec("d", "mem://", records_per_shard=5)
+    core.register_dataset(spec, SourceKind.BATCH, [Partition("p0", 0, 120)], "[]")  # 24 planned shards
+    a, b = core.join("a").id, core.join("b").id
+    (big,) = core.lease(a, "d", 12, merge_records=100).leases
+    assert big.shards == 12  # half the dataset, as one shard
+    assert [g.shards for g in core.lease(b, "d", 1).leases] == [1]  # 11 left to lease
+    # a holds 12 planned shards of the 24 (counted as one lease, its share looked like 6 more); it gets one
+    assert sum(g.shards for g in core.lease(a, "d", 8).leases) == 1
+    # b, holding one, gets its share of a call near the end: ceil(10 left / (2 * 2 readers))
+    assert sum(g.shards for g in core.lease(b, "d", 8).leases) == 3
