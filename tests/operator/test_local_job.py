@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import wait_until
-from tests.operator.runner import RunningJob, kafka_topic, ledger_spec
+from tests.operator.runner import RunningJob, kafka_topic, ledger_spec, produce
 
 pytestmark = pytest.mark.slow
 RECORDS = 40_000
@@ -60,7 +60,11 @@ def test_a_lost_node_is_relaunched_and_the_ledger_is_exact(tmp_path: Path, kafka
 
 
 def test_an_oom_killed_node_is_relaunched_with_more_memory(tmp_path: Path, kafka_broker: Any) -> None:
-    topic = kafka_topic(kafka_broker, RECORDS)
+    topic = kafka_topic(kafka_broker, 0)
+    ids = np.arange(RECORDS)
+    # the other half once the node is relaunched: training cannot end before the hog has filled the node (with the
+    # whole topic there, a fast run once trained it all in the seconds between the trigger and the OOM kill)
+    produce(kafka_broker, topic, ids[: RECORDS // 2])
     hog = tmp_path / "hog"
     spec = ledger_spec("oom", f"kafka://{kafka_broker.bootstrap}/{topic}", RECORDS, tmp_path / "out",
                        nodes=1, nproc_per_node=1, memory="1536Mi")  # fmt: skip
@@ -76,6 +80,7 @@ def test_an_oom_killed_node_is_relaunched_with_more_memory(tmp_path: Path, kafka
         started = time.monotonic()
         wait_until(lambda: job.node("n0.1") is not None, 120, "the supervisor to relaunch n0 with more memory")
         relaunched = time.monotonic() - started
+        produce(kafka_broker, topic, ids[RECORDS // 2 :])
         wait_until(lambda: job.running("n0.1"), 180, "n0.1 training")
         print(f"hog -> relaunched {relaunched:.2f} s, -> its workers running {time.monotonic() - started:.2f} s")
         assert job.wait(timeout=300) == 0, job.logs()
