@@ -20,7 +20,7 @@ import time
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks._common import CTX, processes
 from benchmarks._servers import ECHO_METHOD, ECHO_STREAM_METHOD
@@ -91,6 +91,22 @@ def _shard_cycle(kind: str, address: str, dataset: str, index: int) -> Any:
     return ahead_cycle
 
 
+def _cycle(kind: str, address: str, dataset: str, index: int) -> Any:
+    """One cycle of ``kind`` (:data:`KINDS`) as a function returning the RPCs or messages it made."""
+    return _echo_cycle(kind, address) if kind.startswith("echo") else _shard_cycle(kind, address, dataset, index)
+
+
+def _loop(cycle: Any, seconds: float) -> tuple[int, int, float]:
+    """Run ``cycle`` for ``seconds``: (RPCs or messages, cycles, seconds taken)."""
+    rpcs = made = 0
+    t0 = time.perf_counter()
+    stop = t0 + seconds
+    while time.perf_counter() < stop:
+        rpcs += cycle()
+        made += 1
+    return rpcs, made, time.perf_counter() - t0
+
+
 def rtt_client(
     kind: str, address: str, dataset: str, duration: float, warmup: int, barrier: Barrier, out: Queue[Any], index: int
 ) -> None:
@@ -99,17 +115,12 @@ def rtt_client(
     Puts (RPCs or messages, seconds, error, cycles).
     """
     try:
-        cycle = _echo_cycle(kind, address) if kind.startswith("echo") else _shard_cycle(kind, address, dataset, index)
+        cycle = _cycle(kind, address, dataset, index)
         for _ in range(warmup):
             cycle()
         barrier.wait(BARRIER_TIMEOUT)
-        rpcs = cycles = 0
-        t0 = time.perf_counter()
-        stop = t0 + duration
-        while time.perf_counter() < stop:
-            rpcs += cycle()
-            cycles += 1
-        out.put((rpcs, time.perf_counter() - t0, "", cycles))
+        rpcs, cycles, seconds = _loop(cycle, duration)
+        out.put((rpcs, seconds, "", cycles))
     except BaseException as exc:
         barrier.abort()
         out.put((0, 0.0, f"client {index}: {type(exc).__name__}: {exc}", 0))
@@ -131,24 +142,14 @@ def sliced_client(
     the same one. Puts ([(kind index, RPCs or messages, cycles, seconds)] per slice in order, error).
     """
     try:
-        cycles = [
-            _echo_cycle(kind, address) if kind.startswith("echo") else _shard_cycle(kind, address, dataset, index)
-            for kind, address, dataset in kinds
-        ]
+        cycles = [_cycle(kind, address, dataset, index) for kind, address, dataset in kinds]
         for cycle in cycles:
             for _ in range(warmup):
                 cycle()
         slices: list[tuple[int, int, int, float]] = []
         for i in slice_order(len(kinds), rounds):
-            cycle = cycles[i]
             barrier.wait(BARRIER_TIMEOUT)
-            rpcs = made = 0
-            t0 = time.perf_counter()
-            stop = t0 + seconds
-            while time.perf_counter() < stop:
-                rpcs += cycle()
-                made += 1
-            slices.append((i, rpcs, made, time.perf_counter() - t0))
+            slices.append((i, *_loop(cycles[i], seconds)))
         barrier.wait(BARRIER_TIMEOUT)
         out.put((slices, ""))
     except BaseException as exc:
@@ -164,11 +165,19 @@ def slice_order(kinds: int, rounds: int) -> list[int]:
     return order
 
 
+class Turn(NamedTuple):
+    """One kind's slice of one round, summed over the clients."""
+
+    rpcs: float    # RPCs (or messages) per second
+    cycles: float  # cycles per second
+    cpu: float     # CPU seconds the watched processes used during it
+    made: int      # cycles made
+
+
 def run_sliced(
     kinds: list[tuple[str, str, str]], n: int, seconds: float, rounds: int, warmup: int, pids: list[int]
-) -> list[list[tuple[float, float, float, int]]]:
-    """``n`` :func:`sliced_client` processes; per kind, per round: (RPCs/s and cycles/s summed over the clients,
-    the CPU seconds processes ``pids`` used during the slice, summed; the cycles made in it)."""
+) -> list[list[Turn]]:
+    """``n`` :func:`sliced_client` processes; per kind, its :class:`Turn` of each round (CPU: of ``pids``)."""
     from benchmarks._servers import cpu_seconds
 
     barrier = CTX.Barrier(n + 1)
@@ -189,11 +198,11 @@ def run_sliced(
     errors = [r[1] for r in results if r[1]]
     if errors:
         raise RuntimeError("; ".join(errors))
-    per_kind: list[list[tuple[float, float, float, int]]] = [[] for _ in kinds]
+    per_kind: list[list[Turn]] = [[] for _ in kinds]
     for k, kind in enumerate(order):
-        rpcs = sum(r[0][k][1] / r[0][k][3] for r in results)
-        cycles = sum(r[0][k][2] / r[0][k][3] for r in results)
-        per_kind[kind].append((rpcs, cycles, cpu[k + 1] - cpu[k], sum(r[0][k][2] for r in results)))
+        mine = [r[0][k] for r in results]  # (kind index, rpcs, cycles, seconds) of each client
+        per_kind[kind].append(Turn(sum(m[1] / m[3] for m in mine), sum(m[2] / m[3] for m in mine),
+                                   cpu[k + 1] - cpu[k], sum(m[2] for m in mine)))  # fmt: skip
     return per_kind
 
 
@@ -205,26 +214,4 @@ def write_rtt_file(path: Path, rows: int) -> None:
     pq.write_table(pa.table({"id": pa.array(range(rows), pa.int64())}), str(path), row_group_size=rows)
 
 
-def run_rtt(kind: str, address: str, dataset: str, n: int, duration: float, warmup: int) -> tuple[float, float, int]:
-    """(RPCs per second, cycles per second, both summed over ``n`` client processes; cycles made)."""
-    barrier = CTX.Barrier(n)
-    out: Queue[Any] = CTX.Queue()
-    procs = [
-        CTX.Process(
-            target=rtt_client,
-            args=(kind, address, dataset, duration, warmup, barrier, out, i),
-            name=f"bench-{kind}-client-{i}",
-        )
-        for i in range(n)
-    ]
-    with processes(procs, grace=duration + 60):
-        results = [out.get(timeout=BARRIER_TIMEOUT + duration + 60) for _ in procs]
-    errors = [r[2] for r in results if r[2]]
-    if errors:
-        raise RuntimeError("; ".join(errors))
-    rpcs = sum(r[0] / r[1] for r in results)
-    cycles = sum(r[3] / r[1] for r in results)
-    return rpcs, cycles, sum(r[3] for r in results)
-
-
-__all__ = ["KINDS", "TOKEN", "rtt_client", "run_rtt", "run_sliced", "slice_order", "sliced_client", "write_rtt_file"]
+__all__ = ["KINDS", "TOKEN", "Turn", "rtt_client", "run_sliced", "slice_order", "sliced_client", "write_rtt_file"]

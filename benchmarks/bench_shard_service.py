@@ -94,26 +94,24 @@ def bench_round_trips(tmp: Path, sizes: Sizes, session: bool = True) -> list[tup
             ]
             echo, stream, shard, ahead = run_sliced(kinds, n, sizes.slice_seconds, sizes.rtt_rounds, sizes.warmup,
                                                     [pid])  # fmt: skip
-        ratios = [b[0] / a[0] for a, b in zip(echo, shard)]
-        ahead_ratios = [b[1] / a[0] for a, b in zip(echo, ahead)]
-        cpu = sum(s[2] for s in shard) / sum(s[3] for s in shard)
-        cpu_ahead = sum(s[2] for s in ahead) / sum(s[3] for s in ahead)
-        msgs = statistics.median(s[0] / s[1] for s in ahead)
+        med = statistics.median
+        ratios = [b.rpcs / a.rpcs for a, b in zip(echo, shard)]
+        ahead_ratios = [b.cycles / a.rpcs for a, b in zip(echo, ahead)]
+        cpu = sum(t.cpu for t in shard) / sum(t.made for t in shard)
+        cpu_ahead = sum(t.cpu for t in ahead) / sum(t.made for t in ahead)
         print(
-            f"  {n:>2} clients, {len(echo)} rounds: lease+ack {statistics.median(s[0] for s in shard):,.0f} RPC/s, "
-            f"echo {statistics.median(s[0] for s in echo):,.0f} RPC/s, stream echo "
-            f"{statistics.median(s[0] for s in stream):,.0f} msg/s; ratio per round "
-            f"{' '.join(f'{r:.2f}' for r in ratios)}; ack+next per round {' '.join(f'{r:.2f}' for r in ahead_ratios)}; "
-            f"load {load()}",
+            f"  {n:>2} clients, {len(echo)} rounds: lease+ack {med(t.rpcs for t in shard):,.0f} RPC/s, "
+            f"echo {med(t.rpcs for t in echo):,.0f} RPC/s, stream echo {med(t.rpcs for t in stream):,.0f} msg/s; "
+            f"ratio per round {' '.join(f'{r:.2f}' for r in ratios)}; ack+next per round "
+            f"{' '.join(f'{r:.2f}' for r in ahead_ratios)}; load {load()}",
             flush=True,
         )
         rows.append((
-            n, statistics.median(s[0] for s in shard) / 2, statistics.median(s[0] for s in echo),
-            statistics.median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}",
-            statistics.median(b[0] / a[0] for a, b in zip(stream, shard)), cpu * 1e6,
-            statistics.median(s[1] for s in ahead), msgs, statistics.median(ahead_ratios),
-            f"{min(ahead_ratios):.2f}-{max(ahead_ratios):.2f}",
-            statistics.median(b[1] / a[0] for a, b in zip(stream, ahead)), cpu_ahead * 1e6,
+            n, med(t.rpcs for t in shard) / 2, med(t.rpcs for t in echo), med(ratios),
+            f"{min(ratios):.2f}-{max(ratios):.2f}", med(b.rpcs / a.rpcs for a, b in zip(stream, shard)), cpu * 1e6,
+            med(t.cycles for t in ahead), med(t.rpcs / t.cycles for t in ahead), med(ahead_ratios),
+            f"{min(ahead_ratios):.2f}-{max(ahead_ratios):.2f}", med(b.cycles / a.rpcs for a, b in zip(stream, ahead)),
+            cpu_ahead * 1e6,
         ))  # fmt: skip
     return rows
 

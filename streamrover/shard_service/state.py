@@ -315,13 +315,16 @@ class CoreState:
     def _leased_planned(self, ds: DatasetRecord, w: WorkerRecord) -> tuple[int, int]:
         """The planned shards of ``ds`` leased to ``w``, and to all: a merged shard (.merging) counts its members
         (counted as one, a reader holding merged leases looked short of its share and took on as another ran dry)."""
-        size, name, merges = ds.shard_size, ds.name, ds.kind is SourceKind.BATCH and not ds.spec.shuffle
+        name = ds.name
+        if ds.kind is not SourceKind.BATCH or ds.spec.shuffle:  # nothing merges: a shard record is a planned shard
+            return sum(1 for sid in w.leases if self.shards[sid].dataset == name), self.state_counts[name][
+                ShardState.LEASED
+            ]
+        size = ds.shard_size
 
         def planned(sid: str) -> int:
             s = self.shards[sid]
-            if s.dataset != name:
-                return 0
-            return max(1, -(-ds.records_in(s.pindex, s.start, s.end) // size)) if merges else 1
+            return 0 if s.dataset != name else max(1, -(-ds.records_in(s.pindex, s.start, s.end) // size))
 
         return sum(map(planned, w.leases)), sum(planned(sid) for x in self.workers.values() for sid in x.leases)
 
