@@ -12,13 +12,16 @@ node's throughput is then batch/T, and a second node adds throughput as it would
 machine). ``--until-file F``: an open-ended stream; ``--records`` is the ledger's capacity, and
 training stops once the ledger holds the number of records written into F (the producer writes
 it, atomically, when it has produced its last record; every rank learns that it exists through
-the step's all-reduce, so all ranks stop at the same step).
+the step's all-reduce, so all ranks stop at the same step). ``--hold-node N``: on node N, a worker
+of a group larger than one rank stops before ``init_process_group`` until it is signalled (a node
+that leaves while its group is still forming).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -49,7 +52,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--until-file", default=None)
+    parser.add_argument("--hold-node", default=None, help="this node's workers of a 2-node group never join it")
     args = parser.parse_args()
+    if args.hold_node and os.environ.get("STREAMROVER_NODE_ID") == args.hold_node and os.environ["WORLD_SIZE"] != "1":
+        (Path(args.out) / f"held-{args.hold_node}-rank{os.environ['RANK']}").touch()  # the test waits for it
+        signal.pause()  # until the node leaves: the agent's SIGTERM ends it (no handler is installed yet)
     up = time.time()  # this worker's start (its imports done); the attempt line says where its start-up went
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -1,12 +1,13 @@
 """The rendezvous's join gate (a group restart for joining nodes waits until every node the job wants is waiting;
-pure) and the master store's timeout."""
+pure), its membership watch (a node gone from the running round restarts the rest; pure) and the master store's
+timeout."""
 
 from __future__ import annotations
 
 import pytest
 
 from streamrover.testing.procs import MasterProcess
-from streamrover.trainers.torch.rendezvous import JoinGate
+from streamrover.trainers.torch.rendezvous import JoinGate, MembershipWatch
 
 
 def test_a_restart_waits_for_all_the_joining_nodes_the_job_wants_then_goes() -> None:
@@ -32,6 +33,18 @@ def test_a_node_that_never_comes_holds_the_restart_back_for_the_grace_only() -> 
     wanted[0] = None  # no job controller says what it wants (a hand-started dlrover-run): nothing held back
     gate = JoinGate(lambda: wanted[0], grace=20.0)
     assert gate.admit(1, 1, now=0.0) == 1
+
+
+def test_a_node_gone_from_the_running_round_is_seen_and_joins_are_not() -> None:
+    watch = MembershipWatch()
+    assert not watch.left(3, 1), "no workers started yet: nothing to restart"
+    watch.started(4, 2)
+    assert not watch.left(4, 2)
+    assert not watch.left(4, 3), "a participant more is a join (the wait list's business), not a leave"
+    assert watch.left(4, 1), "its keep-alive stopped: the rendezvous dropped it"
+    watch.started(5, 1)
+    assert not watch.left(5, 1)
+    assert watch.left(6, 1), "a newer round began without this node's workers"
 
 
 def test_the_store_waits_as_long_as_its_timeout_says(master: MasterProcess) -> None:

@@ -15,6 +15,7 @@ rank 0's worker hosts a TCPStore each round), so no agent's death leaves a stale
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -37,6 +38,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from streamrover.shard_service import ShardClient, ShardServiceError
 from streamrover.trainers.torch import env
 
+log = logging.getLogger(__name__)
 BACKEND_NAME = "streamrover"
 _PRESENT = b"\x01"
 _DELETED = b"\x00"  # how older builds marked a deleted key (read as absent)
@@ -253,6 +255,31 @@ class JoinGate:
         return 0
 
 
+@dataclass
+class MembershipWatch:
+    """Tells when a node of the round this node's workers run in has gone, so the survivors restart at once.
+
+    torchelastic restarts a group when a node joins, but learns that one left only from its own workers
+    failing: a collective erroring on a closed peer. A node that leaves (scale-in, death) before its
+    workers connected to the others' leaves nothing to error: the survivors wait in ``init_process_group``
+    or their first collective for gloo's 30 min timeout. The rendezvous itself knows sooner: a node
+    whose keep-alive stops is dropped from the round's participants within ``keep_alive_interval *
+    keep_alive_max_attempt``. ``started`` records the round and its size when this node's workers start;
+    ``left`` is true once that round has fewer participants (or a newer round began without them).
+    """
+
+    _round: int = -1
+    _members: int = 0
+
+    def started(self, round_: int, members: int) -> None:
+        """This node's workers start in round ``round_`` of ``members`` nodes."""
+        self._round, self._members = round_, members
+
+    def left(self, round_: int, members: int) -> bool:
+        """Whether a node of the started round has left it, given the rendezvous's round and participants now."""
+        return self._round >= 0 and (round_ != self._round or members < self._members)
+
+
 class _DesiredNodes:
     """The job's wanted node count from the master's KV store, read at most once a second."""
 
@@ -288,14 +315,28 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     backend = MasterRendezvousBackend(client, params.run_id)
     handler = create_handler(store, backend, params)
     gate = JoinGate(_DesiredNodes(client, params.run_id), grace=float(params.get("join_grace", 60.0)))
-    waiting = handler.num_nodes_waiting
+    watch = MembershipWatch()
+    waiting, rendezvous = handler.num_nodes_waiting, handler.next_rendezvous
 
-    def num_nodes_waiting() -> int:  # what the agent's monitor asks every interval
-        count = waiting()  # (syncs the state)
-        holder = getattr(handler, "_state_holder", None)
-        participants = len(holder.state.participants) if holder is not None else 0
+    def _round() -> tuple[int, int]:  # (round, participants) as this handler last synced them
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        return (int(state.round), len(state.participants)) if state is not None else (-1, 0)
+
+    def next_rendezvous() -> Any:
+        info = rendezvous()
+        watch.started(*_round())
+        return info
+
+    def num_nodes_waiting() -> int:  # what the agent's monitor asks every interval; > 0 restarts the group
+        count = waiting()  # (syncs the state, dropping nodes whose keep-alive expired)
+        round_, participants = _round()
+        if watch.left(round_, participants):
+            log.warning("a node left rendezvous round %d (%d participants now): restarting this node's workers",
+                        round_, participants)  # fmt: skip
+            return max(count, 1)
         return gate.admit(count, participants, time.monotonic())
 
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
     handler.num_nodes_waiting = num_nodes_waiting  # type: ignore[method-assign]
     return handler
 
