@@ -44,7 +44,7 @@ from streamrover.shard_service.cuts import CutBook
 from streamrover.shard_service.deadlines import DeadlineQueue
 from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.kv import KvStore
-from streamrover.shard_service.merging import merge_run
+from streamrover.shard_service.merging import merge_room, merge_run
 from streamrover.shard_service.staged import StagedCommits, StagedOutcome
 from streamrover.shard_service.state import CoreState
 from streamrover.shard_service.streams import StreamPlanner
@@ -197,6 +197,7 @@ class ShardCore(CoreState):
         grants: list[LeaseGrant] = []
         wanted = self.share(ds, w, max(max_shards, 1))
         cap = wanted if wanted >= max_shards else -(-wanted // 2)  # a binding share (the end): two leases at least
+        room = merge_room(self, ds, w, wanted, merge) if wanted >= max_shards else 0  # far from the end (.merging)
         journal, tail, until = self.journal, (w.id, ds.name), now + self.lease_ttl
         taken = 0  # planned shards granted (a merged shard counts each of its members: .merging)
         with journal.transaction():
@@ -204,7 +205,7 @@ class ShardCore(CoreState):
                 s = self.pop_todo(ds, w)
                 if s is None:
                     break
-                s, covered = merge_run(self, ds, s, min(wanted - taken, cap), merge)
+                s, covered = merge_run(self, ds, s, room - taken if room else min(wanted - taken, cap), merge)
                 taken += covered
                 self.tails[tail] = (s.epoch, s.pindex, s.end)
                 self._set_state(s, ShardState.LEASED)

@@ -6,7 +6,8 @@ A lease request that carries ``merge_records`` (:meth:`ShardClient.shards` sends
 :data:`~streamrover.shard_service.pacing.MERGE_SECONDS` of its reader's work) lets the master grant
 a run of planned shards as one: the shard it was about to grant and the never-leased TODO
 shards that follow it in the same partition and epoch, up to ``merge_records`` records and the
-number of shards the request may still take (each planned shard counts as one). The members'
+number of shards the request may still take (each planned shard counts as one; far from the end of a
+pass the last merge may run on to the records limit: :func:`merge_room`). The members'
 journal rows are replaced by the merged shard's row in the lease's transaction; from then on it
 is a shard like any other: its id names its coordinates (:func:`shard_id_for`), it is leased,
 fenced, acked, expired and returned as one, and it never merges again.
@@ -23,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from streamrover.shard_service.api import ShardState, shard_id_for
-from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord
+from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.sources.api import SourceKind
 
 if TYPE_CHECKING:
@@ -70,4 +71,15 @@ def merge_run(
     return merged, len(members)
 
 
-__all__ = ["merge_run"]
+def merge_room(state: CoreState, ds: DatasetRecord, w: WorkerRecord, wanted: int, merge: int) -> int:
+    """How many planned shards a request granted ``wanted`` (its share does not bind) may cover merged; 0: ``wanted``.
+
+    Far from the end of a pass, the last merge may run past the shards asked for, up to its records limit: a
+    refill of 3 split a row group's run of 14 into 3 + 11, a lease and an ack more. Only when the share would
+    still not bind for that many more; near the end the grants stay what the guided end allows.
+    """
+    extra = merge // ds.shard_size if merge > 0 and ds.shard_size > 0 else 0
+    return wanted + extra if extra and state.share(ds, w, wanted + extra) == wanted + extra else 0
+
+
+__all__ = ["merge_room", "merge_run"]

@@ -65,6 +65,20 @@ def test_merging_stops_at_the_record_cap_the_partition_and_the_shards_asked_for(
     assert (single.start, single.end, single.shards) == (15, 20, 1)
 
 
+def test_far_from_the_end_the_last_merge_runs_past_the_shards_asked_for_to_its_records_limit(tmp_path: Path) -> None:
+    """A refill asks for the few shards its reader is short of; granted only those, a row group's run of 14 went as
+    3 + 11: a lease and an ack more, per row group. Near the end the share still binds (the tests above)."""
+    core = core_on(tmp_path, Clock())
+    spec = DatasetSpec("d", "mem://", records_per_shard=5)
+    core.register_dataset(spec, SourceKind.BATCH, [Partition("p0", 0, 70), Partition("p1", 0, 500)], "[]")
+    w = core.join("w").id
+    (g,) = core.lease(w, "d", 3, merge_records=100).leases
+    assert (g.partition.id, g.start, g.end, g.shards) == ("p0", 0, 70, 14), "the run goes on to its partition's end"
+    grants = core.lease(w, "d", 3, merge_records=50).leases
+    assert [(g.partition.id, g.start, g.end, g.shards) for g in grants] == [("p1", 0, 50, 10)], "to the records cap"
+    assert [g.shards for g in core.lease(w, "d", 3).leases] == [1, 1, 1], "no merge_records: no merging, no more"
+
+
 def test_nothing_merges_without_merge_records_when_shuffled_or_once_leased(tmp_path: Path) -> None:
     clock = Clock()
     core = core_on(tmp_path / "a", clock)
