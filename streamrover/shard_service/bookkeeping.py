@@ -87,6 +87,10 @@ class DatasetRecord:
         runs = self.runs.get(pindex)
         return max(end - start, 0) if runs is None else runs.count(start, end)
 
+    def planned_in(self, pindex: int, start: int, end: int) -> int:
+        """How many planned shards ``[start, end)`` of partition ``pindex`` covers: one, or a merged shard's members."""
+        return max(1, -(-self.records_in(pindex, start, end) // self.shard_size))
+
     def records_in_set(self, pindex: int, covered: IntervalSet) -> int:
         """How many records of partition ``pindex`` lie inside ``covered``."""
         runs = self.runs.get(pindex)

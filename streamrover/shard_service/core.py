@@ -193,7 +193,8 @@ class ShardCore(CoreState):
         w.last_seen = now
         if request_id and request_id == w.last_request_id:  # a retry of a call whose answer was lost
             held = [self.shards[s] for s in w.last_lease_ids if s in w.leases]
-            return LeaseOutcome(LeaseStatus.OK if held else LeaseStatus.WAIT, [self._grant(ds, s) for s in held], 0.1)
+            again = [self._grant(ds, s, ds.planned_in(s.pindex, s.start, s.end)) for s in held]  # as first answered
+            return LeaseOutcome(LeaseStatus.OK if held else LeaseStatus.WAIT, again, 0.1)
         grants: list[LeaseGrant] = []
         wanted = self.share(ds, w, max(max_shards, 1))
         cap = wanted if wanted >= max_shards else -(-wanted // 2)  # a binding share (the end): two leases at least

@@ -320,11 +320,10 @@ class CoreState:
             return sum(1 for sid in w.leases if self.shards[sid].dataset == name), self.state_counts[name][
                 ShardState.LEASED
             ]
-        size = ds.shard_size
 
         def planned(sid: str) -> int:
             s = self.shards[sid]
-            return 0 if s.dataset != name else max(1, -(-ds.records_in(s.pindex, s.start, s.end) // size))
+            return 0 if s.dataset != name else ds.planned_in(s.pindex, s.start, s.end)
 
         return sum(map(planned, w.leases)), sum(planned(sid) for x in self.workers.values() for sid in x.leases)
 

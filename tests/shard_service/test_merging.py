@@ -79,6 +79,17 @@ def test_far_from_the_end_the_last_merge_runs_past_the_shards_asked_for_to_its_r
     assert [g.shards for g in core.lease(w, "d", 3).leases] == [1, 1, 1], "no merge_records: no merging, no more"
 
 
+def test_a_retried_lease_request_answers_a_merged_lease_as_first_answered(tmp_path: Path) -> None:
+    """A lease request whose answer was lost is retried with its request id: the same leases come back, a merged one
+    with its planned shards (it said one, and the reader's pace and depth counted 4 shards of work as one)."""
+    core = core_on(tmp_path, Clock())
+    _register(core)
+    w = core.join("w").id
+    (first,) = core.lease(w, "d", 4, request_id=7, merge_records=20).leases
+    (again,) = core.lease(w, "d", 4, request_id=7, merge_records=20).leases
+    assert (again.shard_id, again.attempt, again.shards) == (first.shard_id, first.attempt, 4)
+
+
 def test_nothing_merges_without_merge_records_when_shuffled_or_once_leased(tmp_path: Path) -> None:
     clock = Clock()
     core = core_on(tmp_path / "a", clock)
