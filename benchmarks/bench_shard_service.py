@@ -19,7 +19,8 @@
    Acks are queued (``ShardClient(async_acks=True)``; ``--acks sync``, the client's
    default, waits for each); a pass ends when the master has recorded the last ack,
    not when ``ack()`` returned. Each side makes one warm-up pass per configuration first
-   (not counted): the processes' first pass pays imports and first touches on both sides.
+   (not counted): the processes' first pass pays imports and first touches on both sides. The two
+   alternate pass by pass, and which of them goes first alternates too.
 
 Every client process is started before its clock starts and waits on a barrier;
 process start-up and imports are outside the measurement.
@@ -275,11 +276,12 @@ def bench_records(tmp: Path, sizes: Sizes, async_acks: bool = True, session: boo
                 pairs: list[tuple[Run, Run]] = []
                 master_cpu: list[float] = []
                 with processes(peer.procs + ours.procs, grace=60):
-                    for _ in range(passes):  # alternate, so that both see the same machine
-                        peer_run = peer.run()
+                    for k in range(passes):  # alternate, so that both see the same machine; who goes first too
+                        peer_run = peer.run() if k % 2 == 0 else None
                         cpu0 = cpu_seconds(pid)
-                        pairs.append((peer_run, ours.run()))
+                        our_run = ours.run()
                         master_cpu.append((cpu_seconds(pid) - cpu0) / shards)
+                        pairs.append((peer_run or peer.run(), our_run))
                 for a, b in pairs:  # the same records, each once (the float sum only up to summation order)
                     expected = expected or (a.rows, a.checksum)
                     for run in (a, b):
