@@ -21,6 +21,7 @@ from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.positions import RecordRuns
 from streamrover.testing.procs import MasterProcess
 from tests.helpers import write_parquet_dataset
+from tests.shard_service.fake_clock import Clock
 
 
 def _journal_rows(master: MasterProcess, sql: str) -> list[tuple[object, ...]]:
@@ -35,14 +36,6 @@ def _journal_rows(master: MasterProcess, sql: str) -> list[tuple[object, ...]]:
             db.close()
     finally:
         master.start()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _core(path: Path, clock: Clock, size: int = 100_000, end: int = 100_000) -> ShardCore:

@@ -20,14 +20,7 @@ from streamrover.shard_service.api import DatasetSpec, ShardState
 from streamrover.shard_service.core import ShardCore
 from streamrover.shard_service.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.shard_service.fake_clock import Clock
 
 
 def _core(path: Path, clock: Clock) -> ShardCore:

@@ -22,6 +22,7 @@ from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.planner import plan_epoch
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.positions import RecordRuns
+from tests.shard_service.fake_clock import Clock
 
 BITS = 16
 LEDGERS = {3: 150, 5: 120, 8: 50}  # ledger id -> entries
@@ -40,13 +41,6 @@ def runs(upto: int) -> tuple[tuple[int, int], ...]:
 
 def records_in(a: int, b: int) -> int:
     return sum(max(0, min(b, e) - max(a, s)) for s, e in runs(len(LEDGERS)))
-
-
-class Clock:
-    now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _core(tmp_path: Path, clock: Clock) -> ShardCore:

@@ -9,13 +9,7 @@ from streamrover.shard_service.core import ShardCore
 from streamrover.shard_service.journal import Journal
 from streamrover.shard_service.streams import full_shards
 from streamrover.sources.api import Partition, SourceKind
-
-
-class Clock:
-    now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.shard_service.fake_clock import Clock
 
 
 def _stream(tmp_path: Path, clock: Clock, **options: str) -> ShardCore:
