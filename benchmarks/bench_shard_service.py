@@ -281,7 +281,7 @@ def bench_records(tmp: Path, sizes: Sizes, async_acks: bool = True, session: boo
                         cpu0 = cpu_seconds(pid)
                         our_run = ours.run()
                         master_cpu.append((cpu_seconds(pid) - cpu0) / shards)
-                        pairs.append((peer_run or peer.run(), our_run))
+                        pairs.append((peer.run() if peer_run is None else peer_run, our_run))
                 for a, b in pairs:  # the same records, each once (the float sum only up to summation order)
                     expected = expected or (a.rows, a.checksum)
                     for run in (a, b):

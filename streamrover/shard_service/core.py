@@ -193,7 +193,7 @@ class ShardCore(CoreState):
         w.last_seen = now
         if request_id and request_id == w.last_request_id:  # a retry of a call whose answer was lost
             held = [self.shards[s] for s in w.last_lease_ids if s in w.leases]
-            again = [self._grant(ds, s, ds.planned_in(s.pindex, s.start, s.end)) for s in held]  # as first answered
+            again = [self._grant(ds, s, ds.planned_in(s.pindex, s.start, s.end)) for s in held]  # merged: counted
             return LeaseOutcome(LeaseStatus.OK if held else LeaseStatus.WAIT, again, 0.1)
         grants: list[LeaseGrant] = []
         wanted = self.share(ds, w, max(max_shards, 1))
