@@ -55,8 +55,8 @@ def main() -> None:
     parser.add_argument("--hold-node", default=None, help="this node's workers of a 2-node group never join it")
     args = parser.parse_args()
     if args.hold_node and os.environ.get("STREAMROVER_NODE_ID") == args.hold_node and os.environ["WORLD_SIZE"] != "1":
-        (Path(args.out) / f"held-{args.hold_node}-rank{os.environ['RANK']}").touch()  # the test waits for it
-        signal.pause()  # until the node leaves: the agent's SIGTERM ends it (no handler is installed yet)
+        (Path(args.out) / f"held-{args.hold_node}-rank{os.environ['RANK']}").write_text(str(os.getpid()))  # test waits
+        signal.pause()  # until the node leaves: SIGTERM ends it (no handler yet); a SIGKILLed agent leaves it
     up = time.time()  # this worker's start (its imports done); the attempt line says where its start-up went
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

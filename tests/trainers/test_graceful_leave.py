@@ -13,6 +13,8 @@ ledger counts every record exactly once.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
 from pathlib import Path
@@ -62,28 +64,36 @@ def test_a_leaving_node_hands_its_leases_back_and_the_ledger_is_exact(tmp_path: 
         job.stop()
 
 
-def test_a_node_that_leaves_while_its_group_forms_does_not_stall_the_others(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["leaves", "is-killed"])
+def test_a_node_that_leaves_while_its_group_forms_does_not_stall_the_others(tmp_path: Path, how: int) -> None:
     """n1's worker stops before ``init_process_group`` (``--hold-node``): n0's waits there for it, and no
-    collective exists yet that could fail when n1 goes. SIGTERM to n1's agent kills that worker (it has no
-    handler yet). torchelastic alone would leave n0 waiting out gloo's 30 min timeout; the rendezvous drops
-    n1 once its keep-alive stops, and n0 restarts alone from that and finishes.
+    collective exists yet that could fail when n1 goes. n1's agent is SIGTERMed (its worker, with no handler
+    yet, dies of it) or SIGKILLed (its worker is left behind, never connected). torchelastic alone would leave
+    n0 waiting out gloo's 30 min timeout; the rendezvous drops n1 once its keep-alive stops, and n0 restarts
+    alone from that and finishes, every record in the ledger once.
     """
     _parquet(tmp_path / "data", RECORDS // 4)
     job = TorchJob(tmp_path, str(tmp_path / "data"), records_per_shard=500)
     job.start()
+    held = [job.out / f"held-n1-rank{r}" for r in (0, 1)]
     try:
         args = ["--records", str(RECORDS // 4), "--batch-size", "64", "--out", str(job.out), "--hold-node", "n1"]
         for node in ("n0", "n1"):
             job.start_agent(node, "1:2", 1, args)
-        wait_until(lambda: (job.out / "held-n1-rank0").exists() or (job.out / "held-n1-rank1").exists(), 240,
-                   "n1's worker held in a group of two")  # fmt: skip
+        wait_until(lambda: any(p.exists() and p.read_text() for p in held), 240, "n1's worker held in a group of two")
         signalled = time.monotonic()
-        job.stop_agent("n1")
+        job.agents["n1"].send_signal(how)
+        job.agents["n1"].wait(timeout=120)
         wait_until(lambda: job.agents["n0"].poll() is not None, 240, f"n0 to finish alone\n{job.logs()}")
-        print(f"\nn1 left while the group formed -> n0 finished alone {time.monotonic() - signalled:.1f} s later")
+        print(f"\nn1 gone ({signal.Signals(how).name}) while the group formed -> n0 finished alone "
+              f"{time.monotonic() - signalled:.1f} s later")  # fmt: skip
         assert job.agents["n0"].returncode == 0, job.logs()
         assert "a node left rendezvous round" in (tmp_path / "agent-n0.log").read_text(errors="replace")
         ledger = job.ledger()
         assert ledger is not None and np.all(ledger == 1), job.logs()
     finally:
+        for p in held:  # a SIGKILLed agent leaves its held worker behind (it never armed a parent-death signal)
+            if p.exists() and p.read_text():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(p.read_text()), signal.SIGKILL)
         job.stop()
