@@ -44,7 +44,7 @@ from streamrover.shard_service.client_acks import AckFailure, AckQueue, QueuedAc
 from streamrover.shard_service.cursor_client import CursorClient
 from streamrover.shard_service.lease_table import LeaseTable
 from streamrover.shard_service.leased import LeasedShard
-from streamrover.shard_service.pacing import Pacing
+from streamrover.shard_service.pacing import BATCH_SHARDS, MAX_PREFETCH, PREFETCH_RECORDS, Pacing, PrefetchPace
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import Source, open_source
 
@@ -114,14 +114,15 @@ class ShardClient(CursorClient):
         finally:
             self.close()
 
-    def _source(self, dataset: str) -> Source:
+    def _source(self, dataset: str, info: pb.DatasetInfo | None = None) -> Source:
+        """The open source of ``dataset``: opened once, from ``info`` (a first lease's answer) or a describe."""
         source = self._sources.get(dataset)  # opened once: then read without the lock
         if source is not None:
             return source
         with self._source_lock:  # the ack sender adopts leases too
             source = self._sources.get(dataset)
             if source is None:
-                spec = self.describe_dataset(dataset, spec_only=True).spec
+                spec = (info if info is not None else self.describe_dataset(dataset, spec_only=True)).spec
                 self._records_per_shard[dataset] = spec.records_per_shard
                 source = open_source(spec.uri, spec.format, dict(spec.options))
                 self._sources[dataset] = source
@@ -181,24 +182,41 @@ class ShardClient(CursorClient):
         After :meth:`leave` (until :meth:`join` is called again) nothing is leased and the client does not
         join by itself: ``(WAIT, [])`` (a reader thread still running must not take shards back).
         """
+        merge = self.pacing.merge_records(dataset)
+        return self._lease(pb.LeaseRequest(dataset=dataset, max_shards=max_shards, merge_records=merge), wait)
+
+    def _first_lease(self, dataset: str, pace: PrefetchPace, wait: float) -> tuple[LeaseStatus, list[LeasedShard]]:
+        """A reader's first lease, before it knows the dataset: one round trip brings the spec and the first shards.
+
+        It asks for about :data:`PREFETCH_RECORDS` records of shards, merged in runs of at most a quarter of that
+        and :data:`BATCH_SHARDS` shards (what a pace with a known shard size asks first); the master counts them.
+        """
+        request = pb.LeaseRequest(
+            dataset=dataset, max_shards=MAX_PREFETCH, merge_records=PREFETCH_RECORDS // 4, describe=True,
+            max_records=PREFETCH_RECORDS, merge_shards=BATCH_SHARDS,
+        )  # fmt: skip
+        outcome = self._lease(request, wait, pace)
+        if dataset not in self._sources:  # no spec in the answer (a worker that joined again, an older master)
+            self._source(dataset)
+            pace.sized(self._records_per_shard.get(dataset, 0))
+        return outcome
+
+    def _lease(
+        self, request: pb.LeaseRequest, wait: float, pace: PrefetchPace | None = None
+    ) -> tuple[LeaseStatus, list[LeasedShard]]:
+        """:meth:`lease` of ``request`` (its worker and request id filled in here)."""
         if self._left:
             return LeaseStatus.WAIT, []
         if not self.worker_id:
             self.join()
-        request = pb.LeaseRequest(
-            worker_id=self.worker_id,
-            dataset=dataset,
-            max_shards=max_shards,
-            request_id=next(self._request_ids),
-            merge_records=self.pacing.merge_records(dataset),
-        )
+        request.worker_id, request.request_id, dataset = self.worker_id, next(self._request_ids), request.dataset
         try:
             resp = self._transport.worker_call("lease", self._stub.LeaseShards, request)  # never waits on the stream
             if resp.status == pb.LEASE_STATUS_WAIT and wait > 0:
                 request.request_id, request.wait_seconds = next(self._request_ids), wait
                 resp = self._call(self._stub.LeaseShards, request)
         except NotFoundError as exc:
-            if "worker" not in str(exc):
+            if not str(exc).startswith("worker "):  # (not a dataset named "...worker...")
                 raise
             if self._left:  # it left while this lease was on its way: nothing was leased
                 return LeaseStatus.WAIT, []
@@ -206,7 +224,12 @@ class ShardClient(CursorClient):
             self.join()
             return LeaseStatus.WAIT, []
         shards: list[LeasedShard] = []
-        self.pacing.granted(dataset, max_shards, self.pacing.units_of(resp.leases), resp.todo)
+        if resp.HasField("dataset"):  # a first lease: the spec came with it
+            self._source(dataset, resp.dataset)
+            if pace is not None:
+                pace.sized(self._records_per_shard.get(dataset, 0))
+        asked = request.max_shards if pace is None else pace.target
+        self.pacing.granted(dataset, asked, self.pacing.units_of(resp.leases), resp.todo)
         if resp.leases:
             self._adopt(dataset, resp.leases, shards)
         return convert.lease_status_from_pb(resp.status), shards
@@ -215,24 +238,30 @@ class ShardClient(CursorClient):
         """Yield leased shards until the dataset ends (batch) or forever (stream).
 
         Shards are leased ahead, so one round trip serves several shards; the ones waiting
-        their turn are kept alive by heartbeats like the rest. The first lease asks for
-        ``prefetch`` or more (:class:`~streamrover.shard_service.pacing.PrefetchPace`: about
-        20 ms of the caller's work by its measured pace, at least 8 shards of up to 100 ms in all);
-        from then on the acks that finish shards bring the next leases back with them (no
-        extra round trip), enough to keep that many waiting. Then queued acks (``async_acks``)
-        gather into fewer batches while ~12 ms of work is waiting. The leases ask the master to merge
-        runs of small shards (:mod:`~streamrover.shard_service.merging`: about 10 ms of the caller's
-        work per lease once its pace is known), so a lease and its ack serve several planned shards.
+        their turn are kept alive by heartbeats like the rest. The first lease of a dataset this
+        client has not opened yet brings the dataset's spec with it (one round trip, no describe
+        first) and asks for about 256 Ki records of shards; the depth is then ``prefetch`` or more
+        (:class:`~streamrover.shard_service.pacing.PrefetchPace`: about 20 ms of the caller's work by
+        its measured pace, at least 8 shards of up to 100 ms in all); from then on the acks that
+        finish shards bring the next leases back with them (no extra round trip), enough to keep
+        that many waiting. Then queued acks (``async_acks``) gather into fewer batches while ~12 ms
+        of work is waiting. The leases ask the master to merge runs of small shards
+        (:mod:`~streamrover.shard_service.merging`: about 10 ms of the caller's work per lease once
+        its pace is known), so a lease and its ack serve several planned shards.
         """
-        self._source(dataset)  # opened before the first lease: its spec says how big the shards are
         queue = self.leases.waiting(dataset)
+        first = dataset not in self._sources  # then the first lease brings the spec (the shards' size) with it
         pace = self.pacing.start(dataset, prefetch, self._records_per_shard.get(dataset, 0))
         try:
             while True:
                 if not queue:  # a queued ack that finishes a shard brings the next lease: wait for it first
                     self._acks.wait()
                 if not queue:
-                    status, leased = self.lease(dataset, pace.target, wait)
+                    if first:
+                        first = False
+                        status, leased = self._first_lease(dataset, pace, wait)
+                    else:
+                        status, leased = self.lease(dataset, pace.target, wait)
                     if status is LeaseStatus.END:
                         return
                     queue.extend(leased)

@@ -7,7 +7,9 @@ from typing import Any
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, LeaseGrant, LeaseStatus, PartitionPlan
+from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
+from streamrover.sources.api import SourceKind
 
 
 def _partition_cursors(items: list[tuple[PartitionKey, IntervalSet]]) -> list[pb.PartitionCursor]:
@@ -30,6 +32,12 @@ def _interval_sets(msgs: Iterable[pb.PartitionCursor]) -> dict[PartitionKey, Int
         for iv in pc.intervals:
             ivs.add(iv.start, iv.end)
     return entries
+
+
+def spec_info(ds: DatasetRecord) -> pb.DatasetInfo:
+    """What a worker needs to open a dataset's source: its spec, kind and schema (no partitions, no counts)."""
+    kind = pb.DATASET_KIND_BATCH if ds.kind is SourceKind.BATCH else pb.DATASET_KIND_STREAM
+    return pb.DatasetInfo(spec=spec_to_pb(ds.spec), kind=kind, schema_json=ds.schema_json)
 
 
 def cursor_to_pb(cursor: DataCursor) -> pb.Cursor:

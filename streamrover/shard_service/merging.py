@@ -82,4 +82,22 @@ def merge_room(state: CoreState, ds: DatasetRecord, w: WorkerRecord, wanted: int
     return wanted + extra if extra and state.share(ds, w, wanted + extra) == wanted + extra else 0
 
 
-__all__ = ["merge_room", "merge_run"]
+def sized_by_records(
+    ds: DatasetRecord, max_shards: int, merge_records: int, max_records: int, merge_shards: int
+) -> tuple[int, int]:
+    """A lease request's ``max_shards`` and ``merge_records`` once its limits in records and shards are applied.
+
+    A reader's first lease is made before it knows the dataset's shard size (its answer brings the spec):
+    it asks for about ``max_records`` records of shards (at least one) and for merges of at most
+    ``merge_shards`` planned shards, which the master, knowing the size, turns into counts here.
+    0 leaves a limit out.
+    """
+    size = ds.shard_size
+    if max_records > 0:
+        max_shards = min(max(max_shards, 1), max(1, -(-max_records // size)))
+    if merge_shards > 0:
+        merge_records = min(merge_records, merge_shards * size)
+    return max_shards, merge_records
+
+
+__all__ = ["merge_room", "merge_run", "sized_by_records"]

@@ -59,15 +59,19 @@ class PrefetchPace:
 
     def __init__(self, prefetch: int, records_per_shard: int) -> None:
         self.base = max(prefetch, 1)
-        self.records_per_shard = records_per_shard
-        by_records = math.ceil(PREFETCH_RECORDS / records_per_shard) if records_per_shard > 0 else 0
-        self.ramp = max(self.base, min(MAX_PREFETCH, by_records))
-        self.target = self.ramp
+        self.sized(records_per_shard)
         self._recent: deque[float] = deque(maxlen=RAMP_SHARDS)
         self._taken = 0
         self.dry = False  # the last request got fewer leases than it asked for, none left (Pacing.granted)
         self.seconds = 0.0  # the caller's median time per shard (0: not known yet)
         self.merged = 1  # the planned shards of the last lease taken
+
+    def sized(self, records_per_shard: int) -> None:
+        """The dataset's records per shard (0: unknown or the default), as learnt: the first depth follows it."""
+        self.records_per_shard = records_per_shard
+        by_records = math.ceil(PREFETCH_RECORDS / records_per_shard) if records_per_shard > 0 else 0
+        self.ramp = max(self.base, min(MAX_PREFETCH, by_records))
+        self.target = self.ramp
 
     def took(self, seconds: float, shards: int = 1) -> None:
         """The caller spent ``seconds`` on one more lease, of ``shards`` planned shards (more than one when merged):

@@ -28,7 +28,7 @@ from streamrover.shard_service.journal import JournalWriteError
 from streamrover.shard_service.kv_rpc import kv_delete_range, kv_get, kv_set
 from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.reported import ReportedMetrics
-from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions, status_of
+from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions, lease_limits, status_of
 from streamrover.shard_service.staged_rpc import commit_staged, delete_trained_files
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
@@ -213,8 +213,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         with self.cond:
             ds = self.core.dataset(request.name)
             if request.spec_only:  # a worker opening the source: the counts walk every unfolded ack
-                kind = pb.DATASET_KIND_BATCH if ds.kind is SourceKind.BATCH else pb.DATASET_KIND_STREAM
-                return pb.DatasetInfo(spec=convert.spec_to_pb(ds.spec), kind=kind, schema_json=ds.schema_json)
+                return convert.spec_info(ds)
             return self._info(ds)
 
     @_rpc
@@ -270,10 +269,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         wait = min(max(request.wait_seconds, 0.0), MAX_LEASE_WAIT)
         with self.cond:
             give_up = self.core.clock() + wait
+            max_shards, merge = lease_limits(self.core, request)
             while True:
-                outcome = self.core.lease(
-                    request.worker_id, request.dataset, request.max_shards, request.request_id, request.merge_records
-                )
+                outcome = self.core.lease(request.worker_id, request.dataset, max_shards, request.request_id, merge)
                 remaining = give_up - self.core.clock()
                 if outcome.status is not LeaseStatus.WAIT or remaining <= 0 or not context.is_active():
                     break
@@ -287,6 +285,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 leases=[convert.lease_to_pb(g) for g in outcome.leases],
                 retry_after_seconds=outcome.retry_after,
                 todo=self.core.todo(request.dataset),
+                dataset=convert.spec_info(self.core.dataset(request.dataset)) if request.describe else None,
             )
 
     @_rpc

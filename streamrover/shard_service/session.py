@@ -27,10 +27,12 @@ import grpc
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import ShardServiceError
 from streamrover.shard_service.journal import JournalWriteError
+from streamrover.shard_service.merging import sized_by_records
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import SourceError, SourceNotFoundError, SourceUnavailableError
 
 if TYPE_CHECKING:
+    from streamrover.shard_service.core import ShardCore
     from streamrover.shard_service.server import ShardServicer
 
 DEFAULT_MAX_SESSIONS = 48
@@ -49,6 +51,17 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
     if isinstance(exc, SourceError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return None
+
+
+def lease_limits(core: ShardCore, request: pb.LeaseRequest) -> tuple[int, int]:
+    """A lease request's ``max_shards`` and ``merge_records``, its limits in records applied (.merging)."""
+    if request.max_records <= 0 and request.merge_shards <= 0:
+        return request.max_shards, request.merge_records
+    core.worker(request.worker_id)  # an unknown worker is refused before an unknown dataset, as lease() does
+    return sized_by_records(
+        core.dataset(request.dataset), request.max_shards, request.merge_records, request.max_records,
+        request.merge_shards,
+    )  # fmt: skip
 
 
 class WorkerSessions:
@@ -90,10 +103,11 @@ class WorkerSessions:
         servicer = self._servicer
         core = servicer.core
         with servicer.cond:  # leaving it waits until the lease is journalled (group commit)
-            outcome = core.lease(
-                request.worker_id, request.dataset, request.max_shards, request.request_id, request.merge_records
-            )
+            max_shards, merge = lease_limits(core, request)
+            outcome = core.lease(request.worker_id, request.dataset, max_shards, request.request_id, merge)
             todo = core.todo(request.dataset)
+            if request.describe:
+                answer.lease.dataset.CopyFrom(convert.spec_info(core.dataset(request.dataset)))
         lease = answer.lease
         lease.todo = todo
         lease.status = convert.lease_status_to_pb(outcome.status)  # (set even when 0: the answer is a lease's)

@@ -14,6 +14,7 @@ from streamrover.cursor import IntervalSet, PartitionKey
 from streamrover.shard_service import StaleLeaseError
 from streamrover.shard_service.api import DatasetSpec, LeaseStatus, ShardState, shard_id_for
 from streamrover.shard_service.core import ShardCore
+from streamrover.shard_service.merging import sized_by_records
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.testing.procs import MasterProcess
 from tests.helpers import write_parquet_dataset
@@ -168,3 +169,14 @@ def test_the_guided_end_counts_a_merged_lease_as_its_planned_shards(tmp_path: Pa
     assert sum(g.shards for g in core.lease(a, "d", 8).leases) == 1
     # b, holding one, gets its share of a call near the end: ceil(10 left / (2 * 2 readers))
     assert sum(g.shards for g in core.lease(b, "d", 8).leases) == 3
+
+
+def test_a_first_lease_sized_in_records_becomes_counts_of_the_datasets_shards(tmp_path: Path) -> None:
+    core = core_on(tmp_path, Clock())
+    _register(core)  # 5 records per shard
+    ds = core.dataset("d")
+    # about 22 records of shards: 5 (ceil); merges of at most 2 shards: 10 records, under the 40 asked
+    assert sized_by_records(ds, 128, 40, 22, 2) == (5, 10)
+    assert sized_by_records(ds, 3, 40, 22, 2) == (3, 10)  # max_shards still caps it
+    assert sized_by_records(ds, 128, 40, 1, 0) == (1, 40)  # less than a shard: one
+    assert sized_by_records(ds, 7, 40, 0, 0) == (7, 40)  # no limit in records: as asked

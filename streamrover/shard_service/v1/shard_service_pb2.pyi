@@ -577,6 +577,9 @@ class LeaseRequest(google.protobuf.message.Message):
     REQUEST_ID_FIELD_NUMBER: builtins.int
     WAIT_SECONDS_FIELD_NUMBER: builtins.int
     MERGE_RECORDS_FIELD_NUMBER: builtins.int
+    DESCRIBE_FIELD_NUMBER: builtins.int
+    MAX_RECORDS_FIELD_NUMBER: builtins.int
+    MERGE_SHARDS_FIELD_NUMBER: builtins.int
     worker_id: builtins.str
     dataset: builtins.str
     max_shards: builtins.int
@@ -589,6 +592,14 @@ class LeaseRequest(google.protobuf.message.Message):
     """> 0: never-leased shards next to each other in one partition of a batch dataset may be granted as one
     merged shard of up to this many records (each counts towards max_shards); 0 = one planned shard per lease
     """
+    describe: builtins.bool
+    """A reader's first lease, made before it knows the dataset (one round trip instead of a describe and a lease):
+    the answer carries the dataset's spec, kind and schema (DescribeDataset's spec_only)
+    """
+    max_records: builtins.int
+    """> 0: at most as many planned shards as hold this many records (at least one)"""
+    merge_shards: builtins.int
+    """> 0: a merged shard covers at most this many planned shards"""
     def __init__(
         self,
         *,
@@ -598,8 +609,11 @@ class LeaseRequest(google.protobuf.message.Message):
         request_id: builtins.int = ...,
         wait_seconds: builtins.float = ...,
         merge_records: builtins.int = ...,
+        describe: builtins.bool = ...,
+        max_records: builtins.int = ...,
+        merge_shards: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "max_shards", b"max_shards", "merge_records", b"merge_records", "request_id", b"request_id", "wait_seconds", b"wait_seconds", "worker_id", b"worker_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "describe", b"describe", "max_records", b"max_records", "max_shards", b"max_shards", "merge_records", b"merge_records", "merge_shards", b"merge_shards", "request_id", b"request_id", "wait_seconds", b"wait_seconds", "worker_id", b"worker_id"]) -> None: ...
 
 global___LeaseRequest = LeaseRequest
 
@@ -611,12 +625,19 @@ class LeaseResponse(google.protobuf.message.Message):
     LEASES_FIELD_NUMBER: builtins.int
     RETRY_AFTER_SECONDS_FIELD_NUMBER: builtins.int
     TODO_FIELD_NUMBER: builtins.int
+    DATASET_FIELD_NUMBER: builtins.int
     status: global___LeaseStatus.ValueType
     retry_after_seconds: builtins.float
     todo: builtins.int
     """shards of the dataset still waiting to be leased (fewer granted than asked with todo"""
     @property
     def leases(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___Lease]: ...
+    @property
+    def dataset(self) -> global___DatasetInfo:
+        """> 0: a share near the end of a pass, not the end: the worker's acks bring more)
+        asked for (describe): the dataset's spec, kind and schema_json, whatever the status
+        """
+
     def __init__(
         self,
         *,
@@ -624,8 +645,10 @@ class LeaseResponse(google.protobuf.message.Message):
         leases: collections.abc.Iterable[global___Lease] | None = ...,
         retry_after_seconds: builtins.float = ...,
         todo: builtins.int = ...,
+        dataset: global___DatasetInfo | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["leases", b"leases", "retry_after_seconds", b"retry_after_seconds", "status", b"status", "todo", b"todo"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["dataset", b"dataset"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "leases", b"leases", "retry_after_seconds", b"retry_after_seconds", "status", b"status", "todo", b"todo"]) -> None: ...
 
 global___LeaseResponse = LeaseResponse
 
