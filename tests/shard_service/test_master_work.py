@@ -74,10 +74,10 @@ def test_near_the_end_the_shards_left_are_shared_between_the_readers(tmp_path: P
     a, b = core.join("a").id, core.join("b").id
     core.lease(a, "d", 1)
     core.lease(b, "d", 1)  # both read d: 8 shards left
-    # not all 8 to a while b idles, and not even its fair half at once: ceil(todo / (2 * readers)) per call,
-    # so that the grants shrink as the end nears and both lease-ahead queues drain together
+    # not all 8 to a while b idles: at most ceil(todo / readers) per call, so that the grants shrink as the end
+    # nears and both lease-ahead queues drain together
     grants = [len(core.lease(w, "d", 128).leases) for w in (a, b, a, b, a, b)]
-    assert grants == [2, 2, 1, 1, 1, 1]  # ceil(8/4), ceil(6/4), ceil(4/4)...: every shard out, none twice
+    assert grants == [4, 2, 1, 1, 0, 0]  # ceil(8/2), ceil(4/2), ceil(2/2), 1: every shard out, none twice
     assert core.lease(a, "d", 128).leases == [] and core.lease(b, "d", 128).leases == []
     (tmp_path / "alone").mkdir()
     alone = _core(tmp_path / "alone", clock, 600)
@@ -85,8 +85,8 @@ def test_near_the_end_the_shards_left_are_shared_between_the_readers(tmp_path: P
     assert len(alone.lease(c, "d", 128).leases) == 128  # far from the end nothing is held back...
     assert len(alone.lease(d, "d", 128).leases) == 128
     assert len(alone.lease(c, "d", 128).leases) == 128
-    assert len(alone.lease(d, "d", 128).leases) == 54  # ...but 216 left between two readers: ceil(216 / 4)
-    alone.leave(d)  # d's 182 return: c, the one reader left, may take them all
+    assert len(alone.lease(d, "d", 128).leases) == 108  # ...but 216 left between two readers: ceil(216 / 2)
+    alone.leave(d)  # d's 236 return: c, the one reader left, may take them all
     assert [len(alone.lease(c, "d", 128).leases) for _ in range(3)] == [128, 128, 88]  # nobody to share with
 
 

@@ -167,8 +167,8 @@ def test_the_guided_end_counts_a_merged_lease_as_its_planned_shards(tmp_path: Pa
     assert [g.shards for g in core.lease(b, "d", 1).leases] == [1]  # 11 left to lease
     # a holds 12 planned shards of the 24 (counted as one lease, its share looked like 6 more); it gets one
     assert sum(g.shards for g in core.lease(a, "d", 8).leases) == 1
-    # b, holding one, gets its share of a call near the end: ceil(10 left / (2 * 2 readers))
-    assert sum(g.shards for g in core.lease(b, "d", 8).leases) == 3
+    # b, holding one, gets its share of a call near the end: ceil(10 left / 2 readers)
+    assert sum(g.shards for g in core.lease(b, "d", 8).leases) == 5
 
 
 def test_a_first_lease_sized_in_records_becomes_counts_of_the_datasets_shards(tmp_path: Path) -> None:
