@@ -295,7 +295,7 @@ def bench_records(tmp: Path, sizes: Sizes, async_acks: bool = True, session: boo
                 per_shard = statistics.median((b.wall - a.wall) * workers / shards for a, b in pairs)
                 tail = statistics.median(b.tail for _, b in pairs)
                 spread = f"{min(b.rate / a.rate for a, b in pairs):.2f}-{max(b.rate / a.rate for a, b in pairs):.2f}"
-                cpu = statistics.median(master_cpu[RECORDS_WARMUP:]) * 1e6
+                cpu = statistics.fmean(master_cpu[RECORDS_WARMUP:]) * 1e6  # a mean: /proc counts 10 ms ticks
                 rows_out.append((workers, shard_size, shards, rate, peer_rate, ratio, spread, per_shard * 1e3,
                                  tail * 1e3, cpu))
                 print(
@@ -378,7 +378,8 @@ def main(argv: list[str]) -> int:
                 "10,000 records/shard (1 and 2 workers), >= 0.95 / 0.9 at one row group per shard\n"
                 "ratio = median over passes of ShardClient rec/s / pyarrow rec/s, the two alternating pass by pass\n"
                 "extra ms/shard = worker time per shard beyond pyarrow's reading; END tail = last ack until every "
-                "worker has seen END (not in the rates)"
+                "worker has seen END (not in the rates)\nmaster CPU = the master process's user+system CPU over a pass "
+                "(until its workers have left), mean over passes / planned shards"
             )
     print(f"\nload average at end: {load()}")
     return 0
