@@ -36,15 +36,16 @@ def test_a_spec_only_description_has_what_a_worker_opens_the_source_with(
         assert client._sources["rows"].partitions()[0].id == full.partitions[0].id
 
 
+@pytest.mark.parametrize("session", [True, False], ids=["session", "unary"])
 def test_a_readers_first_lease_brings_the_spec_and_the_first_shards_in_one_round_trip(
-    tmp_path: Path, master: MasterProcess
+    tmp_path: Path, master: MasterProcess, session: bool
 ) -> None:
     # 4,096 records per shard, row groups of 10 shards: the first depth is PREFETCH_RECORDS of shards (64), merged
     # in runs of at most BATCH_SHARDS (8): the very grants a client that described the dataset first asks for
     write_parquet_dataset(tmp_path / "data", 100 * 4096, files=1, row_group_size=10 * 4096)
-    with ShardClient(master.address, token=master.token, heartbeat=False, timeout=30) as client, ShardClient(
-        master.address, token=master.token, heartbeat=False, timeout=30
-    ) as described_first:
+    with ShardClient(
+        master.address, token=master.token, heartbeat=False, timeout=30, session=session
+    ) as client, ShardClient(master.address, token=master.token, heartbeat=False, timeout=30) as described_first:
         for name in ("rows", "rows-too"):
             client.register_dataset(DatasetSpec(name, str(tmp_path / "data"), records_per_shard=4096))
         described: list[Any] = []
