@@ -24,6 +24,10 @@ from tests.operator.runner import RunningJob, kafka_topic, ledger_spec, produce
 
 pytestmark = pytest.mark.slow
 RECORDS = 40_000
+# a step's modelled compute: a node trains at most 2 ranks x 128 records / 0.1 s = 2,560 records/s, under the
+# burst's production rate, so that one node cannot drain the burst before the autoscaler's first decision (a
+# faster machine trained 30,000 records with no scale-out at all: the decision depends on the node's speed)
+STEP_SECONDS = 0.1
 
 
 def _decisions(job: RunningJob) -> list[dict[str, Any]]:
@@ -36,6 +40,7 @@ def test_lag_scales_the_job_out_and_back_in(tmp_path: Path, kafka_broker: Any) -
     spec = ledger_spec("autoscaled", f"kafka://{kafka_broker.bootstrap}/{topic}", RECORDS, tmp_path / "out",
                        nodes="1:2")  # fmt: skip
     spec["autoscaling"] = {"target_lag_records": 4_000, "cooldown_seconds": 10}
+    spec["trainer"]["args"] += ["--step-seconds", STEP_SECONDS]
     job = RunningJob(tmp_path, spec)
     try:
         job.start()

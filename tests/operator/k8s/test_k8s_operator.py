@@ -185,6 +185,10 @@ def test_the_ledger_job_trains_exactly_through_k8s_and_survives_its_pod_deleted(
     spec = ledger_spec(name, f"kafka://{kafka_broker.bootstrap}/{topic}", RECORDS, out, nodes=1, nproc_per_node=1,
                        memory="1536Mi", env={"HOG_FILE": str(hog), "HOG_MB": "1024"})  # fmt: skip
     spec["trainer"]["launcher_args"] += ["--standby-workers", "0"]  # a smaller node: agent + one worker
+    # the job ends once this file says how many records there are, written below when the pod was deleted and
+    # OOM-killed: 8,000 records train in seconds, and a job that had finished by then could not be relaunched
+    until = out / "produced"
+    spec["trainer"]["args"] += ["--until-file", str(until)]
     spec["restart"] = {"oom": {"factor": 2, "max_memory": "3Gi"}}
     spec["checkpoint"]["url"] = str(tmp_path / "ckpt")
     spec["master"]["port"] = free_port()
@@ -225,6 +229,8 @@ def test_the_ledger_job_trains_exactly_through_k8s_and_survives_its_pod_deleted(
                                for e in status().get("events", [])), 60, "the OOM event")  # fmt: skip
         (bigger,) = _pods(k8s, ns, name)
         assert bigger.spec.containers[0].resources.limits["memory"] in ("3Gi", str(3 * 2**30)), bigger.spec
+        until.with_suffix(".tmp").write_text(str(RECORDS))
+        until.with_suffix(".tmp").replace(until)  # (atomically: a rank reads it as soon as it exists)
         output, _ = run.communicate(timeout=600)
         assert run.returncode == 0, f"{output}\n{operator.logs()}"
         doc = status()
