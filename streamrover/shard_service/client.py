@@ -44,7 +44,7 @@ from streamrover.shard_service.client_acks import AckFailure, AckQueue, QueuedAc
 from streamrover.shard_service.cursor_client import CursorClient
 from streamrover.shard_service.lease_table import LeaseTable
 from streamrover.shard_service.leased import LeasedShard
-from streamrover.shard_service.pacing import BATCH_SHARDS, MAX_PREFETCH, PREFETCH_RECORDS, Pacing, PrefetchPace
+from streamrover.shard_service.pacing import Pacing, PrefetchPace
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import Source, open_source
 
@@ -186,16 +186,9 @@ class ShardClient(CursorClient):
         return self._lease(pb.LeaseRequest(dataset=dataset, max_shards=max_shards, merge_records=merge), wait)
 
     def _first_lease(self, dataset: str, pace: PrefetchPace, wait: float) -> tuple[LeaseStatus, list[LeasedShard]]:
-        """A reader's first lease, before it knows the dataset: one round trip brings the spec and the first shards.
-
-        It asks for about :data:`PREFETCH_RECORDS` records of shards, merged in runs of at most a quarter of that
-        and :data:`BATCH_SHARDS` shards (what a pace with a known shard size asks first); the master counts them.
-        """
-        request = pb.LeaseRequest(
-            dataset=dataset, max_shards=MAX_PREFETCH, merge_records=PREFETCH_RECORDS // 4, describe=True,
-            max_records=PREFETCH_RECORDS, merge_shards=BATCH_SHARDS,
-        )  # fmt: skip
-        outcome = self._lease(request, wait, pace)
+        """A reader's first lease, before it knows the dataset: one round trip brings the spec and the first shards
+        (sized in records: :meth:`PrefetchPace.first_lease`)."""
+        outcome = self._lease(pace.first_lease(dataset), wait, pace)
         if dataset not in self._sources:  # no spec in the answer (a worker that joined again, an older master)
             self._source(dataset)
             pace.sized(self._records_per_shard.get(dataset, 0))

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from streamrover.shard_service.lease_table import LeaseTable
+from streamrover.shard_service.v1 import shard_service_pb2 as pb
 
 PREFETCH_SECONDS = 0.02  # a reader keeps about this much of its caller's work leased ahead when shards are small...
 MAX_PREFETCH = 128  # ...but no more than this many shards
@@ -35,6 +36,7 @@ BATCH_SECONDS = 0.1
 HOLD_SECONDS = 0.012
 PREFETCH_RECORDS = 256 * 1024  # until the caller's pace is known (RAMP_SHARDS taken): about this many records
 RAMP_SHARDS = 16
+FIRST_MERGE_RECORDS = PREFETCH_RECORDS // 4  # until the pace is known, merged shards hold at most this many records
 # once the pace is known, leases ask the master to merge runs of small shards into shards of about this much of the
 # reader's work (.merging): a lease and its ack cost both sides the same whatever the shard's size
 MERGE_SECONDS = 0.01
@@ -65,6 +67,18 @@ class PrefetchPace:
         self.dry = False  # the last request got fewer leases than it asked for, none left (Pacing.granted)
         self.seconds = 0.0  # the caller's median time per shard (0: not known yet)
         self.merged = 1  # the planned shards of the last lease taken
+
+    def first_lease(self, dataset: str) -> pb.LeaseRequest:
+        """The first lease of ``dataset`` before its shard size is known (its answer brings the spec): in records.
+
+        The depth and merges this pace asks for first once the size is known (:data:`PREFETCH_RECORDS` of shards,
+        merged in runs of at most :data:`FIRST_MERGE_RECORDS` and :data:`BATCH_SHARDS`), which the master counts
+        (:func:`~streamrover.shard_service.merging.sized_by_records`).
+        """
+        return pb.LeaseRequest(
+            dataset=dataset, max_shards=MAX_PREFETCH, merge_records=FIRST_MERGE_RECORDS, describe=True,
+            max_records=PREFETCH_RECORDS, merge_shards=BATCH_SHARDS,
+        )  # fmt: skip
 
     def sized(self, records_per_shard: int) -> None:
         """The dataset's records per shard (0: unknown or the default), as learnt: the first depth follows it."""
@@ -105,7 +119,7 @@ class PrefetchPace:
         rps = self.records_per_shard
         if rps <= 0:
             return 0
-        unknown = min(PREFETCH_RECORDS // 4 // rps, BATCH_SHARDS)
+        unknown = min(FIRST_MERGE_RECORDS // rps, BATCH_SHARDS)
         shards = int(MERGE_SECONDS / self.seconds) if self.seconds > 0 else unknown
         return shards if shards >= 2 else 0
 
@@ -204,6 +218,7 @@ class Pacing:
 __all__ = [
     "BATCH_SECONDS",
     "BATCH_SHARDS",
+    "FIRST_MERGE_RECORDS",
     "HOLD_SECONDS",
     "MAX_PREFETCH",
     "MERGE_SECONDS",
