@@ -66,8 +66,13 @@ class AdminClient:
         return self._call(self._stub.DescribeDataset, pb.DescribeDatasetRequest(name=name, spec_only=spec_only))
 
     def remove_dataset(self, name: str) -> pb.RemoveDatasetResponse:
-        """Remove a dataset (its leases are revoked, its shards and cursor entries deleted)."""
-        return self._call(self._stub.RemoveDataset, pb.RemoveDatasetRequest(name=name))
+        """Remove a dataset (its leases are revoked, its shards and cursor entries deleted).
+
+        A retry answered NOT_FOUND after a transient failure means the first try removed it: answered with zero
+        counts (those of the first try were lost with its answer).
+        """
+        request = pb.RemoveDatasetRequest(name=name)
+        return self._transport.call(self._stub.RemoveDataset, request, gone=pb.RemoveDatasetResponse())
 
     def list_datasets(self) -> list[pb.DatasetInfo]:
         """Every registered dataset with its partitions and counts."""

@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any, Literal, overload
 
@@ -130,8 +131,13 @@ class ShardClient(CursorClient):
 
     # ------------------------------------------------------------------- worker
     def join(self) -> str:
-        """Join the job as a worker (:meth:`ShardService.join`); returns the worker id and starts the heartbeats."""
-        resp = self._call(self._stub.Join, pb.JoinRequest(name=self.name, worker_id=self.worker_id))
+        """Join the job as a worker (:meth:`ShardService.join`); returns the worker id and starts the heartbeats.
+
+        The id is chosen here, before the call, so that a join retried after its answer was lost is the same
+        worker's (a master-chosen id would make a second worker, and leave the first to expire).
+        """
+        worker_id = self.worker_id or f"w-{uuid.uuid4().hex[:12]}"
+        resp = self._call(self._stub.Join, pb.JoinRequest(name=self.name, worker_id=worker_id))
         self.worker_id = resp.worker_id
         self._left = False
         self.heartbeat_interval = resp.heartbeat_interval_seconds
@@ -153,7 +159,8 @@ class ShardClient(CursorClient):
         self._stop.set()
         self._left = True
         self._acks.wait()
-        returned = self._call(self._stub.Leave, pb.LeaveRequest(worker_id=self.worker_id)).leases_returned
+        request = pb.LeaveRequest(worker_id=self.worker_id)
+        returned = self._transport.call(self._stub.Leave, request, gone=pb.LeaveResponse()).leases_returned
         self.worker_id = ""
         self._acks.raise_failures()
         return returned

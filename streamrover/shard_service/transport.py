@@ -1,8 +1,8 @@
 """How a worker client reaches the master: unary calls with retries, and the worker session stream.
 
 :class:`Transport` owns the channel. :meth:`Transport.call` makes one unary call: it waits for
-the channel to be ready and retries ``UNAVAILABLE`` with backoff for up to ``timeout``
-seconds, and raises the service's typed errors. :meth:`Transport.worker_call` sends a
+the channel to be ready and retries every transient status (the rule is :mod:`.retry`) with
+backoff for up to ``timeout`` seconds, and raises the service's typed errors. :meth:`Transport.worker_call` sends a
 worker's per-shard call (lease, ack, ack batch, heartbeat) as a message on one long-lived
 ``WorkerSession`` stream (:class:`WorkerStream`); the master answers it exactly as the unary
 call, and a refusal is raised as the same error. The stream is reopened (and the message sent
@@ -13,6 +13,7 @@ attempt and lease and batch requests carry request ids. A master that does not s
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
@@ -31,10 +32,12 @@ from streamrover.shard_service.api import (
     UnauthenticatedError,
     UnavailableError,
 )
+from streamrover.shard_service.retry import FIRST_DELAY, next_delay, transient
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 ERRORS: dict[grpc.StatusCode, type[ShardServiceError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: NotFoundError,
@@ -45,6 +48,7 @@ ERRORS: dict[grpc.StatusCode, type[ShardServiceError]] = {
 }
 ERRORS_BY_NAME: dict[str, type[ShardServiceError]] = {code.name: error for code, error in ERRORS.items()}
 _NO_SESSION = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_BROKEN = -1  # the seq of the answer made up for a stream that broke with a transient status (sent again)
 
 
 class Transport:
@@ -63,16 +67,30 @@ class Transport:
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.ShardServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
+        self.retries = 0  # calls and session messages sent again after a transient failure (for tests and logs)
+        self.statuses: dict[str, int] = {}  # the transient statuses retried, by name
         self._stream = WorkerStream(self) if session else None
+
+    def retried(self, code: str, details: str) -> None:
+        """Count a call sent again after transient status ``code`` (kept in :attr:`statuses`; logged at debug)."""
+        self.retries += 1
+        self.statuses[code] = self.statuses.get(code, 0) + 1
+        log.debug("retrying a call of %s after %s: %s", self.address, code, details)
 
     def error(self, code: str, details: str) -> ShardServiceError:
         """The typed error of a refusal with gRPC status name ``code``."""
         return ERRORS_BY_NAME.get(code, ShardServiceError)(f"{details} [{code} from {self.address}]")
 
-    def call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
-        """One unary call, retried on UNAVAILABLE (and on DEADLINE_EXCEEDED without ``timeout``) until ``timeout``."""
+    def call(self, method: Callable[..., T], request: Any, timeout: float | None = None, gone: T | None = None) -> T:
+        """One unary call, retried on a transient status (:func:`.retry.transient`) until the client's timeout.
+
+        ``timeout``: this call's own deadline (then DEADLINE_EXCEEDED is final). ``gone``: for a call that is not
+        idempotent but removes something (:data:`.retry.GUARDED`), the answer when a retry is answered NOT_FOUND
+        (the first try removed it, and its answer was lost).
+        """
         give_up = time.monotonic() + self.timeout
-        delay = 0.05
+        delay = FIRST_DELAY
+        retried = False
         while True:
             remaining = give_up - time.monotonic()
             try:
@@ -83,15 +101,16 @@ class Transport:
                     timeout=max(min(remaining, timeout or remaining), 0.01),
                 )
             except grpc.RpcError as exc:
-                code = exc.code()
-                retry = code == grpc.StatusCode.UNAVAILABLE or (
-                    code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is None
-                )
-                if retry and time.monotonic() + delay < give_up:
+                code, details = exc.code(), exc.details() or ""
+                if transient(code, details, own_deadline=timeout is not None) and time.monotonic() + delay < give_up:
                     time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
-                    delay = min(delay * 2, 2.0)
+                    delay = next_delay(delay)
+                    self.retried(code.name, details)
+                    retried = True
                     continue
-                raise self.error(code.name, exc.details() or "") from None
+                if retried and gone is not None and code is grpc.StatusCode.NOT_FOUND:
+                    return gone
+                raise self.error(code.name, details) from None
 
     def worker_call(self, kind: str, method: Callable[..., T], request: Any) -> T:
         """A worker's per-shard call ``kind`` ("lease", "ack", "ack_batch", "heartbeat") on the session stream.
@@ -116,6 +135,11 @@ class Transport:
         if self._stream is not None:
             self._stream.close()
         self.channel.close()
+
+
+def _retried(answer: pb.SessionResponse) -> bool:
+    """Whether a session answer is sent again: the master's UNAVAILABLE, or a broken stream's transient status."""
+    return answer.error_code == "UNAVAILABLE" or (answer.seq == _BROKEN and bool(answer.error_code))
 
 
 class _NoSession(Exception):
@@ -148,21 +172,24 @@ class WorkerStream:
             return self._retry(kind, message, answer)
 
     def _retry(self, kind: str, message: Any, answer: pb.SessionResponse | None) -> Any:
-        """After a first try that got no answer or a refusal: raise it, or retry ``UNAVAILABLE`` with backoff.
+        """After a first try that got no answer or a refusal: raise it, or retry a transient one with backoff.
 
         The retries end ``timeout`` seconds after the first try was sent (called with the lock held).
         """
         give_up = self._sent + self._t.timeout
-        delay = 0.05
+        delay = FIRST_DELAY
         while True:
-            if answer is not None and answer.error_code != "UNAVAILABLE":
+            if answer is not None and not _retried(answer):
                 if answer.error_code:
                     raise self._t.error(answer.error_code, answer.error)
                 return getattr(answer, kind)
             if time.monotonic() + delay >= give_up:
-                raise self._t.error("UNAVAILABLE", answer.error if answer is not None else "the master is gone")
+                code = answer.error_code if answer is not None else "UNAVAILABLE"
+                raise self._t.error(code, answer.error if answer is not None else "the master is gone")
             time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
-            delay = min(delay * 2, 2.0)
+            delay = next_delay(delay)
+            self._t.retried(answer.error_code if answer is not None else "UNAVAILABLE",
+                            answer.error if answer is not None else "the master ended the stream")  # fmt: skip
             answer = self._try(kind, message)
 
     def _try(self, kind: str, message: Any) -> pb.SessionResponse | None:
@@ -175,8 +202,11 @@ class WorkerStream:
             return self._failed(exc)
 
     def _failed(self, exc: grpc.RpcError) -> pb.SessionResponse:
-        """The stream broke (it is dropped): its error raised, or for ``UNAVAILABLE`` an answer saying so (retried)."""
-        code = exc.code()
+        """The stream broke (it is dropped): its error raised, or for a transient one an answer saying so (retried).
+
+        The stream has no deadline of its own (the watch's cancel is ours): DEADLINE_EXCEEDED here is transient.
+        """
+        code, details = exc.code(), exc.details() or ""
         expired = self._expired  # the deadline watch cancelled it
         self._reset()
         if code in _NO_SESSION:
@@ -184,9 +214,9 @@ class WorkerStream:
             raise _NoSession(code.name) from None
         if code == grpc.StatusCode.CANCELLED and expired:
             raise self._t.error("DEADLINE_EXCEEDED", f"no answer within {self._t.timeout}s") from None
-        if code != grpc.StatusCode.UNAVAILABLE:
-            raise self._t.error(code.name, exc.details() or "") from None
-        return pb.SessionResponse(error_code=code.name, error=exc.details() or "")
+        if not transient(code, details):
+            raise self._t.error(code.name, details) from None
+        return pb.SessionResponse(error_code=code.name, error=details, seq=_BROKEN)
 
     def _once(self, kind: str, message: Any) -> pb.SessionResponse | None:
         if self._responses is None:
