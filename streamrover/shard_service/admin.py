@@ -86,14 +86,24 @@ class AdminClient:
         return self._call(self._stub.ResumeDataset, pb.ResumeDatasetRequest(name=name, skip_lost=skip_lost))
 
     def commit_staged(
-        self, dataset: str, producer: str, part: str, epoch: int, files: Sequence[tuple[str, int]]
+        self,
+        dataset: str,
+        producer: str,
+        part: str,
+        epoch: int,
+        files: Sequence[tuple[str, int]],
+        settled: bool = False,
     ) -> pb.CommitStagedResponse:
         """Commit staged Parquet files ``(uri, records)`` to a staged dataset, once per (producer, part, epoch).
 
         A repeat of a committed key answers ``already_committed`` and adds nothing (safe to retry).
+        ``settled``: every epoch <= ``epoch`` of (producer, part) is committed or never will be, so the master
+        may delete their uncommitted staging (a producer that commits in order, as Spark does; see the .proto).
         """
         staged = [pb.StagedFile(uri=uri, records=records) for uri, records in files]
-        request = pb.CommitStagedRequest(dataset=dataset, producer=producer, part=part, epoch=epoch, files=staged)
+        request = pb.CommitStagedRequest(
+            dataset=dataset, producer=producer, part=part, epoch=epoch, files=staged, settled=settled
+        )
         return self._call(self._stub.CommitStaged, request)
 
     def status(self) -> pb.StatusResponse:

@@ -98,6 +98,10 @@ class LeaseLostError(StaleLeaseError):
     """This worker no longer holds the shard: stop applying its records."""
 
 
+class DataLostError(FailedPreconditionError):
+    """A leased shard's data can no longer be read (a file deleted before it was trained): the dataset failed."""
+
+
 class UnauthenticatedError(ShardServiceError):
     """The call carried no token or the wrong one (the master's state directory holds the right one)."""
 

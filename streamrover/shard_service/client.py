@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -35,6 +36,8 @@ from typing import Any, Literal, overload
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import (
     AckResult,
+    DataLostError,
+    FailedPreconditionError,
     InvalidArgumentError,
     LeaseGrant,
     LeaseStatus,
@@ -49,6 +52,7 @@ from streamrover.shard_service.pacing import Pacing, PrefetchPace
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import Source, open_source
 
+log = logging.getLogger(__name__)
 CLOSE_ACK_WAIT = 10.0  # seconds close() waits for queued acks (a master restarting comes back within this)
 
 
@@ -149,6 +153,30 @@ class ShardClient(CursorClient):
             self._hb_thread = threading.Thread(target=self._heartbeats, name="shard-heartbeat", daemon=True)
             self._hb_thread.start()
         return self.worker_id
+
+    def report_unreadable(self, lease: LeaseGrant, position: int, error: Exception) -> bool:
+        """Say ``lease``'s data could not be read from ``position`` (ReportUnreadable: the master checks it).
+
+        Raises :class:`DataLostError` when the master cannot read it either and failed the dataset (the default,
+        ``sr.on_data_loss=fail``); True when the loss was accounted (``skip``: the lease is gone), False when
+        the master reads the data (this worker's access is broken: the caller's error stands). Never silent:
+        the master logs it too.
+        """
+        request = pb.ReportUnreadableRequest(
+            worker_id=self.worker_id, shard_id=lease.shard_id, attempt=lease.attempt, position=position,
+            error=f"{type(error).__name__}: {error}"[:4000],
+        )  # fmt: skip
+        try:
+            answer = self._call(self._stub.ReportUnreadable, request)
+        except FailedPreconditionError as exc:  # the master reads it: this worker's access is broken
+            log.error("%s", exc)
+            return False
+        except NotFoundError:  # the shard is gone (dropped as lost by an earlier report, or its dataset removed)
+            return True
+        if answer.failed:
+            raise DataLostError(f"dataset {lease.dataset!r} failed: {answer.reason}") from error
+        log.error("dataset %s: %s (%d records accounted as lost)", lease.dataset, answer.reason, answer.lost_records)
+        return True
 
     def leave(self) -> int:
         """Leave the job: queued acks are sent first, then every lease still held goes back.

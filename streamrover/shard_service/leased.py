@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal, overload
 import pyarrow as pa
 
 from streamrover.shard_service.api import AckResult, FailedPreconditionError, LeaseGrant, LeaseLostError
-from streamrover.sources.api import Partition, ReadBatch, Source
+from streamrover.sources.api import Partition, ReadBatch, Source, SourceNotFoundError, SourceUnreadableError
 
 if TYPE_CHECKING:
     from streamrover.shard_service.client import ShardClient
@@ -46,6 +46,14 @@ class LeasedShard:
     def batches(self, batch_size: int = DEFAULT_BATCH_SIZE) -> Iterator[ReadBatch]:
         """The shard's records from its resume position to its end. Stops early if the lease is revoked."""
         part = Partition(self.lease.partition.id, self.lease.partition.start, self.lease.partition.end)
+        try:
+            yield from self._read(part, batch_size)
+        except (SourceNotFoundError, SourceUnreadableError) as exc:  # the data is gone? the master checks
+            if self.client.report_unreadable(self.lease, self.position, exc):  # DataLostError: the dataset failed
+                raise LeaseLostError(f"shard {self.shard_id!r}: its data is gone, skipped as lost: {exc}") from exc
+            raise
+
+    def _read(self, part: Partition, batch_size: int) -> Iterator[ReadBatch]:
         for batch in self.source.read(part, self.position, self.lease.end, batch_size):
             if self.revoked:
                 raise LeaseLostError(f"the lease on shard {self.shard_id!r} was revoked")

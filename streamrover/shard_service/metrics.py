@@ -51,6 +51,8 @@ class JobCollector(Collector):
         dead = _gauge("dataset_dead_letters", "records that failed to decode (sent to the dead-letter dataset)",
                       ["dataset"])  # fmt: skip
         failed = _gauge("dataset_failed", "1 when the dataset cannot go on (see its error)", ["dataset"])
+        lost = _gauge("dataset_lost_records", "records accounted as lost (deleted before they were trained; "
+                      "sr.on_data_loss=skip)", ["dataset"])  # fmt: skip
         finished = _gauge("dataset_finished", "1 when a batch dataset has every shard of every epoch acked",
                           ["dataset"])  # fmt: skip
         workers = _gauge("workers", "workers joined and alive")
@@ -75,6 +77,7 @@ class JobCollector(Collector):
                 planned.add_metric([name], ds.planned_records())
                 dead.add_metric([name], ds.dead_letters)
                 failed.add_metric([name], 1 if ds.failed else 0)
+                lost.add_metric([name], core.streams.upstream.lost_records(ds))
                 finished.add_metric([name], 1 if counts.finished else 0)
                 if ds.kind is SourceKind.STREAM:
                     total = 0
@@ -101,7 +104,7 @@ class JobCollector(Collector):
             commit_time = core.cut_book.last_commit_time
             uptime = now - core.started
             nodes = core.kv.scan(NODES_PREFIX)
-        yield from (lag, ds_lag, shards, records, planned, dead, failed, finished, workers, w_leases, w_records,
+        yield from (lag, ds_lag, shards, records, planned, dead, failed, lost, finished, workers, w_leases, w_records,
                     w_seen, events, acks, acked)  # fmt: skip
         yield GaugeMetricFamily(f"{PREFIX}_records_acked_per_second", "records acked per second, last few seconds",
                                 value=rps)  # fmt: skip

@@ -30,6 +30,7 @@ from streamrover.shard_service.poller import StreamPoller
 from streamrover.shard_service.reported import ReportedMetrics
 from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions, lease_limits, status_of
 from streamrover.shard_service.staged_rpc import commit_staged, delete_trained_files
+from streamrover.shard_service.unreadable import report_unreadable
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import (
@@ -237,6 +238,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             return pb.ListDatasetsResponse(datasets=[self._info(d) for _, d in sorted(self.core.datasets.items())])
 
     CommitStaged = _rpc(commit_staged)
+    ReportUnreadable = _rpc(report_unreadable)
     KvGet = _rpc(kv_get)  # the key-value RPCs (coordination state such as rendezvous)
     KvSet = _rpc(kv_set)
     KvDeleteRange = _rpc(kv_delete_range)

@@ -1,5 +1,7 @@
 """The ``CommitStaged`` RPC: files checked outside the service lock, committed under it, staging collected after.
 
+Staging is collected only after a ``settled`` commit (see the .proto): what no commit can still claim.
+
 The servicer binds :func:`commit_staged` as its ``CommitStaged`` method (``server.py``).
 """
 
@@ -87,5 +89,6 @@ def commit_staged(self: ShardServicer, request: pb.CommitStagedRequest, context:
             outcome = self.core.staged.commit_staged(*key, facts)
             if not outcome.already:
                 self.cond.notify_all()  # lease calls waiting for shards
-    collect_garbage(outcome, request.producer, request.part, request.epoch)
+    if request.settled:  # else a commit of an earlier epoch may still come (Flink): nothing is garbage yet
+        collect_garbage(outcome, request.producer, request.part, request.epoch)
     return pb.CommitStagedResponse(already_committed=outcome.already, records=outcome.records)

@@ -71,7 +71,9 @@ class SparkTrainingSink:
         if not self._ready:
             self._ensure_dataset(df, files)
         staged = [(uri, rows) for uri, rows in files if rows]
-        answer = self.client.commit_staged(self.dataset, producer, PART, batch_id, staged)
+        # settled: Spark runs batch N+1 only once batch N's foreachBatch returned (its commit landed), so no
+        # earlier batch is committed again but the ones committed: their other staging is garbage
+        answer = self.client.commit_staged(self.dataset, producer, PART, batch_id, staged, settled=True)
         self.history.append((batch_id, answer.records, answer.already_committed))
         if answer.already_committed:
             log.info("batch %d of query %s was committed before (a replay): nothing added", batch_id, producer)

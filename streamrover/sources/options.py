@@ -197,9 +197,15 @@ class RocketMQOptions(_BrokerReadOptions):
 
 
 class FileOptions(_Options):
-    """Batch files take no ``sr.`` option; ``cache_partitions`` (no prefix) is how many decoded files to keep."""
+    """Batch files take ``sr.on_data_loss``; ``cache_partitions`` (no prefix) is how many decoded files to keep."""
 
     cache_partitions: int = Field(2, ge=0, description="an integer >= 0 (decoded partitions kept in memory)")
+    on_data_loss: Literal["fail", "skip"] = Field(
+        "fail",
+        alias="sr.on_data_loss",
+        description="fail or skip: a file deleted before its records were trained fails the dataset, or with skip "
+        "its untrained records are accounted as lost",
+    )
 
     @classmethod
     def parse(cls: type[M], options: Mapping[str, str], source: str = "file", **implied: str) -> M:

@@ -77,7 +77,7 @@ def test_commit_makes_leasable_shards_once_per_key(client: ShardClient, staging:
     assert [p.id for p in d.partitions] == [a[0], b[0]]
 
     c = stage(staging / "q1" / "driver" / "0" / "c.parquet", range(30, 40))  # a replayed batch's new copy
-    again = client.commit_staged("clicks", "q1", "driver", 0, [c])
+    again = client.commit_staged("clicks", "q1", "driver", 0, [c], settled=True)  # Spark: batches in order
     assert (again.already_committed, again.records) == (True, 30), "a replayed key must add nothing"
     assert info(client).total_records == 30
     assert not Path(c[0]).exists(), "the replay's staging must be collected"
@@ -92,19 +92,32 @@ def test_commit_makes_leasable_shards_once_per_key(client: ShardClient, staging:
     assert client.commit_staged("clicks", "q1", "driver", 1, []).already_committed
 
 
-def test_uncommitted_staging_of_earlier_epochs_is_collected(client: ShardClient, staging: Path) -> None:
+def test_uncommitted_staging_of_earlier_epochs_is_collected_once_settled(client: ShardClient, staging: Path) -> None:
     base = staging / "job" / "3"
     lost_attempt = stage(base / "4" / "attempt-1.parquet", range(0, 5))  # staged for epoch 4, never committed
     mine = stage(base / "5" / "ok.parquet", range(0, 5))
     stray = stage(base / "5" / "failed-attempt.parquet", range(5, 9))
     later = stage(base / "6" / "next.parquet", range(9, 12))  # the next checkpoint, being staged now
     other = stage(staging / "job" / "4" / "2" / "x.parquet", range(12, 13))  # another subtask's
-    client.commit_staged("clicks", "job", "3", 5, [mine])
+    client.commit_staged("clicks", "job", "3", 5, [mine], settled=True)
     assert Path(mine[0]).exists(), "committed files stay (workers read them)"
     assert not Path(lost_attempt[0]).exists() and not Path(stray[0]).exists()
     assert Path(later[0]).exists() and Path(other[0]).exists(), "later epochs and other parts are not touched"
-    client.commit_staged("clicks", "job", "3", 6, [later])
+    client.commit_staged("clicks", "job", "3", 6, [later], settled=True)
     assert Path(mine[0]).exists() and Path(later[0]).exists(), "earlier commits' files are kept"
+
+
+def test_an_earlier_epochs_staging_outlives_a_later_commit_unless_settled(client: ShardClient, staging: Path) -> None:
+    """Flink may retry checkpoint 4's commit after checkpoint 5's landed (or replay it from a restore): a commit
+    that is not settled collects nothing, and 4's commit then lands whole (the rows lost before: issue 26)."""
+    base = staging / "job" / "3"
+    pending = stage(base / "4" / "part-0.parquet", range(0, 5))  # checkpoint 4: its commit failed, to be retried
+    mine = stage(base / "5" / "ok.parquet", range(5, 9))
+    client.commit_staged("clicks", "job", "3", 5, [mine])
+    assert Path(pending[0]).exists(), "checkpoint 4's files were collected while its commit could still come"
+    late = client.commit_staged("clicks", "job", "3", 4, [pending])
+    assert (late.already_committed, late.records) == (False, 5)
+    assert sorted(read_all(client, "clicks")) == list(range(9))
 
 
 def test_trained_files_are_deleted_once_no_restore_can_need_them(client: ShardClient, staging: Path) -> None:

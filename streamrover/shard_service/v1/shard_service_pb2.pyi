@@ -1416,9 +1416,14 @@ class StagedFile(google.protobuf.message.Message):
     `records`, whose schema differs from the dataset's, that is named twice, or that is already a
     partition of the dataset; NOT_FOUND: no such dataset; FAILED_PRECONDITION: the dataset is not staged.
 
-    Garbage collection: once (producer, part, N) is committed (or a commit of it is replayed), files
-    under <sr.staging_dir>/<producer>/<part>/<e>/ with an integer e <= N that no commit of that
-    (producer, part) names are deleted (a failed attempt's staging, a replayed batch's second copy).
+    Garbage collection deletes only staging that no commit can still claim. With `settled` (the producer
+    commits its epochs in order and never commits an epoch <= N again but the ones committed: Spark, whose
+    batch N+1 runs only once batch N's commit is in the query's commit log), once (producer, part, N) is
+    committed (or a commit of it is replayed), files under <sr.staging_dir>/<producer>/<part>/<e>/ with an
+    integer e <= N that no commit of that (producer, part) names are deleted (a failed attempt's staging, a
+    replayed batch's second copy). Without it (Flink: a checkpoint's commit may be retried after a later
+    one's landed, and a restore replays older ones) the master deletes nothing; the sink's writer deletes
+    what it alone knows was abandoned (the epochs after the checkpoint it restored from).
     """
 
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
@@ -1448,6 +1453,7 @@ class CommitStagedRequest(google.protobuf.message.Message):
     PART_FIELD_NUMBER: builtins.int
     EPOCH_FIELD_NUMBER: builtins.int
     FILES_FIELD_NUMBER: builtins.int
+    SETTLED_FIELD_NUMBER: builtins.int
     dataset: builtins.str
     """a dataset registered with uri "staged://<anything>", format parquet"""
     producer: builtins.str
@@ -1456,6 +1462,8 @@ class CommitStagedRequest(google.protobuf.message.Message):
     """Flink subtask index / Spark partition or "driver": [A-Za-z0-9_.-]{1,128}"""
     epoch: builtins.int
     """Flink checkpoint id / Spark batch id (>= 0)"""
+    settled: builtins.bool
+    """every epoch <= this one of (producer, part) is committed or never will be (see above)"""
     @property
     def files(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___StagedFile]:
         """may be empty (an empty checkpoint/batch: the key is committed all the same)"""
@@ -1468,8 +1476,9 @@ class CommitStagedRequest(google.protobuf.message.Message):
         part: builtins.str = ...,
         epoch: builtins.int = ...,
         files: collections.abc.Iterable[global___StagedFile] | None = ...,
+        settled: builtins.bool = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "epoch", b"epoch", "files", b"files", "part", b"part", "producer", b"producer"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "epoch", b"epoch", "files", b"files", "part", b"part", "producer", b"producer", "settled", b"settled"]) -> None: ...
 
 global___CommitStagedRequest = CommitStagedRequest
 
@@ -1492,6 +1501,69 @@ class CommitStagedResponse(google.protobuf.message.Message):
     def ClearField(self, field_name: typing.Literal["already_committed", b"already_committed", "records", b"records"]) -> None: ...
 
 global___CommitStagedResponse = CommitStagedResponse
+
+@typing.final
+class ReportUnreadableRequest(google.protobuf.message.Message):
+    """---------------------------------------------------------- data that can no longer be read
+    A worker that cannot read a leased shard because its data is gone (a staged or batch file deleted, a
+    source that says the positions no longer exist) says so. The master reads the same positions itself: if
+    it cannot either, the records are lost, and loss is never silent: the dataset fails naming the
+    partition and positions (leases refused FAILED_PRECONDITION; status and /metrics show it), or, with
+    sr.on_data_loss=skip, the unread positions are accounted as lost (status, /metrics, every cursor's lost
+    part) and the partition's remaining shards are dropped. If the master can read them, the worker's own
+    access is broken: FAILED_PRECONDITION says so, and nothing changes. Idempotent: a repeat finds the
+    dataset failed or the positions lost already.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: builtins.int
+    SHARD_ID_FIELD_NUMBER: builtins.int
+    ATTEMPT_FIELD_NUMBER: builtins.int
+    POSITION_FIELD_NUMBER: builtins.int
+    ERROR_FIELD_NUMBER: builtins.int
+    worker_id: builtins.str
+    shard_id: builtins.str
+    attempt: builtins.int
+    position: builtins.int
+    """the first position the worker could not read"""
+    error: builtins.str
+    """the worker's error"""
+    def __init__(
+        self,
+        *,
+        worker_id: builtins.str = ...,
+        shard_id: builtins.str = ...,
+        attempt: builtins.int = ...,
+        position: builtins.int = ...,
+        error: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["attempt", b"attempt", "error", b"error", "position", b"position", "shard_id", b"shard_id", "worker_id", b"worker_id"]) -> None: ...
+
+global___ReportUnreadableRequest = ReportUnreadableRequest
+
+@typing.final
+class ReportUnreadableResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    FAILED_FIELD_NUMBER: builtins.int
+    LOST_RECORDS_FIELD_NUMBER: builtins.int
+    REASON_FIELD_NUMBER: builtins.int
+    failed: builtins.bool
+    """the dataset failed (sr.on_data_loss=fail)"""
+    lost_records: builtins.int
+    """records accounted as lost (sr.on_data_loss=skip)"""
+    reason: builtins.str
+    def __init__(
+        self,
+        *,
+        failed: builtins.bool = ...,
+        lost_records: builtins.int = ...,
+        reason: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["failed", b"failed", "lost_records", b"lost_records", "reason", b"reason"]) -> None: ...
+
+global___ReportUnreadableResponse = ReportUnreadableResponse
 
 @typing.final
 class SessionRequest(google.protobuf.message.Message):

@@ -139,6 +139,11 @@ class ShardServiceStub(object):
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.SerializeToString,
                 response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedResponse.FromString,
                 _registered_method=True)
+        self.ReportUnreadable = channel.unary_unary(
+                '/streamrover.v1.ShardService/ReportUnreadable',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportUnreadableRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportUnreadableResponse.FromString,
+                _registered_method=True)
         self.WorkerSession = channel.stream_stream(
                 '/streamrover.v1.ShardService/WorkerSession',
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.SessionRequest.SerializeToString,
@@ -275,6 +280,12 @@ class ShardServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportUnreadable(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WorkerSession(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -388,6 +399,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.CommitStaged,
                     request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.FromString,
                     response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedResponse.SerializeToString,
+            ),
+            'ReportUnreadable': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportUnreadable,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportUnreadableRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportUnreadableResponse.SerializeToString,
             ),
             'WorkerSession': grpc.stream_stream_rpc_method_handler(
                     servicer.WorkerSession,
@@ -962,6 +978,33 @@ class ShardService(object):
             '/streamrover.v1.ShardService/CommitStaged',
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedRequest.SerializeToString,
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.CommitStagedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportUnreadable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrover.v1.ShardService/ReportUnreadable',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportUnreadableRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportUnreadableResponse.FromString,
             options,
             channel_credentials,
             insecure,

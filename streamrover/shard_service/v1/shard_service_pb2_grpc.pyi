@@ -135,6 +135,11 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse,
     ]
 
+    ReportUnreadable: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.ReportUnreadableRequest,
+        streamrover.shard_service.v1.shard_service_pb2.ReportUnreadableResponse,
+    ]
+
     WorkerSession: grpc.StreamStreamMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.SessionRequest,
         streamrover.shard_service.v1.shard_service_pb2.SessionResponse,
@@ -244,6 +249,11 @@ class ShardServiceAsyncStub:
     CommitStaged: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.CommitStagedRequest,
         streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse,
+    ]
+
+    ReportUnreadable: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.ReportUnreadableRequest,
+        streamrover.shard_service.v1.shard_service_pb2.ReportUnreadableResponse,
     ]
 
     WorkerSession: grpc.aio.StreamStreamMultiCallable[
@@ -398,6 +408,13 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.CommitStagedRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.CommitStagedResponse]]: ...
+
+    @abc.abstractmethod
+    def ReportUnreadable(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.ReportUnreadableRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.ReportUnreadableResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.ReportUnreadableResponse]]: ...
 
     @abc.abstractmethod
     def WorkerSession(
