@@ -26,6 +26,7 @@ from streamrover.cursor import DataCursor
 from streamrover.operator import cli as operator_cli
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, DatasetSpec, ShardServiceError
 from streamrover.sources.api import SourceError
+from streamrover.tokens import resolve_token
 
 LOG_WIDTH = 4096  # columns of a console that is not a terminal: tables take their natural width
 
@@ -47,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1 only)")
     m.add_argument("--port", type=int, default=7070, help="port (0 = pick a free one)")
     m.add_argument("--token", default=os.environ.get("STREAMROVER_TOKEN"), help="auth token (default: STATE_DIR/token)")
+    m.add_argument("--token-file", default=None, help="read the auth token from this file")
     m.add_argument("--lease-ttl", type=float, default=DEFAULT_LEASE_TTL, help="seconds a lease lives without heartbeat")
     m.add_argument("--durability", choices=["normal", "fsync"], default="normal")
     m.add_argument("--address-file", default=None, help="write HOST:PORT here once listening")
@@ -122,9 +124,7 @@ def _options(pairs: list[str]) -> dict[str, str]:
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from streamrover.shard_service.client import ShardClient
 
-    token = args.token
-    if token is None and args.token_file:
-        token = Path(args.token_file).read_text().strip()
+    token = resolve_token(args.token, args.token_file)
     return ShardClient(args.master, token=token, heartbeat=False, timeout=args.timeout)
 
 
@@ -132,7 +132,7 @@ def _run_master(args: argparse.Namespace) -> int:
     from streamrover.shard_service.master import MasterServer, load_or_create_token
 
     state_dir = Path(args.state_dir)
-    token = args.token or load_or_create_token(state_dir)
+    token = resolve_token(args.token, args.token_file) or load_or_create_token(state_dir)
     http_port = args.http_port
     if http_port is None:
         http_port = args.port + 1 if args.port else 0
@@ -145,7 +145,7 @@ def _run_master(args: argparse.Namespace) -> int:
         tmp.write_text(server.address + "\n")
         tmp.rename(args.address_file)
     print(f"streamrover master listening on {server.address}; state in {state_dir}", flush=True)
-    if not args.token:
+    if not args.token and not args.token_file:
         print(f"token: {state_dir / 'token'}", flush=True)
     if server.dashboard is not None:  # the token is never printed: the page asks for it (or takes it after #token=)
         print(f"dashboard: {server.dashboard.url} (Prometheus: {server.dashboard.url}metrics)", flush=True)
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                         )  # fmt: skip
                     console.print(parts)
         return 0
-    except (ShardServiceError, SourceError) as exc:
+    except (ShardServiceError, SourceError, ValueError) as exc:  # ValueError: a token file that cannot be read
         console.print(f"[red]error:[/red] {exc}")
         return 2
     except KeyboardInterrupt:

@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import os
-import secrets
 import tempfile
 import threading
 import time
@@ -37,6 +36,7 @@ from streamrover.operator.jobs import JobDir
 from streamrover.operator.k8s import GROUP, PLURAL, TOKEN_KEY, VERSION, K8sConfig, K8sPlatform
 from streamrover.operator.k8s_jobs import stop_requested
 from streamrover.operator.spec import JobSpec, SpecError, parse_spec
+from streamrover.tokens import new_token
 
 log = logging.getLogger(__name__)
 STATUS_EVERY = 5.0  # seconds between unchanged status writes
@@ -152,7 +152,7 @@ def job_token(api: Any, namespace: str, name: str) -> str:
     except ApiException as exc:
         if exc.status != 404:
             raise
-    return secrets.token_urlsafe(24)
+    return new_token()
 
 
 def run_job(api: Any, body: dict[str, Any], stopped: Any, config: K8sConfig, workdir: Path) -> None:

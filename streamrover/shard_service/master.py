@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import secrets
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -20,6 +19,7 @@ from streamrover.shard_service.server import ShardServicer
 from streamrover.shard_service.statelock import StateDirLock
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.shard_service.web import Dashboard, write_address
+from streamrover.tokens import new_token
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def load_or_create_token(state_dir: Path) -> str:
     if path.exists():
         return path.read_text().strip()
     state_dir.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(24)
+    token = new_token()
     path.touch(mode=0o600)
     path.write_text(token + "\n")
     return token

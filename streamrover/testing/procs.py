@@ -52,8 +52,7 @@ class MasterProcess:
             str(self.state_dir),
             "--port",
             str(self.port),
-            "--token",
-            self.token,
+            f"--token={self.token}",  # one '=' form: a token starting with '-' is not taken for a flag
             "--lease-ttl",
             str(self.lease_ttl),
         ]

@@ -35,6 +35,7 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser
 
 from streamrover.ckpt import namespace_for, saver_address
+from streamrover.tokens import resolve_token
 from streamrover.trainers.standby import StandbyPool
 from streamrover.trainers.torch import env
 from streamrover.trainers.torch.agent import HealthReporter, StreamroverAgent
@@ -53,6 +54,8 @@ def build_parser() -> ArgumentParser:
     group.add_argument("--shard-service", "--shard_service", default=os.environ.get(env.MASTER),
                        help="HOST:PORT of the job master (shard service); default $STREAMROVER_MASTER")  # fmt: skip
     group.add_argument("--token", default=os.environ.get(env.TOKEN, ""), help="bearer token of the job master")
+    group.add_argument("--token-file", "--token_file", default=None,
+                       help="read the job master's token from this file (e.g. STATE_DIR/token)")  # fmt: skip
     group.add_argument("--ckpt-dir", "--ckpt_dir", default=os.environ.get(env.CKPT_DIR),
                        help="flash-checkpoint root (a directory or fsspec URL); the agent hosts its saver")  # fmt: skip
     group.add_argument("--node-id", "--node_id", default=None,
@@ -68,6 +71,10 @@ def build_parser() -> ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> Namespace:
     """Parse ``argv`` as ``dlrover-run`` does (``--standalone``, a single static node: a private store)."""
     args = build_parser().parse_args(argv)
+    try:
+        args.token = resolve_token(args.token, args.token_file)
+    except ValueError as exc:
+        raise SystemExit(f"dlrover-run: {exc}") from None
     if args.standalone:  # as torchrun's run(): c10d on a private store
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
