@@ -68,6 +68,7 @@ from streamrover.sources.kafka_client import (
     check_client_options,
     non_consumer_options,
     parse_uri,
+    with_logger,
 )
 from streamrover.sources.options import KafkaOptions, client_options
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
@@ -181,14 +182,14 @@ class KafkaSource(Source):
     # -- clients ------------------------------------------------------------
     def _admin_client(self) -> AdminClient:
         if self._admin is None:
-            self._admin = AdminClient(non_consumer_options(self.rdkafka))
+            self._admin = AdminClient(with_logger(non_consumer_options(self.rdkafka)))
         return self._admin
 
     def _consumer_client(self) -> Consumer:
         if self._consumer is None:
             conf = {**SHARD_READ_DEFAULTS, **self.rdkafka}
             conf.update({"enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "error"})
-            self._consumer = Consumer(conf)
+            self._consumer = Consumer(with_logger(conf))
         return self._consumer
 
     def _pid(self, partition_id: str) -> int:

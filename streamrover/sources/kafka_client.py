@@ -6,7 +6,11 @@ does not depend on the source's state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer
@@ -17,6 +21,48 @@ from streamrover.sources.serde import DeadLetters, Message
 
 REQUEST_TIMEOUT = 10.0  # seconds an admin request, a commit or a dead-letter flush may take
 _CONSUMER_ONLY = ("group.", "isolation.", "enable.", "auto.")  # settings an admin client or producer refuses
+
+
+class RepeatFilter(logging.Filter):
+    """Passes a line at most once per ``every`` seconds when it repeats (the same text but for its numbers).
+
+    librdkafka logs "Connect to ... failed: Connection refused" every ~50 ms while a broker is down (755 lines in
+    40 s in a chief's log). The first line passes; repeats within ``every`` seconds are counted, and the next
+    one that passes says how many were suppressed.
+    """
+
+    def __init__(self, every: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.every = every
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, int]] = {}  # shape -> (when it last passed, repeats suppressed since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        shape = re.sub(r"\d+", "#", record.getMessage())
+        now = self.clock()
+        with self._lock:
+            last, suppressed = self._seen.get(shape, (float("-inf"), 0))
+            if now - last < self.every:
+                self._seen[shape] = (last, suppressed + 1)
+                return False
+            if len(self._seen) > 1000:  # shapes of lines long gone
+                self._seen.clear()
+            self._seen[shape] = (now, 0)
+        if suppressed:
+            record.msg = f"{record.getMessage()} ({suppressed} like it suppressed in the last {self.every:.0f}s)"
+            record.args = None
+        return True
+
+
+#: where librdkafka's own log lines go (instead of stderr), repeats rate-limited
+RDKAFKA_LOG = logging.getLogger("streamrover.sources.kafka.rdkafka")
+RDKAFKA_LOG.addFilter(RepeatFilter())
+
+
+def with_logger(conf: Mapping[str, Any]) -> dict[str, Any]:
+    """``conf`` with librdkafka's log sent to :data:`RDKAFKA_LOG` (unless the user gave a ``logger``)."""
+    return {"logger": RDKAFKA_LOG, **conf}
 
 
 def non_consumer_options(rdkafka: Mapping[str, Any]) -> dict[str, Any]:
