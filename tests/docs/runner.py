@@ -82,7 +82,8 @@ class Session:
             log.write(f"\n### {block.where} (bash)\n".encode())
             log.flush()
             proc = subprocess.Popen(["bash", "-c", wrapper], cwd=self.cwd, env=self.env, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)  # fmt: skip
         self._groups.append(proc.pid)
         try:
             rc = proc.wait(timeout=BLOCK_TIMEOUT)
