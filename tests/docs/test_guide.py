@@ -38,7 +38,8 @@ NEEDS: dict[str, set[str]] = {
 
 def metric_names() -> set[str]:
     """Every metric the master exposes, read from its collector's source (counters with ``_total``)."""
-    (source,) = (ROOT / "streamrover" / "shard_service").rglob("metrics.py")
+    (source,) = [p for p in (ROOT / "streamrover" / "shard_service").rglob("metrics.py")
+                 if "class JobCollector" in p.read_text()]  # fmt: skip  (wherever the master's side keeps it)
     text = source.read_text()
     names = set(re.findall(r'_gauge(?:_value)?\(\s*"(\w+)"', text))
     names |= set(re.findall(r'GaugeMetricFamily\(\s*f"\{PREFIX\}_(\w+)"', text))
