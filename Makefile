@@ -5,15 +5,15 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Extras the test suite needs; grows as issues land (kafka, torch, ...).
-TEST_EXTRAS ?= dev,ckpt,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s,ctr,spark
+TEST_EXTRAS ?= dev,ckpt,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s,ctr,spark,docs
 # pyspark is published as a source distribution only (pure Python and its jars, nothing is compiled): it cannot be
 # --only-binary; everything else that could backtrack into a failing source build is.
-PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,ray,apache-beam,apache-flink,matplotlib,river
+PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,ray,apache-beam,apache-flink,matplotlib,river,mkdocs,mkdocs-material
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
 
-.PHONY: setup install demo demo-backfill test lint bench clean proto jars browser k8s-build-start k8s flink-sink
+.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s flink-sink
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ lint: install
 	$(BIN)/ruff check streamrover tests benchmarks examples
 	$(BIN)/mypy
 	PYTHON=$(BIN)/python scripts/gen-proto.sh --check
+	# --strict: a broken link fails (not with --quiet, which hides the warnings strict mode counts)
+	site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d "$$site"
+
+# The user guide (docs/guide/, mkdocs.yml) at http://127.0.0.1:8000
+docs: install
+	$(BIN)/mkdocs serve
 
 jars:
 	bash scripts/fetch-jars.sh
