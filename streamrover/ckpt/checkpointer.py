@@ -58,6 +58,9 @@ class Checkpointer:
         job: a job name that separates namespaces of jobs sharing a root on one node.
         linger: seconds an auto-started saver stays up with no trainer connected.
         persist_on_exit: the saver persists unpersisted snapshots when this trainer dies.
+        on_durable: called with the step of every checkpoint whose manifest this rank's saver published (after
+            its cut is committed), on a background thread: a serving exporter's hook (streamrover.serving). It
+            must not block for long; an exception from it is logged, never raised into training.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class Checkpointer:
         persist_on_exit: bool = True,
         storage_options: dict[str, Any] | None = None,
         checksum: str = CHECKSUM_ALGO,
+        on_durable: Callable[[int], None] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
@@ -99,6 +103,7 @@ class Checkpointer:
         self._persist_on_exit = persist_on_exit
         self._storage_options = storage_options
         self._checksum = checksum
+        self.on_durable = on_durable
         self._link: SaverLink | None = None
         self._cond = threading.Condition()
         self._busy: set[int] = set()  # buffers the saver is reading
@@ -250,6 +255,11 @@ class Checkpointer:
                 else:
                     log.warning("commit_cut(%s) for step %d failed: %s", result.cut_id, result.step, exc)
                     results.append(PersistResult(result.step, False, True, result.cut_id, f"commit_cut: {exc}"))
+        if result.ok and result.manifest_published and self.on_durable is not None:
+            try:
+                self.on_durable(result.step)
+            except Exception:  # a hook's failure must not fail the persist (it is the hook's to report)
+                log.exception("on_durable(%d) failed", result.step)
         with self._cond:
             self._busy.discard(index)
             self._results.extend(results)

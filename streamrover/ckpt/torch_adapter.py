@@ -139,15 +139,22 @@ class TorchCheckpoint:
         return self.replicate or self.checkpointer.rank == 0
 
     def save(
-        self, step: int, *, extra: dict[str, Any] | None = None, persist: bool = True, cursor: DataCursor | None = None
+        self,
+        step: int,
+        *,
+        extra: dict[str, Any] | None = None,
+        persist: bool = True,
+        cursor: DataCursor | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> None:
-        """Snapshot the model and optimizer at ``step`` (see the class docstring for ``overlap``)."""
+        """Snapshot the model and optimizer at ``step`` (see the class docstring for ``overlap``); ``meta`` (JSON)
+        goes into the part document (what the trainer reported, for a serving export's lineage)."""
         if not self._saves_state():
-            self.checkpointer.save(step, {}, cursor=cursor, persist=persist)
+            self.checkpointer.save(step, {}, cursor=cursor, persist=persist, meta=meta)
             return
         state = torch_state(self.model, self.optimizer, extra)
         defer = optimizer_owned(self.optimizer) if self.overlap else None
-        self.checkpointer.save(step, state, cursor=cursor, persist=persist, defer=defer)
+        self.checkpointer.save(step, state, cursor=cursor, persist=persist, defer=defer, meta=meta)
 
     def wait(self) -> None:
         """Wait until the last save's snapshot is complete (a no-op without ``overlap``)."""

@@ -1,0 +1,254 @@
+"""Export durable torch checkpoints as ONNX versions of a model repository (the rules: serving/api.py).
+
+Trainer side (``StreamSession(export=...)`` does all of this)::
+
+    exporter = TorchExporter(ExportConfig("/srv/models", name="ctr"), ckpt_url, make_model, example_inputs,
+                             input_names=["cats", "nums"], output_names=["logit"], select="net.")
+    checkpointer = Checkpointer(ckpt_url, ..., on_durable=exporter.on_durable)
+    loaded = checkpointer.load()                 # resume from step K
+    exporter.start(loaded.step)                  # retire versions > K; export durable checkpoints with none
+    ...                                          # each durable checkpoint: exported in the background
+    exporter.close()
+
+The exporter reads each checkpoint back from storage (verified) into a fresh model built by
+``model_factory`` and exports that, so a version is the checkpoint's state, never the live model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from streamrover.ckpt.api import CorruptCheckpointError
+from streamrover.ckpt.layout import MANIFEST, complete_steps, read_manifest, read_part, step_dir
+from streamrover.ckpt.storage import Storage, checksum
+from streamrover.serving.api import (
+    BASE,
+    DELTA,
+    DELTA_FILE,
+    FULL,
+    MODEL_FILE,
+    TABLES_FILE,
+    CheckpointGoneError,
+    ExportConfig,
+    ExportError,
+    VersionInfo,
+)
+from streamrover.serving.repository import ModelRepository
+from streamrover.serving.tables import TOUCHED_KEY, delta_arrays, dump_arrays
+
+log = logging.getLogger(__name__)
+
+
+def triton_config(name: str, max_batch_size: int = 0) -> str:
+    """``config.pbtxt`` for Triton's onnxruntime backend (inputs and outputs are auto-completed from the graph)."""
+    return (f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: {max_batch_size}\n'
+            "version_policy: { latest: { num_versions: 1 } }\n")  # fmt: skip
+
+
+class _TablesAsInputs:
+    """Wraps a module so that its tracked tables are graph inputs, not weights (built lazily: torch)."""
+
+    @staticmethod
+    def build(model: Any, tables: list[str], n_inputs: int) -> Any:
+        from torch import nn
+
+        modules = dict(model.named_modules())
+        owners = [t.rsplit(".", 1)[0] for t in tables]
+
+        class Wrapper(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = model
+
+            def forward(self, *args: Any) -> Any:
+                inputs, weights = args[:n_inputs], args[n_inputs:]
+                saved = {}
+                for owner, weight in zip(owners, weights, strict=True):
+                    saved[owner] = modules[owner]._parameters.pop("weight")
+                    modules[owner].weight = weight  # traced as an input, not an initializer
+                try:
+                    return self.inner(*inputs)
+                finally:
+                    for owner in owners:
+                        del modules[owner].weight
+                        modules[owner]._parameters["weight"] = saved[owner]
+
+        return Wrapper()
+
+
+class TorchExporter:
+    """Exports the durable checkpoints of ``ckpt_url`` to ``config.repository`` (see the module docstring).
+
+    Args:
+        config: the repository, name, retention and base cadence.
+        ckpt_url: the checkpoint root the trainer persists to (and its ``storage_options``).
+        model_factory: builds the served module with fresh weights (no tracker hooks needed).
+        example_inputs: a batch for tracing (the batch dimension is exported dynamic).
+        select: the prefix of the served module's keys in the checkpoint's ``model`` state (``"net."``).
+        tables: the tracked tables' parameter names (``RowTracker.params``); None: no deltas, full exports.
+    """
+
+    def __init__(
+        self,
+        config: ExportConfig,
+        ckpt_url: str,
+        model_factory: Callable[[], Any],
+        example_inputs: Sequence[Any],
+        *,
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+        select: str = "",
+        tables: Sequence[str] | None = None,
+        ckpt_storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if len(input_names) != len(example_inputs):
+            raise ValueError(f"{len(input_names)} input names for {len(example_inputs)} example inputs")
+        self.config = config
+        self.repo = ModelRepository(config.repository, config.name, config.storage_options)
+        self.ckpt = Storage(ckpt_url, ckpt_storage_options)
+        self.model_factory = model_factory
+        self.example_inputs = tuple(example_inputs)
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self.select = select
+        self.tables = list(tables or [])
+        self.exported: list[int] = []  # versions this exporter published, in order
+        self.errors: list[str] = []
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()  # one export at a time (catch_up from start and from the worker)
+
+    # -- the trainer's hooks ----------------------------------------------------------------
+    def start(self, resumed_step: int) -> list[int]:
+        """The trainer resumed from ``resumed_step`` (0: fresh): retire versions above it, remove temporaries of
+        cut-short publishes, export every durable checkpoint with no version yet; returns the versions exported."""
+        self.repo.clean_temporaries()
+        self.repo.retire_after(resumed_step)
+        return self.catch_up()
+
+    def on_durable(self, step: int) -> None:
+        """The checkpoint of ``step`` is durable (``Checkpointer(on_durable=...)``): export it in the background."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="streamrover-export", daemon=True)
+            self._worker.start()
+        self._queue.put(step)
+
+    def _run(self) -> None:
+        while (step := self._queue.get()) is not None:
+            try:
+                self.catch_up()
+            except Exception as exc:  # reported by close(); the next durable checkpoint retries
+                log.exception("export after durable step %d failed", step)
+                self.errors.append(f"step {step}: {exc}")
+
+    def close(self, timeout: float | None = 300.0) -> None:
+        """Finish queued exports; raise :class:`ExportError` naming any that failed."""
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(timeout)
+            self._worker = None
+        if self.errors:
+            raise ExportError("exports failed: " + "; ".join(self.errors))
+
+    # -- exporting ------------------------------------------------------------------------
+    def catch_up(self) -> list[int]:
+        """Export, oldest first, every durable checkpoint newer than the newest version; returns them."""
+        with self._lock:
+            versions = self.repo.versions()
+            newest = versions[-1] if versions else -1
+            done = []
+            for step in complete_steps(self.ckpt):
+                if step <= newest:
+                    continue
+                try:
+                    if self.export_step(step):
+                        done.append(step)
+                except CheckpointGoneError as exc:
+                    log.warning("%s", exc)
+            return done
+
+    def export_step(self, step: int) -> bool:
+        """Export the durable checkpoint of ``step`` as version ``step``; False if that version exists."""
+        try:
+            manifest_blob = bytes(self.ckpt.read(self.ckpt.join(step_dir(step), MANIFEST)))
+            manifest = read_manifest(self.ckpt, step)
+            part, state, _cursor = read_part(self.ckpt, manifest, 0)
+        except (FileNotFoundError, CorruptCheckpointError) as exc:
+            if not self.ckpt.exists(self.ckpt.join(step_dir(step), MANIFEST)):
+                raise CheckpointGoneError(f"checkpoint {step} was removed before it was exported ({exc}); keep "
+                                          "more checkpoints (RetentionPolicy keep_last)") from exc  # fmt: skip
+            raise ExportError(f"checkpoint {step} cannot be read for export: {exc}") from exc
+        versions = [v for v in self.repo.versions() if v < step]
+        info = VersionInfo(
+            version=step,
+            kind=FULL,
+            parent=None,
+            base=None,
+            checkpoint={
+                "url": self.ckpt.root,
+                "step": step,
+                "manifest_checksum": checksum(manifest_blob),
+                "cut_ids": manifest.get("cut_ids", []),
+            },
+            lineage=manifest.get("lineage", {}),
+            cursor=manifest["cursor"],
+            reported=dict((part.get("meta") or {}).get("reported") or {}),
+            inputs=[*self.input_names, *self.tables],
+            outputs=self.output_names,
+        )
+        model_state = {k[len(self.select):]: v for k, v in state["model"].items() if k.startswith(self.select)}
+        files = {MODEL_FILE: self._onnx(model_state)}
+        if self.tables:
+            tables = {t: np.array(model_state[t].numpy(), copy=True) for t in self.tables}
+            info.tables = {t: {"shape": list(a.shape), "dtype": str(a.dtype)} for t, a in tables.items()}
+            parent = self.repo.info(versions[-1]) if versions else None
+            chain = self.repo.chain(parent.version) if parent is not None and parent.kind != FULL else []
+            if not chain or len(chain) >= self.config.base_every:
+                info.kind, info.base = BASE, step
+                files[TABLES_FILE] = dump_arrays(tables)
+            else:
+                assert parent is not None
+                touched = ((state.get("extra") or {}).get(TOUCHED_KEY)) or {}
+                stamps = {k: np.asarray(v.numpy()) for k, v in touched.items()}
+                info.kind, info.parent, info.base = DELTA, parent.version, chain[0].version
+                files[DELTA_FILE] = dump_arrays(delta_arrays(tables, stamps, parent.version))
+        self.repo.ensure_config(triton_config(self.config.name))
+        published = self.repo.publish(info, files)
+        if published:
+            self.exported.append(step)
+            log.info("exported checkpoint %d as %s version %d (%s)", step, self.config.name, step, info.kind)
+        self.repo.apply_retention(self.config.keep_last)
+        return published
+
+    def _onnx(self, model_state: dict[str, Any]) -> bytes:
+        import torch
+
+        model = self.model_factory()
+        try:
+            model.load_state_dict(model_state)
+        except RuntimeError as exc:
+            raise ExportError(f"the checkpoint's model state does not fit the model factory's module (select="
+                              f"{self.select!r}): {exc}") from exc  # fmt: skip
+        model.eval()
+        params = dict(model.named_parameters())
+        module = _TablesAsInputs.build(model, self.tables, len(self.example_inputs)) if self.tables else model
+        args = (*self.example_inputs, *(params[t].detach() for t in self.tables))
+        dynamic = {n: {0: "batch"} for n in [*self.input_names, *self.output_names]}
+        with tempfile.TemporaryDirectory(prefix="streamrover-export-") as tmp, torch.no_grad():
+            path = os.path.join(tmp, MODEL_FILE)
+            torch.onnx.export(module, args, path, dynamo=False, input_names=[*self.input_names, *self.tables],
+                              output_names=self.output_names, dynamic_axes=dynamic,
+                              opset_version=self.config.opset)  # fmt: skip
+            with open(path, "rb") as fh:
+                return fh.read()
+
+
+__all__ = ["TorchExporter", "triton_config"]

@@ -1,0 +1,211 @@
+"""Embedding tables across versions: touched-row tracking while training, delta files, and the reader.
+
+**Tracking** (:class:`RowTracker`, torch): a forward pre-hook on each tracked ``nn.Embedding`` /
+``nn.EmbeddingBag`` records the row indices it looks up; :meth:`RowTracker.step_done` stamps them with the
+step (``touched[row] = step``: one int64 per row, never a diff of the table). The stamps travel in every
+checkpoint (``extra["streamrover_touched"]``), so a delta against version P is exactly the rows whose stamp
+is above P, whatever checkpoints were skipped or restored in between. With several ranks the stamps are
+merged (all-reduce MAX) before each checkpoint: any rank's lookup changes the row everywhere.
+
+Which optimizers this is exact for: a looked-up row is the only row a step changes when the table's
+optimizer leaves rows with a zero gradient alone: SGD without momentum or weight decay, Adagrad without
+weight decay, SparseAdam, or any optimizer on sparse gradients (``sparse=True``). Adam or momentum on dense
+gradients keep moving rows after their last lookup; :meth:`RowTracker.check_optimizer` refuses them.
+
+**Reading** (:func:`read_tables`, numpy only: a server needs no torch): version N's tables are its base's
+tables, then each delta of the chain from the base up to N applied in order (``table[rows] = values``). The
+chain is followed from N back through each delta's ``parent``: a delta of a retired timeline is never on it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from streamrover.serving.api import BASE, DELTA, DELTA_FILE, FULL, TABLES_FILE, BrokenChainError, ServingError
+from streamrover.serving.repository import ModelRepository
+
+TOUCHED_KEY = "streamrover_touched"
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}  # fmt: skip
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+# -- safetensors, numpy only -------------------------------------------------------------
+def dump_arrays(arrays: dict[str, np.ndarray]) -> bytes:
+    """``arrays`` as a safetensors file (any safetensors reader opens it)."""
+    table: dict[str, Any] = {"__metadata__": {"format": "streamrover-serving"}}
+    blobs, pos = [], 0
+    for name in sorted(arrays):
+        arr = np.ascontiguousarray(arrays[name])
+        if arr.dtype not in _NAMES:
+            raise ServingError(f"table {name!r} has dtype {arr.dtype}, which a version file cannot hold")
+        data = arr.tobytes()
+        table[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [pos, pos + len(data)]}
+        blobs.append(data)
+        pos += len(data)
+    head = json.dumps(table, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % 8)
+    return len(head).to_bytes(8, "little") + head + b"".join(blobs)
+
+
+def load_arrays(blob: bytes) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file (copies: writable, independent of ``blob``)."""
+    n = int.from_bytes(blob[:8], "little")
+    if len(blob) < 8 or 8 + n > len(blob):
+        raise ServingError("a version's tables file is truncated (header runs past its end)")
+    table = json.loads(blob[8 : 8 + n])
+    out = {}
+    for name, entry in table.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        dtype = np.dtype(_DTYPES[entry["dtype"]])
+        arr: np.ndarray = np.frombuffer(blob, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=8 + n + begin)
+        out[name] = arr.reshape(entry["shape"]).copy()
+    return out
+
+
+# -- base and delta ------------------------------------------------------------------------
+def delta_arrays(
+    tables: dict[str, np.ndarray], touched: dict[str, np.ndarray], parent_step: int
+) -> dict[str, np.ndarray]:
+    """The delta over version ``parent_step``: for each table, the rows stamped after it and their values."""
+    out: dict[str, np.ndarray] = {}
+    for name, table in tables.items():
+        stamps = touched.get(name)
+        if stamps is None or len(stamps) != len(table):
+            raise ServingError(f"table {name!r} has no touched-row stamps of its size in the checkpoint: "
+                               "attach a RowTracker to the model before training")  # fmt: skip
+        rows = np.nonzero(stamps > parent_step)[0].astype(np.int64)
+        out[f"{name}.rows"] = rows
+        out[f"{name}.values"] = table[rows]
+    return out
+
+
+def apply_delta(tables: dict[str, np.ndarray], delta: dict[str, np.ndarray]) -> None:
+    """Apply a delta in place: ``table[rows] = values`` for each table it names."""
+    for key, rows in delta.items():
+        if not key.endswith(".rows"):
+            continue
+        name = key[: -len(".rows")]
+        if name not in tables:
+            raise ServingError(f"a delta names table {name!r}, which its base does not hold")
+        tables[name][rows] = delta[f"{name}.values"]
+
+
+def read_tables(repo: ModelRepository, version: int) -> dict[str, np.ndarray]:
+    """Version ``version``'s tables, rebuilt from its base and the deltas of its chain (see the module docstring)."""
+    chain = repo.chain(version)
+    if chain[0].kind == FULL:
+        return {}
+    if chain[0].kind != BASE:
+        raise BrokenChainError(f"{repo.name}: version {version}'s chain starts at {chain[0].version}, a "
+                               f"{chain[0].kind!r}, not a base")  # fmt: skip
+    tables = load_arrays(repo.read(chain[0].version, TABLES_FILE))
+    for info in chain[1:]:
+        if info.kind != DELTA:
+            raise BrokenChainError(f"{repo.name}: version {info.version} on {version}'s chain is a {info.kind}")
+        apply_delta(tables, load_arrays(repo.read(info.version, DELTA_FILE)))
+    return tables
+
+
+# -- tracking (torch) ------------------------------------------------------------------------
+class RowTracker:
+    """Stamps the rows of a model's embedding tables with the step that last looked them up.
+
+    ``tables``: names of ``nn.Embedding``/``nn.EmbeddingBag`` submodules of ``model`` (default: all of them).
+    The tracked parameters are named ``<module>.weight`` relative to ``model``: ``model`` is the module
+    that is served (the exporter's model factory builds the same module).
+    """
+
+    def __init__(self, model: Any, tables: list[str] | None = None) -> None:
+        import torch
+        from torch import nn
+
+        kinds = (nn.Embedding, nn.EmbeddingBag)
+        modules = dict(model.named_modules())
+        names = tables if tables is not None else [n for n, m in modules.items() if isinstance(m, kinds)]
+        if not names:
+            raise ServingError("RowTracker: the model has no nn.Embedding or nn.EmbeddingBag to track")
+        self._pending: dict[str, list[Any]] = {}
+        self.touched: dict[str, Any] = {}
+        self._hooks = []
+        for name in names:
+            module = modules.get(name)
+            if not isinstance(module, kinds):
+                raise ServingError(f"RowTracker: {name!r} is not an nn.Embedding/nn.EmbeddingBag of the model")
+            param = f"{name}.weight"
+            self.touched[param] = torch.zeros(module.weight.shape[0], dtype=torch.int64)
+            self._pending[param] = []
+            self._hooks.append(module.register_forward_pre_hook(self._hook(param)))
+
+    def _hook(self, param: str) -> Any:
+        def record(module: Any, args: tuple[Any, ...]) -> None:
+            self._pending[param].append(args[0].detach().reshape(-1).to("cpu", copy=True))
+
+        return record
+
+    @property
+    def params(self) -> list[str]:
+        """The tracked parameter names (``<module>.weight``)."""
+        return list(self.touched)
+
+    def step_done(self, step: int) -> None:
+        """Stamp the rows looked up since the last call with ``step`` (after ``optimizer.step()``)."""
+        import torch
+
+        for param, seen in self._pending.items():
+            if seen:
+                rows = torch.unique(torch.cat(seen))
+                self.touched[param].index_fill_(0, rows, step)
+                seen.clear()
+
+    def sync(self) -> None:
+        """Merge every rank's stamps (all-reduce MAX; a collective: call it on every rank before a checkpoint)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            for stamps in self.touched.values():
+                dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
+
+    def state(self) -> dict[str, Any]:
+        """The stamps, for a checkpoint's ``extra[TOUCHED_KEY]``."""
+        return {k: v.clone() for k, v in self.touched.items()}
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        """Restore the stamps of a checkpoint (absent: every row counts as touched at step 0)."""
+        for param, stamps in self.touched.items():
+            loaded = (state or {}).get(param)
+            if loaded is None:
+                stamps.zero_()
+            else:
+                stamps.copy_(loaded)
+            self._pending[param].clear()
+
+    @staticmethod
+    def check_optimizer(optimizer: Any) -> None:
+        """Refuse an optimizer that moves rows nobody looked up (see the module docstring)."""
+        import torch
+
+        for group in optimizer.param_groups:
+            if group.get("weight_decay", 0):
+                raise ServingError("RowTracker: weight decay changes every row each step; deltas would miss rows. "
+                                   "Use weight_decay=0 for the embedding tables' parameter group")  # fmt: skip
+        if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
+            raise ServingError("RowTracker: SGD with momentum keeps moving rows after their last lookup; use "
+                               "momentum=0 for the tables (or SparseAdam / Adagrad)")  # fmt: skip
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)):
+            raise ServingError(f"RowTracker: {type(optimizer).__name__} on dense gradients keeps moving rows after "
+                               "their last lookup; give the tables their own SparseAdam (nn.Embedding(sparse=True)) "
+                               "or Adagrad")  # fmt: skip
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+__all__ = ["TOUCHED_KEY", "RowTracker", "apply_delta", "delta_arrays", "dump_arrays", "load_arrays", "read_tables"]
