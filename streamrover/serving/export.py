@@ -99,7 +99,7 @@ class TorchExporter:
     def __init__(
         self,
         config: ExportConfig,
-        ckpt_url: str,
+        ckpt_url: str | None,
         model_factory: Callable[[], Any],
         example_inputs: Sequence[Any],
         *,
@@ -113,7 +113,8 @@ class TorchExporter:
             raise ValueError(f"{len(input_names)} input names for {len(example_inputs)} example inputs")
         self.config = config
         self.repo = ModelRepository(config.repository, config.name, config.storage_options)
-        self.ckpt = Storage(ckpt_url, ckpt_storage_options)
+        self._ckpt_options = ckpt_storage_options
+        self._ckpt: Storage | None = Storage(ckpt_url, ckpt_storage_options) if ckpt_url is not None else None
         self.model_factory = model_factory
         self.example_inputs = tuple(example_inputs)
         self.input_names = list(input_names)
@@ -125,6 +126,20 @@ class TorchExporter:
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()  # one export at a time (catch_up from start and from the worker)
+
+    @property
+    def ckpt(self) -> Storage:
+        """The checkpoint storage exported from."""
+        if self._ckpt is None:
+            raise ExportError("the exporter has no checkpoint URL: pass ckpt_url, or give it to a StreamSession")
+        return self._ckpt
+
+    def bind_checkpoints(self, ckpt_url: str) -> None:
+        """Export from ``ckpt_url`` (a StreamSession binds its checkpoint root; a URL given before must match)."""
+        storage = Storage(ckpt_url, self._ckpt_options)
+        if self._ckpt is not None and self._ckpt.root != storage.root:
+            raise ExportError(f"the exporter reads checkpoints of {self._ckpt.root}, the trainer writes {storage.root}")
+        self._ckpt = storage
 
     # -- the trainer's hooks ----------------------------------------------------------------
     def start(self, resumed_step: int) -> list[int]:

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import time
 import warnings
 
 import torch
@@ -77,6 +78,7 @@ def main() -> None:
                              tables=tracker.params)  # fmt: skip
 
     def on_durable(step: int) -> None:
+        print(f"durable_at {step} {time.time()}", flush=True)
         if step == args.kill_at:
             print(f"durable {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # between durability and export

@@ -19,6 +19,12 @@ contract (:mod:`streamrover.trainers.api`); for synchronous data parallelism:
 
 A per-record ledger or any other state that must be exact belongs in the model's state
 (a buffer), kept identical on all ranks (e.g. by all-reducing each step's update).
+
+Serving (``exporter=``, ``tracker=``: :mod:`streamrover.serving`): rank 0's checkpointer hands every durable
+checkpoint to the exporter; after the restore the exporter retires versions above the resumed step and
+exports durable checkpoints left without a version. A :class:`~streamrover.serving.RowTracker` stamps the
+rows each step looks up (every rank), merged into each checkpoint for table deltas; what :meth:`report`
+reported last goes into each checkpoint, and so into its version's lineage.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch.distributed as dist
 from streamrover.ckpt import Checkpointer, CursorBinder, RetentionPolicy
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
 from streamrover.ckpt.torch_adapter import TorchCheckpoint, load_torch_state, torch_state
+from streamrover.serving.tables import TOUCHED_KEY
 from streamrover.shard_service import ShardClient
 from streamrover.trainers.api import flush_before_cut, restore_before_lease
 from streamrover.trainers.torch import env
@@ -72,12 +79,16 @@ class StreamSession:
         ckpt_dir: str | None = None,
         ckpt_every: int | None = None,
         retention: RetentionPolicy | None = None,
+        exporter: Any | None = None,
+        tracker: Any | None = None,
     ) -> None:
         """Join the shard service and restore (see the module docstring).
 
         ``ckpt_every`` (steps between checkpoints) and ``retention`` default to what the launcher says
         (``STREAMROVER_CKPT_EVERY`` / ``STREAMROVER_CKPT_KEEP``: a job spec's ``checkpoint`` section),
         else 50 steps and the newest 3 checkpoints; an argument given here wins over the environment.
+        ``exporter``: a :class:`~streamrover.serving.TorchExporter` (its checkpoint URL is this session's);
+        ``tracker``: a :class:`~streamrover.serving.RowTracker` of the served module (for table deltas).
         """
         started = time.monotonic()
         self.timings: dict[str, float] = {}  # start-up phases in seconds (for logs and benchmarks)
@@ -105,6 +116,11 @@ class StreamSession:
         self.datasets: list[StreamDataset] = []
         self.step = 0
         self._ckpt: TorchCheckpoint | None = None
+        self.tracker = tracker
+        self.exporter = exporter if self.rank == 0 else None
+        self._reported: dict[str, float] = {}
+        if self.exporter is not None:
+            self.exporter.bind_checkpoints(root)
         if self.rank == 0:
             checkpointer = Checkpointer(
                 root,
@@ -114,6 +130,7 @@ class StreamSession:
                 retention=retention or RetentionPolicy(keep_last=keep),
                 saver=cfg.saver if cfg.ckpt_job else "auto",
                 job=cfg.ckpt_job,
+                on_durable=self.exporter.on_durable if self.exporter is not None else None,
             )
             self._ckpt = TorchCheckpoint(checkpointer, model, optimizer)
         self.timings["checkpointer"] = time.monotonic() - started - self.timings["connect"]
@@ -167,6 +184,10 @@ class StreamSession:
                 loaded = restored[0]
                 self.step = loaded.step
                 self.restored_from = f"{loaded.source.value}:{loaded.step}"
+                if self.tracker is not None:
+                    self.tracker.load_state(restored[1].get(TOUCHED_KEY))
+            if self.exporter is not None:  # before any step: versions above the resumed step are retired
+                self.exporter.start(self.step)
         loaded_at = time.monotonic()
         if self.world_size > 1:
             # rank 0 sends only after it has reset the cursor, so no rank leases before that
@@ -200,6 +221,8 @@ class StreamSession:
     def step_done(self) -> int:
         """Call after ``optimizer.step()``: ack this step's records; checkpoint every ``ckpt_every`` steps."""
         self.step += 1
+        if self.tracker is not None:
+            self.tracker.step_done(self.step)
         for ds in self.datasets:
             ds.step_done(self.step)
         if self.ckpt_every and self.step % self.ckpt_every == 0:
@@ -208,7 +231,9 @@ class StreamSession:
 
     def report(self, **values: float) -> None:
         """Report this rank's metrics at the current step (``session.report(loss=0.41, auc=0.78)``) to the master:
-        its Prometheus ``/metrics`` (``streamrover_trainer_metric``) and dashboard show them."""
+        its Prometheus ``/metrics`` (``streamrover_trainer_metric``) and dashboard show them. The next checkpoint
+        carries them (a serving version's lineage shows them)."""
+        self._reported = {k: float(v) for k, v in values.items()}
         self.client.report(values, step=self.step)
 
     def checkpoint(self, persist: bool = True) -> None:
@@ -216,8 +241,16 @@ class StreamSession:
         self._flush_acks()
         if self.world_size > 1:
             dist.barrier()  # every rank's acks with step <= self.step are in the shard service
+        if self.tracker is not None:
+            self.tracker.sync()  # a collective: any rank's lookup changed the row everywhere
         if self._ckpt is not None:
-            self._ckpt.save(self.step, persist=persist)
+            self._ckpt.save(self.step, persist=persist, **self._serving_extra())
+
+    def _serving_extra(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"meta": {"reported": dict(self._reported, step=self.step)}}
+        if self.tracker is not None:
+            out["extra"] = {TOUCHED_KEY: self.tracker.state()}
+        return out
 
     def _flush_acks(self) -> None:
         """Wait until this rank's queued acks are recorded; a refused one means state was lost."""
@@ -244,9 +277,11 @@ class StreamSession:
             self._ckpt.checkpointer.wait(timeout=300)
             if final_checkpoint and self._ckpt.checkpointer.binder is not None:
                 self.step += 1  # nothing acked since the final checkpoint: its cut's cursor is the same
-                self._ckpt.save(self.step, persist=True)
+                self._ckpt.save(self.step, persist=True, **self._serving_extra())
                 self._ckpt.checkpointer.wait(timeout=300)
             self._ckpt.checkpointer.close()
+        if self.exporter is not None:
+            self.exporter.close()  # every durable checkpoint handed to it is exported (or its failure raised)
         if self.world_size > 1:
             dist.barrier()
         self.client.leave()
