@@ -13,7 +13,7 @@ comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
 
-.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s flink-sink
+.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s flink-sink serving-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,11 @@ browser:
 flink-sink:
 	PYTHON=$(PYTHON) bash scripts/build-flink-sink.sh
 
+# The model server's venv (streamrover/serving/server.py: KServe + onnxruntime), cached under ~/.cache/streamrover:
+# kserve 0.21 needs protobuf>=6, the project venv pins <6.
+serving-venv:
+	PYTHON=$(PYTHON) bash scripts/build-serving-venv.sh
+
 # The k8s tests' control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok) is built from Go
 # modules into ~/.cache/streamrover/k8s: ~17 min cold on 2 cores, seconds when cached. `test` starts that
 # build first, in the background, so it overlaps the network-bound set-up (pip, Maven) and the first tests;
@@ -78,7 +83,7 @@ k8s:
 # independent of each other (the Flink sink has its own venv and Maven repository), so on a fresh machine
 # the set-up takes as long as its slowest step instead of their sum. The k8s build runs in the background.
 setup: k8s-build-start
-	$(MAKE) --no-print-directory -j4 --output-sync=target install jars browser flink-sink
+	$(MAKE) --no-print-directory -j4 --output-sync=target install jars browser flink-sink serving-venv
 
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
