@@ -85,14 +85,14 @@ class ExportConfig:
         name: the model's name in the repository (Triton's model name).
         keep_last: versions kept (with the versions their delta chains need).
         base_every: with tracked tables, a full base every this many versions (1: every version is a base).
-        opset: the ONNX opset to export with.
+        opset: the ONNX opset to export with (18: bitwise ops on integer ids).
     """
 
     repository: str
     name: str = "model"
     keep_last: int = 5
     base_every: int = 10
-    opset: int = 17
+    opset: int = 18  # BitwiseAnd (hashing ids in the graph, as the flagship DeepFM does) needs 18
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -122,6 +123,7 @@ class TorchExporter:
         self.select = select
         self.tables = list(tables or [])
         self.exported: list[int] = []  # versions this exporter published, in order
+        self.seconds: list[float] = []  # how long each of those took (read, export, publish, retention)
         self.errors: list[str] = []
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._worker: threading.Thread | None = None
@@ -192,6 +194,7 @@ class TorchExporter:
 
     def export_step(self, step: int) -> bool:
         """Export the durable checkpoint of ``step`` as version ``step``; False if that version exists."""
+        started = time.monotonic()
         try:
             manifest_blob = bytes(self.ckpt.read(self.ckpt.join(step_dir(step), MANIFEST)))
             manifest = read_manifest(self.ckpt, step)
@@ -239,6 +242,7 @@ class TorchExporter:
         published = self.repo.publish(info, files)
         if published:
             self.exported.append(step)
+            self.seconds.append(time.monotonic() - started)
             log.info("exported checkpoint %d as %s version %d (%s)", step, self.config.name, step, info.kind)
         self.repo.apply_retention(self.config.keep_last)
         return published
