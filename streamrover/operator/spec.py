@@ -198,6 +198,18 @@ class CheckpointSpec(_Model):
     keep_last: int = Field(3, ge=1)
 
 
+class ExportSpec(_Model):
+    """Serving exports (streamrover.serving): every durable checkpoint becomes a version of ``name`` in ``repository``.
+
+    The trainer script builds its exporter from it (``ExportConfig.from_env()``): the model factory and
+    example inputs are the script's."""
+
+    repository: str = Field(description="model repository: a directory or an fsspec URL (Triton's layout)")
+    name: str = Field("model", description="the model's name in the repository")
+    keep_last: int = Field(5, ge=1, description="versions kept (with the delta chains they need)")
+    base_every: int = Field(10, ge=1, description="with tracked embedding tables: a full base every N versions")
+
+
 class OomPolicy(_Model):
     """A node the OOM killer hit is relaunched with ``factor`` times its memory, up to ``max_memory``."""
 
@@ -242,6 +254,7 @@ class JobSpec(_Model):
     datasets: list[DatasetEntry] = Field(min_length=1)
     trainer: TorchTrainer
     checkpoint: CheckpointSpec = Field(default_factory=lambda: CheckpointSpec())
+    export: ExportSpec | None = None
     restart: RestartPolicy = Field(default_factory=lambda: RestartPolicy())
     autoscaling: AutoscalingSpec | None = None
 
@@ -334,7 +347,8 @@ def _resolved(spec: JobSpec, base: Path) -> JobSpec:
     master = spec.master.model_copy(update={"state_dir": path(spec.master.state_dir)})
     trainer = spec.trainer.model_copy(update={"script": path(spec.trainer.script)})
     ckpt = spec.checkpoint.model_copy(update={"url": path(spec.checkpoint.url)})
-    return spec.model_copy(update={"master": master, "trainer": trainer, "checkpoint": ckpt})
+    export = spec.export.model_copy(update={"repository": path(spec.export.repository)}) if spec.export else None
+    return spec.model_copy(update={"master": master, "trainer": trainer, "checkpoint": ckpt, "export": export})
 
 
 def load_spec(path: str | Path) -> JobSpec:

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 MAX_EVENTS = 200
 CKPT_EVERY_ENV = "STREAMROVER_CKPT_EVERY"  # read by StreamSession (trainers/torch/env.py; not imported: torch)
 CKPT_KEEP_ENV = "STREAMROVER_CKPT_KEEP"
+EXPORT_ENV = "STREAMROVER_EXPORT"  # the spec's export section as JSON: streamrover.serving.ExportConfig.from_env()
 HealthReader = Callable[[str, str], "dict[str, Any] | None"]  # (run id, node id) -> the agent's health document
 
 
@@ -187,6 +188,7 @@ class Supervisor:
             "STREAMROVER_TOKEN": self.token,
             CKPT_EVERY_ENV: str(self.spec.checkpoint.every_steps),
             CKPT_KEEP_ENV: str(self.spec.checkpoint.keep_last),
+            **({EXPORT_ENV: self.spec.export.model_dump_json()} if self.spec.export is not None else {}),
             **self.spec.trainer.env,
         }
         launch = NodeLaunch(self.spec.name, node_id, self.node_command(node_id), env, memory, self.spec.trainer.cpu)

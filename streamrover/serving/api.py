@@ -42,6 +42,9 @@ values at N; a base holds whole tables, and is written every ``base_every`` vers
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +55,7 @@ MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.pbtxt"
 TABLES_FILE = "tables.safetensors"
 DELTA_FILE = "delta.safetensors"
+EXPORT_ENV = "STREAMROVER_EXPORT"  # the job spec's export section (JSON), set by the supervisor for trainers
 #: Version kinds.
 FULL, BASE, DELTA = "full", "base", "delta"
 
@@ -102,6 +106,19 @@ class ExportConfig:
             raise ValueError(f"export base_every must be >= 1, got {self.base_every}")
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"export name must be a plain directory name, got {self.name!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ExportConfig | None:
+        """The job spec's ``export:`` section, as ``streamrover run`` passes it to trainers (``STREAMROVER_EXPORT``,
+        JSON); None when the job exports nothing."""
+        raw = (os.environ if env is None else env).get(EXPORT_ENV)
+        if not raw:
+            return None
+        try:
+            doc = json.loads(raw)
+            return cls(**{k: doc[k] for k in ("repository", "name", "keep_last", "base_every") if k in doc})
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{EXPORT_ENV} is not a valid export section ({exc}): {raw!r}") from exc
 
 
 @dataclass

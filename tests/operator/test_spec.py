@@ -92,6 +92,19 @@ def test_memory_quantities() -> None:
         parse_memory("lots")
 
 
+def test_the_export_section_reaches_the_trainers_config(tmp_path: Path) -> None:
+    from streamrover.operator.supervisor import EXPORT_ENV
+    from streamrover.serving import ExportConfig
+
+    spec = load_spec(_write(tmp_path, GOOD + "export: {repository: models, name: ctr, base_every: 4}\n"))
+    assert spec.export is not None and spec.export.repository == str((tmp_path / "models").resolve())
+    config = ExportConfig.from_env({EXPORT_ENV: spec.export.model_dump_json()})
+    assert config == ExportConfig(str((tmp_path / "models").resolve()), name="ctr", keep_last=5, base_every=4)
+    assert ExportConfig.from_env({}) is None
+    with pytest.raises(SpecError, match="export.base_every"):
+        load_spec(_write(tmp_path, GOOD + "export: {repository: models, base_every: 0}\n"))
+
+
 def test_the_committed_schema_is_the_models() -> None:
     """jobspec.schema.json is generated from the model: regenerate with python -m streamrover.operator.spec --schema."""
     assert SCHEMA_PATH.read_text() == schema_text()
