@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -128,6 +128,8 @@ class TorchExporter:
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()  # one export at a time (catch_up from start and from the worker)
+        self._trace: Any | None = None  # the first version's ONNX graph, reused with each version's weights
+        self._prefix = ""
 
     @property
     def ckpt(self) -> Storage:
@@ -248,6 +250,16 @@ class TorchExporter:
         return published
 
     def _onnx(self, model_state: dict[str, Any]) -> bytes:
+        """The ONNX graph of ``model_state``: traced for the first version; later versions reuse that trace with
+        their weights substituted (tracing costs ~0.1 s, substituting ~1 ms), when every weight of the state is
+        an initializer of the trace under its own name; else each version is traced."""
+        if self._trace is not None:
+            return self._substituted(model_state)
+        blob = self._traced(model_state)
+        self._trace = self._bindable(blob, model_state)
+        return blob
+
+    def _traced(self, model_state: dict[str, Any]) -> bytes:
         import torch
 
         model = self.model_factory()
@@ -264,10 +276,41 @@ class TorchExporter:
         with tempfile.TemporaryDirectory(prefix="streamrover-export-") as tmp, torch.no_grad():
             path = os.path.join(tmp, MODEL_FILE)
             torch.onnx.export(module, args, path, dynamo=False, input_names=[*self.input_names, *self.tables],
-                              output_names=self.output_names, dynamic_axes=dynamic,
+                              output_names=self.output_names, dynamic_axes=dynamic, do_constant_folding=False,
                               opset_version=self.config.opset)  # fmt: skip
             with open(path, "rb") as fh:
                 return fh.read()
+
+    def _bindable(self, blob: bytes, model_state: dict[str, Any]) -> Any | None:
+        """The trace as an ONNX ModelProto if each weight of ``model_state`` (tables aside) is one of its
+        initializers by name (``inner.`` before it when tables are inputs); None otherwise."""
+        import onnx
+
+        proto = onnx.load_from_string(blob)
+        names = {init.name for init in proto.graph.initializer}
+        self._prefix = "inner." if self.tables else ""
+        missing = [k for k in model_state if k not in self.tables and self._prefix + k not in names]
+        if missing:
+            log.info("%s: weights %s are not initializers of the ONNX trace: every version is traced",
+                     self.config.name, missing[:5])  # fmt: skip
+            return None
+        return proto
+
+    def _substituted(self, model_state: dict[str, Any]) -> bytes:
+        from onnx import ModelProto, numpy_helper
+
+        proto = ModelProto()
+        proto.CopyFrom(cast(ModelProto, self._trace))
+        for init in proto.graph.initializer:
+            key = init.name[len(self._prefix) :] if init.name.startswith(self._prefix) else None
+            if key is None or key not in model_state or key in self.tables:
+                continue  # a constant of the graph, the same in every version
+            array = np.ascontiguousarray(model_state[key].numpy())
+            if list(array.shape) != list(init.dims) or numpy_helper.to_array(init).dtype != array.dtype:
+                raise ExportError(f"{key}: {array.dtype}{list(array.shape)} in checkpoint, the ONNX trace has "
+                                  f"{list(init.dims)}: the model's shapes changed during the run")  # fmt: skip
+            init.CopyFrom(numpy_helper.from_array(array, init.name))
+        return bytes(proto.SerializeToString())
 
 
 __all__ = ["TorchExporter", "triton_config"]
