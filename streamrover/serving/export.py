@@ -124,6 +124,7 @@ class TorchExporter:
         self.tables = list(tables or [])
         self.exported: list[int] = []  # versions this exporter published, in order
         self.seconds: list[float] = []  # how long each of those took (read, export, publish, retention)
+        self.cpu_seconds: list[float] = []  # the CPU time of each (this thread's: fsync waits excluded)
         self.errors: list[str] = []
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._worker: threading.Thread | None = None
@@ -196,7 +197,7 @@ class TorchExporter:
 
     def export_step(self, step: int) -> bool:
         """Export the durable checkpoint of ``step`` as version ``step``; False if that version exists."""
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.thread_time()
         try:
             manifest_blob = bytes(self.ckpt.read(self.ckpt.join(step_dir(step), MANIFEST)))
             manifest = read_manifest(self.ckpt, step)
@@ -245,6 +246,7 @@ class TorchExporter:
         if published:
             self.exported.append(step)
             self.seconds.append(time.monotonic() - started)
+            self.cpu_seconds.append(time.thread_time() - cpu)
             log.info("exported checkpoint %d as %s version %d (%s)", step, self.config.name, step, info.kind)
         self.repo.apply_retention(self.config.keep_last)
         return published
