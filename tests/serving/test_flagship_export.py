@@ -64,3 +64,36 @@ def test_deepfm_versions_predict_as_their_checkpoints(tmp_path: Path) -> None:
         with torch.no_grad():
             expected = reference(cats, nums).numpy()
         np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
+
+
+def test_a_model_without_tracked_tables_is_one_self_contained_onnx_file(tmp_path: Path) -> None:
+    ckpt_url, repo_root = str(tmp_path / "ckpt"), str(tmp_path / "repo")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    exporter = TorchExporter(ExportConfig(repo_root, name="mlp", keep_last=2), ckpt_url,
+                             lambda: torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)),
+                             (torch.zeros(1, 3),), input_names=["x"], output_names=["y"])  # fmt: skip
+    checkpointer = Checkpointer(ckpt_url, saver="thread", on_durable=exporter.on_durable)
+    ckpt = TorchCheckpoint(checkpointer, model)
+    try:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.1 * step)
+            ckpt.save(step)
+            checkpointer.wait(timeout=60)
+        exporter.close()
+    finally:
+        checkpointer.close()
+        purge_shared_memory(namespace_for(ckpt_url))
+    repo = ModelRepository(repo_root, "mlp")
+    assert repo.versions() == [2, 3], "keep_last=2"
+    x = torch.randn(5, 3)
+    for version in repo.versions():
+        assert repo.info(version).kind == "full" and read_tables(repo, version) == {}
+        session = ort.InferenceSession(repo.read(version, MODEL_FILE))
+        reference = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        reference.load_state_dict(checkpoint_state(ckpt_url, version)[1]["model"])  # type: ignore[arg-type]
+        with torch.no_grad():
+            np.testing.assert_allclose(session.run(None, {"x": x.numpy()})[0], reference(x).numpy(), atol=1e-5)
+    config = (tmp_path / "repo" / "mlp" / "config.pbtxt").read_text()
+    assert config.startswith('name: "mlp"\nplatform: "onnxruntime_onnx"')
