@@ -9,8 +9,11 @@ merged (all-reduce MAX) before each checkpoint: any rank's lookup changes the ro
 
 Which optimizers this is exact for: a looked-up row is the only row a step changes when the table's
 optimizer leaves rows with a zero gradient alone: SGD without momentum or weight decay, Adagrad without
-weight decay, SparseAdam, or any optimizer on sparse gradients (``sparse=True``). Adam or momentum on dense
-gradients keep moving rows after their last lookup; :meth:`RowTracker.check_optimizer` refuses them.
+weight decay, SparseAdam, or any optimizer on sparse gradients (``sparse=True``). Adam, RMSprop or momentum on
+dense gradients keep moving a row after its last lookup (its moments decay but stay non-zero), though never a
+row no step has looked up: ``RowTracker(model, sticky=True)`` stamps every row ever looked up with the step of
+each checkpoint, which is exact for them too, at the price of deltas that hold every row seen so far. Weight
+decay moves every row: :meth:`RowTracker.check_optimizer` refuses it, and the others without ``sticky``.
 
 **Reading** (:func:`read_tables`, numpy only: a server needs no torch): version N's tables are its base's
 tables, then each delta of the chain from the base up to N applied in order (``table[rows] = values``). The
@@ -118,10 +121,11 @@ class RowTracker:
 
     ``tables``: names of ``nn.Embedding``/``nn.EmbeddingBag`` submodules of ``model`` (default: all of them).
     The tracked parameters are named ``<module>.weight`` relative to ``model``: ``model`` is the module
-    that is served (the exporter's model factory builds the same module).
+    that is served (the exporter's model factory builds the same module). ``sticky``: a row once looked up
+    counts as changed at every checkpoint (for optimizers with moments on dense gradients: module docstring).
     """
 
-    def __init__(self, model: Any, tables: list[str] | None = None) -> None:
+    def __init__(self, model: Any, tables: list[str] | None = None, *, sticky: bool = False) -> None:
         import torch
         from torch import nn
 
@@ -130,6 +134,8 @@ class RowTracker:
         names = tables if tables is not None else [n for n, m in modules.items() if isinstance(m, kinds)]
         if not names:
             raise ServingError("RowTracker: the model has no nn.Embedding or nn.EmbeddingBag to track")
+        self.sticky = sticky
+        self.last_step = 0
         self._pending: dict[str, list[Any]] = {}
         self.touched: dict[str, Any] = {}
         self._hooks = []
@@ -157,6 +163,7 @@ class RowTracker:
         """Stamp the rows looked up since the last call with ``step`` (after ``optimizer.step()``)."""
         import torch
 
+        self.last_step = step
         for param, seen in self._pending.items():
             if seen:
                 rows = torch.unique(torch.cat(seen))
@@ -172,7 +179,10 @@ class RowTracker:
                 dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
 
     def state(self) -> dict[str, Any]:
-        """The stamps, for a checkpoint's ``extra[TOUCHED_KEY]``."""
+        """The stamps, for a checkpoint's ``extra[TOUCHED_KEY]`` (sticky: every row ever looked up at the last step)."""
+        if self.sticky:
+            for stamps in self.touched.values():
+                stamps[stamps > 0] = self.last_step
         return {k: v.clone() for k, v in self.touched.items()}
 
     def load_state(self, state: dict[str, Any] | None) -> None:
@@ -185,22 +195,23 @@ class RowTracker:
                 stamps.copy_(loaded)
             self._pending[param].clear()
 
-    @staticmethod
-    def check_optimizer(optimizer: Any) -> None:
-        """Refuse an optimizer that moves rows nobody looked up (see the module docstring)."""
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Refuse an optimizer that moves rows the stamps would miss (see the module docstring)."""
         import torch
 
         for group in optimizer.param_groups:
             if group.get("weight_decay", 0):
                 raise ServingError("RowTracker: weight decay changes every row each step; deltas would miss rows. "
                                    "Use weight_decay=0 for the embedding tables' parameter group")  # fmt: skip
+        if self.sticky:
+            return
         if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum", 0) for g in optimizer.param_groups):
             raise ServingError("RowTracker: SGD with momentum keeps moving rows after their last lookup; use "
-                               "momentum=0 for the tables (or SparseAdam / Adagrad)")  # fmt: skip
-        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)):
+                               "momentum=0 for the tables, or RowTracker(sticky=True)")  # fmt: skip
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adamax)):
             raise ServingError(f"RowTracker: {type(optimizer).__name__} on dense gradients keeps moving rows after "
-                               "their last lookup; give the tables their own SparseAdam (nn.Embedding(sparse=True)) "
-                               "or Adagrad")  # fmt: skip
+                               "their last lookup; use RowTracker(sticky=True) (deltas then hold every row seen), or "
+                               "give the tables a SparseAdam (nn.Embedding(sparse=True)) or Adagrad")  # fmt: skip
 
     def close(self) -> None:
         for hook in self._hooks:

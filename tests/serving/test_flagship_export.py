@@ -21,12 +21,16 @@ torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
 
-def test_deepfm_versions_predict_as_their_checkpoints(tmp_path: Path) -> None:
+@pytest.mark.parametrize("adam", [False, True], ids=["adagrad", "adam-sticky"])
+def test_deepfm_versions_predict_as_their_checkpoints(tmp_path: Path, adam: bool) -> None:
+    """Adagrad moves only looked-up rows; Adam (the demo's optimizer) keeps moving every row it saw: sticky."""
     ckpt_url, repo_root = str(tmp_path / "ckpt"), str(tmp_path / "repo")
     torch.manual_seed(0)
     model = DeepFM()
-    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
-    tracker = RowTracker(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01) if adam else torch.optim.Adagrad(model.parameters(),
+                                                                                               lr=0.05)  # fmt: skip
+    tracker = RowTracker(model, sticky=adam)
+    tracker.check_optimizer(optimizer)
     example = (torch.zeros(1, len(CATEGORICAL), dtype=torch.int64), torch.zeros(1, len(NUMERIC)))
     exporter = TorchExporter(ExportConfig(repo_root, name="ctr", base_every=2), ckpt_url, DeepFM, example,
                              input_names=["cats", "nums"], output_names=["logit"], tables=tracker.params)  # fmt: skip
@@ -64,6 +68,9 @@ def test_deepfm_versions_predict_as_their_checkpoints(tmp_path: Path) -> None:
         with torch.no_grad():
             expected = reference(cats, nums).numpy()
         np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
+        state = checkpoint_state(ckpt_url, version)[1]["model"]
+        tables = read_tables(repo, version)
+        assert all(tables[t].tobytes() == state[t].numpy().tobytes() for t in tracker.params)  # type: ignore[index]
 
 
 def test_a_model_without_tracked_tables_is_one_self_contained_onnx_file(tmp_path: Path) -> None:
