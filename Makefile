@@ -88,7 +88,7 @@ setup: k8s-build-start
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: $(BENCH_STAMP) jars flink-sink
+bench: $(BENCH_STAMP) jars flink-sink serving-venv
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 proto: install

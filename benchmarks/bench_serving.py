@@ -13,6 +13,11 @@ Two measures, each with its peer in the same run:
    CPU time per version is also given as a share of that interval.
 2. **Delta bytes.** One table of ``--rows`` x 16 float32; a delta file for touched shares from 0.1% to 100%
    against the full table's file (a base): bytes and the time to build each.
+3. **Freshness from event to served** (benchmarks/_serving_fresh.py): a stream paced at ``--rate`` records/s
+   (the demo's 2,500), the trainer checkpointing every ``--ckpt-every`` steps of 512 records, every durable
+   checkpoint exported, KServe's model server (its own venv) polling the repository every 0.2 s, a client
+   asking it every 20 ms: p50/p99 from a record's event time to the first answer of a version holding it,
+   beside event time to applied in the trainer's model, in the same run. Goal: served p99 <= 5 s.
 """
 
 from __future__ import annotations
@@ -95,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a smoke-sized run")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--rows", type=int, default=1 << 20)
+    p.add_argument("--rate", type=float, default=2500.0, help="part 3: records/s of the paced stream (the demo's)")
+    p.add_argument("--seconds", type=float, default=40.0, help="part 3: how long the stream runs")
+    p.add_argument("--ckpt-every", type=int, nargs="+", default=[20, 5], help="part 3: steps between checkpoints")
     p.add_argument("--demo-step-ms", type=float, default=73.0,
                    help="the demo's step time (2 ranks x 256 records at ~7,000 records/s: python -m benchmarks ctr)")
     args, _ = p.parse_known_args(argv)
@@ -126,4 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"   {'touched':>8} {'delta B':>12} {'full B':>12} {'ratio':>7} {'delta s':>8} {'full s':>7}")
     for share, delta, full, delta_s, full_s in _delta_bytes(rows, [0.001, 0.01, 0.1, 0.5, 1.0]):
         print(f"   {share:8.1%} {delta:12d} {full:12d} {delta / full:7.3f} {delta_s:8.3f} {full_s:7.3f}")
+    from benchmarks._serving_fresh import measure
+
+    seconds = 12.0 if args.quick else args.seconds
+    print(f"\n3. freshness at {args.rate:.0f} records/s, batches of 512, {seconds:.0f} s per run:")
+    for every in args.ckpt_every:
+        r = measure(args.rate, seconds, every)
+        print(f"   checkpoint every {every:3d} steps ({every * 512 / args.rate:.1f} s): event->served p50 "
+              f"{r['served_p50']:.2f} s p99 {r['served_p99']:.2f} s (goal <= 5 s); event->applied p50 "
+              f"{r['applied_p50']:.2f} s p99 {r['applied_p99']:.2f} s; served/applied p99 "
+              f"{r['served_p99'] / max(r['applied_p99'], 1e-9):.1f}x; {r['versions_seen']} of {r['checkpoints']} "
+              "versions answered", flush=True)  # fmt: skip
+        print("     medians: " + ", ".join(f"{k} {v:.3f} s" for k, v in r["stages"].items()), flush=True)
     return 0
