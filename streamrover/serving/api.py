@@ -20,7 +20,8 @@ keeps them:
 4. **A restore retires the future.** When a trainer resumes from step K, every version above K
    belongs to an abandoned timeline: it is unpublished (``lineage.json`` first) before training goes
    on, so no delta of it is ever applied to a state of the new timeline, and step numbers reused by
-   the new timeline are exported afresh.
+   the new timeline are exported afresh. A model name holds one checkpoint root's versions: an exporter
+   refuses to start on a name holding versions of another root (it would retire them).
 5. **Retention after publish.** The newest ``keep_last`` versions are kept, with every version their
    delta chains need (down to their base).
 

@@ -151,6 +151,11 @@ class TorchExporter:
         """The trainer resumed from ``resumed_step`` (0: fresh): retire versions above it, remove temporaries of
         cut-short publishes, export every durable checkpoint with no version yet; returns the versions exported."""
         self.repo.clean_temporaries()
+        for version in self.repo.versions():
+            source = self.repo.info(version).checkpoint.get("url")
+            if source != self.ckpt.root:  # another job's versions: never retire or extend them
+                raise ExportError(f"{self.repo.model_dir} holds version {version} exported from checkpoints of "
+                                  f"{source}, not of {self.ckpt.root}: give this job its own export name")  # fmt: skip
         self.repo.retire_after(resumed_step)
         return self.catch_up()
 

@@ -67,3 +67,15 @@ def test_a_cut_short_publish_is_invisible_and_cleaned(tmp_path: Path) -> None:
     info = VersionInfo(8, "full", None, None, {}, {}, None)
     assert repo.publish(info, {MODEL_FILE: b"new"}) and repo.read(8, MODEL_FILE) == b"new"
     assert (unfinished / LINEAGE).exists()
+
+
+def test_an_exporter_refuses_a_repository_name_another_job_exports_to(tmp_path: Path) -> None:
+    from streamrover.serving import ExportConfig, ExportError, TorchExporter
+
+    repo = ModelRepository(str(tmp_path / "repo"), "m")
+    repo.publish(VersionInfo(7, "full", None, None, {"url": "/elsewhere/ckpt"}, {}, None), {MODEL_FILE: b"onnx"})
+    exporter = TorchExporter(ExportConfig(str(tmp_path / "repo"), name="m"), str(tmp_path / "ckpt"), object, (),
+                             input_names=[], output_names=[])  # fmt: skip
+    with pytest.raises(ExportError, match="give this job its own export name"):
+        exporter.start(0)
+    assert repo.versions() == [7], "another job's versions are never retired"
