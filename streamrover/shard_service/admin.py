@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -19,6 +20,11 @@ from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+
+
+def _writer() -> str:
+    """A new write id (see KvSetRequest.writer)."""
+    return uuid.uuid4().hex
 
 
 class AdminClient:
@@ -133,13 +139,17 @@ class AdminClient:
         return (resp.value, resp.version) if resp.found else None
 
     def kv_set(self, key: str, value: bytes, expected_version: int) -> tuple[bool, bytes, int]:
-        """Compare-and-set; returns (written, current value, current version)."""
-        resp = self._call(self._stub.KvSet, pb.KvSetRequest(key=key, value=value, expected_version=expected_version))
+        """Compare-and-set; returns (written, current value, current version).
+
+        The write carries an id of its own (the same in its retries): a retry after it landed is answered written.
+        """
+        request = pb.KvSetRequest(key=key, value=value, expected_version=expected_version, writer=_writer())
+        resp = self._call(self._stub.KvSet, request)
         return resp.ok, resp.value, resp.version
 
     def kv_delete(self, key: str, expected_version: int) -> tuple[bool, bytes, int]:
         """Compare-and-delete; returns (deleted, current value, current version) — (True, b"", 0) once gone."""
-        request = pb.KvSetRequest(key=key, expected_version=expected_version, delete=True)
+        request = pb.KvSetRequest(key=key, expected_version=expected_version, delete=True, writer=_writer())
         resp = self._call(self._stub.KvSet, request)
         return resp.ok, resp.value, resp.version
 

@@ -68,12 +68,25 @@ class JournalTables:
         """Delete key ``key``."""
         self._db.execute("DELETE FROM kv WHERE key = ?", (key,))
 
+    def kv_writer(self, key: str) -> tuple[str, int] | None:
+        """(writer, version it wrote; 0 for a delete) of the last write of ``key`` that named its writer."""
+        row = self._db.execute("SELECT writer, version FROM kv_writer WHERE key = ?", (key,)).fetchone()
+        return None if row is None else (str(row[0]), int(row[1]))
+
+    def kv_put_writer(self, key: str, writer: str, version: int) -> None:
+        """Record that ``writer`` wrote ``key`` at ``version`` (0: deleted it); "" forgets the key's writer."""
+        if writer:
+            self._db.execute("INSERT OR REPLACE INTO kv_writer VALUES (?, ?, ?)", (key, writer, version))
+        else:
+            self._db.execute("DELETE FROM kv_writer WHERE key = ?", (key,))
+
     def kv_delete_range(self, key: str, range_end: str) -> tuple[int, int]:
         """Delete the keys in ``[key, range_end)``: (how many, the highest version among them; 0 if none)."""
         found = self._db.execute("SELECT COUNT(*), MAX(version) FROM kv WHERE key >= ? AND key < ?",
                                  (key, range_end)).fetchone()  # fmt: skip
         if found[0]:
             self._db.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (key, range_end))
+        self._db.execute("DELETE FROM kv_writer WHERE key >= ? AND key < ?", (key, range_end))
         return int(found[0]), int(found[1] or 0)
 
     def kv_scan(self, prefix: str) -> list[tuple[str, bytes]]:

@@ -24,12 +24,13 @@ class KvStore:
         """(key, value) of every key that starts with ``prefix``, in key order (for the metrics)."""
         return self.journal.kv_scan(prefix)
 
-    def set(self, key: str, value: bytes, expected_version: int) -> tuple[bool, bytes, int]:
+    def set(self, key: str, value: bytes, expected_version: int, writer: str = "") -> tuple[bool, bytes, int]:
         """Compare-and-set: write ``value`` if the key is at ``expected_version`` (0: absent).
 
         Returns (written, current value, current version). A key created (again) starts above every
         version a deleted key ever had, so a writer holding the version of a deleted key can never
-        overwrite its successor. :class:`InvalidArgumentError` for an empty key.
+        overwrite its successor. ``writer``: the write's id; a repeat of the write that made the current
+        version (its answer was lost) is answered written. :class:`InvalidArgumentError` for an empty key.
         """
         if not key:
             raise InvalidArgumentError("a key is required")
@@ -37,9 +38,11 @@ class KvStore:
             current = self.journal.kv_get(key)
             version = current[1] if current else 0
             if version != expected_version:
-                return False, current[0] if current else b"", version
+                written = bool(writer) and current is not None and self.journal.kv_writer(key) == (writer, version)
+                return written, current[0] if current else b"", version
             new = version + 1 if current else int(self.journal.get_meta("kv_version_floor") or 0) + 1
             self.journal.kv_put(key, value, new)
+            self.journal.kv_put_writer(key, writer, new)
         return True, value, new
 
     def delete_range(self, key: str, range_end: str) -> int:
@@ -58,10 +61,11 @@ class KvStore:
                 self.journal.put_meta("kv_version_floor", str(max(floor, highest)))
         return deleted
 
-    def delete(self, key: str, expected_version: int) -> tuple[bool, bytes, int]:
-        """Compare-and-delete: remove the key if it is at ``expected_version``; no row (tombstone) stays.
+    def delete(self, key: str, expected_version: int, writer: str = "") -> tuple[bool, bytes, int]:
+        """Compare-and-delete: remove the key if it is at ``expected_version``; no row of it stays in ``kv``.
 
-        Returns (deleted, current value, current version): ``(True, b"", 0)`` once gone.
+        Returns (deleted, current value, current version): ``(True, b"", 0)`` once gone. ``writer`` as for
+        :meth:`set`: a repeat of the delete that removed it is answered deleted.
         """
         if not key:
             raise InvalidArgumentError("a key is required")
@@ -69,7 +73,10 @@ class KvStore:
             current = self.journal.kv_get(key)
             version = current[1] if current else 0
             if version != expected_version:
+                if writer and current is None and self.journal.kv_writer(key) == (writer, 0):
+                    return True, b"", 0
                 return False, current[0] if current else b"", version
+            self.journal.kv_put_writer(key, writer, 0)
             if current:
                 self.journal.kv_delete(key)
                 floor = int(self.journal.get_meta("kv_version_floor") or 0)

@@ -27,9 +27,9 @@ def kv_set(self: ShardServicer, request: pb.KvSetRequest, context: Any) -> pb.Kv
     """RPC: compare-and-set (or, with ``delete``, compare-and-delete) ``request.key`` at ``expected_version``."""
     with self.cond:
         if request.delete:
-            ok, value, version = self.core.kv.delete(request.key, request.expected_version)
+            ok, value, version = self.core.kv.delete(request.key, request.expected_version, request.writer)
         else:
-            ok, value, version = self.core.kv.set(request.key, request.value, request.expected_version)
+            ok, value, version = self.core.kv.set(request.key, request.value, request.expected_version, request.writer)
     return pb.KvSetResponse(ok=ok, value=value, version=version)
 
 

@@ -67,7 +67,8 @@ IDEMPOTENT: dict[str, str] = {
     "Status": "read-only",
     "ReportMetrics": "the newest value of each metric wins",
     "KvGet": "read-only",
-    "KvSet": "sets the same value",
+    "KvSet": "compare-and-set with a write id (the same in every retry): a repeat of the write that landed is "
+    "answered written, not 'the version moved' (a read-modify-write would otherwise apply twice)",
     "KvDeleteRange": "deletes the same keys",
     "CommitStaged": "keyed by (dataset, producer, part, epoch): a repeat answers already_committed",
     "WorkerSession": "its messages are Lease, Ack, AckBatch and Heartbeat above; the stream is reopened and the "

@@ -97,8 +97,14 @@ def test_worker_calls_cut_mid_call_land_once(
         assert direct.describe_dataset("rows").records_committed == 200
 
         # the key-value store and reported metrics
-        _cut(proxy, client, where, lambda: client.kv_set("k", b"v", 0))
+        # a compare-and-set retried after it landed is answered written, not "the version moved" (a
+        # read-modify-write such as the rendezvous store's add would otherwise write twice)
+        assert _cut(proxy, client, where, lambda: client.kv_set("k", b"v", 0)) == (True, b"v", 1)
         assert direct.kv_get("k") == (b"v", 1)
+        assert _cut(proxy, client, where, lambda: client.kv_set("k", b"w", 1)) == (True, b"w", 2)
+        assert _cut(proxy, client, where, lambda: client.kv_delete("k", 2)) == (True, b"", 0)
+        assert direct.kv_get("k") is None
+        assert client.kv_set("k", b"x", 2)[0] is False, "a stale version is still refused"
 
         # calls that are not idempotent but guarded: a remove and a leave repeated after the first landed
         _cut(proxy, client, where, client.leave)
