@@ -76,8 +76,9 @@ IDEMPOTENT: dict[str, str] = {
 }
 #: call -> how a retry that is not answered as the first is kept harmless
 GUARDED: dict[str, str] = {
-    "CutPrepare": "a repeat prepares a second cut of the same acks; the trainer commits the one it was answered, "
-    "the other is superseded at the next commit (cuts older than the committed one are discarded)",
+    "CutPrepare": "with a step (every trainer's checkpoint) it is idempotent: one cut per step; without one, a "
+    "repeat prepares a second cut of the same acks, the caller commits the one it was answered and the other "
+    "is discarded once a later cut commits",
     "RemoveDataset": "a repeat after the first removed it is answered NOT_FOUND: the client reports the dataset "
     "removed (AdminClient.remove_dataset)",
     "Leave": "a repeat after the first is answered NOT_FOUND (the worker is gone, its leases returned): the "
