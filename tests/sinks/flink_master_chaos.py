@@ -1,11 +1,12 @@
 """SIGKILLs of the job master while a Flink job commits to it, for tests/sinks/test_flink.py.
 
-:class:`MasterChaos` runs in a thread: a shuffled plan of ``random`` kills (any moment), ``mid-call``
-kills (the :class:`CutProxy` between the committer and the master forwards a ``CommitStaged`` request,
-then the master is SIGKILLed before its answer) and ``reset`` cuts (the master answers, the proxy resets
-the committer's connection instead). After each kill the master restarts on the same state dir and port.
-Between steps it samples Flink's committer metrics. The test's own calls to the master take :attr:`quiet`
-so that a kill never lands in them (the test's client is not what is under test).
+:class:`MasterChaos` runs in a thread: a shuffled plan of ``random`` kills (any moment), ``mid-call`` kills
+(the :class:`CutProxy` between the committer and the master forwards a ``CommitStaged`` request, then the
+master is SIGKILLed before its answer) and ``reset`` cuts (the master answers, the proxy resets the
+committer's connection instead); every other cut also hands the committer a garbled HTTP/2 frame. After each
+kill the master restarts on the same state dir and port. Between steps it samples Flink's committer metrics.
+The test's own calls to the master take :attr:`quiet` so that a kill never lands in them (the test's client
+is not what is under test).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class MasterChaos(threading.Thread):
         self.failed_committables = 0  # the most Flink's committers counted at one sample
         self.retried_committables = 0
         self.error: BaseException | None = None
+        self.cuts = 0
 
     def run(self) -> None:
         try:
@@ -54,7 +56,9 @@ class MasterChaos(threading.Thread):
         if step == "random":
             self.master.kill()
         else:
-            fired = self.proxy.arm("kill" if step == "mid-call" else "reset", self.master.kill)
+            self.cuts += 1  # alternately a plain cut and one where the committer reads a garbled frame
+            mode = ("kill" if step == "mid-call" else "reset") + ("-garble" if self.cuts % 2 else "")
+            fired = self.proxy.arm(mode.replace("reset-garble", "garble"), self.master.kill)
             if not fired.wait(30):
                 taken = not self.proxy.disarm()
                 if not (taken and fired.wait(30)):  # no commit came: kill at this random point instead

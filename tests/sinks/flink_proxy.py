@@ -7,12 +7,21 @@ it is forwarded whole, its answer is never forwarded, and then either
 
 - ``"kill"``: the given action runs (the test SIGKILLs the master) while the call is in flight, and the
   client's connection ends the way the master's did (EOF or reset, mirrored as it comes);
-- ``"reset"``: the proxy waits for the master's answer (so the call took effect), drops it and resets
-  the client's connection (RST): the client cannot know the commit landed.
+- ``"kill-garble"``: the same, and the client reads a garbled HTTP/2 frame before the connection ends;
+- ``"reset"``: the proxy waits for the master's whole answer (so the call took effect), drops its
+  trailers and resets the client's connection (RST): the client cannot know the commit landed;
+- ``"garble"``: the same, with a garbled frame in place of the trailers.
+
+What grpc-java 1.85 reports for each (seen in tests/sinks/test_flink_committer.py): a master killed
+mid-call, UNAVAILABLE ("Network closed for unknown reason" on its FIN, "io exception" on its RST); a
+reset, UNAVAILABLE ("io exception"); an answer without its trailers then FIN or RST, UNAVAILABLE; a
+garbled frame, INTERNAL ("http2 exception"). grpc-java's UNKNOWN "channel closed" (a write racing the
+connection's close, as seen with a master killed directly) could not be produced on demand through a proxy.
 """
 
 from __future__ import annotations
 
+import selectors
 import socket
 import struct
 import threading
@@ -20,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 REQUEST_BYTES = 80
+#: an HTTP/2 DATA frame header on stream 1 claiming 16 MiB, more than any peer's SETTINGS_MAX_FRAME_SIZE
+GARBLED_FRAME = bytes([0xFF, 0xFF, 0xFF, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01])
 
 
 @dataclass
@@ -38,44 +49,91 @@ def _reset(sock: socket.socket) -> None:
         pass
 
 
+def _without_trailers(chunk: bytes) -> bytes:
+    """The HTTP/2 frames of ``chunk`` up to the first HEADERS frame that ends its stream (a call's trailers).
+
+    A connection's first chunks are whole frames, and the proxy relays them as read: a good enough parser."""
+    out = 0
+    while out + 9 <= len(chunk):
+        length = int.from_bytes(chunk[out : out + 3], "big")
+        kind, flags = chunk[out + 3], chunk[out + 4]
+        if kind == 1 and flags & 1:  # HEADERS with END_STREAM
+            break
+        out += 9 + length
+    return chunk[:out]
+
+
 class _Connection:
+    """One proxied connection, pumped both ways by one thread (so that a close is a real close: RST or FIN)."""
+
     def __init__(self, proxy: CutProxy, client: socket.socket, upstream: socket.socket) -> None:
         self.proxy = proxy
         self.client = client
         self.upstream = upstream
         self.cut: _Armed | None = None  # this connection's call being cut: its answer is not forwarded
-        threading.Thread(target=self._requests, daemon=True).start()
-        threading.Thread(target=self._answers, daemon=True).start()
+        threading.Thread(target=self._pump, daemon=True).start()
 
-    def _requests(self) -> None:
+    def _pump(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.client, selectors.EVENT_READ, self._request)
+            sel.register(self.upstream, selectors.EVENT_READ, self._answer)
+            open_ = True
+            while open_:
+                for key, _ in sel.select():
+                    if not key.data():
+                        open_ = False
+                        break
+
+    def _request(self) -> bool:
         try:
-            while chunk := self.client.recv(65536):
-                if len(chunk) >= REQUEST_BYTES and self.cut is None:
-                    self.cut = self.proxy._take_armed()
-                self.upstream.sendall(chunk)
-                if self.cut is not None and self.cut.mode == "kill" and not self.cut.fired.is_set():
-                    self.cut.action()  # the master dies with the request in flight
-                    self.proxy.cuts.append("kill")
-                    self.cut.fired.set()
-            self.upstream.shutdown(socket.SHUT_WR)
+            chunk = self.client.recv(65536)
+            if not chunk:  # the client closed
+                self.upstream.close()
+                self.client.close()
+                return False
+            if len(chunk) >= REQUEST_BYTES and self.cut is None:
+                self.cut = self.proxy._take_armed()
+            self.upstream.sendall(chunk)
+            if self.cut is not None and self.cut.mode.startswith("kill") and not self.cut.fired.is_set():
+                self.cut.action()  # the master dies with the request in flight
+                if self.cut.mode == "kill-garble":  # and the client reads garbage before the connection's end
+                    self.client.sendall(GARBLED_FRAME)
+                self.proxy.cuts.append(self.cut.mode)
+                self.cut.fired.set()
+            return True
         except OSError:
             _reset(self.upstream)
-
-    def _answers(self) -> None:
-        try:
-            while chunk := self.upstream.recv(65536):
-                if self.cut is None:
-                    self.client.sendall(chunk)
-                elif self.cut.mode == "reset":  # the master answered: the commit landed; the client never hears it
-                    self.proxy.cuts.append("reset")
-                    _reset(self.client)
-                    self.upstream.close()
-                    self.cut.fired.set()
-                    return
-            self.client.shutdown(socket.SHUT_WR)  # the master's side ended: so does the client's
-            self.client.close()
-        except OSError:
             _reset(self.client)
+            return False
+
+    def _answer(self) -> bool:
+        try:
+            chunk = self.upstream.recv(65536)
+        except OSError:  # the master's side was reset: so is the client's
+            _reset(self.client)
+            self.upstream.close()
+            return False
+        if not chunk:  # the master's side ended (FIN): so does the client's
+            self.client.close()
+            self.upstream.close()
+            return False
+        if self.cut is None or (self.cut.mode in ("reset", "garble") and len(_without_trailers(chunk)) == len(chunk)):
+            try:  # (a cut waits for the answer's trailers: the call is complete; pings and settings pass)
+                self.client.sendall(chunk)
+            except OSError:
+                _reset(self.upstream)
+                self.client.close()
+                return False
+            return True
+        if self.cut.mode in ("reset", "garble"):  # the master answered: the commit landed
+            if self.cut.mode == "garble":  # the answer but its trailers, then a frame header that is garbage
+                self.client.sendall(_without_trailers(chunk) + GARBLED_FRAME)
+            self.proxy.cuts.append(self.cut.mode)
+            _reset(self.client)
+            self.upstream.close()
+            self.cut.fired.set()
+            return False
+        return True  # "kill": the answer (if any came before the kill) is dropped
 
 
 class CutProxy:
@@ -92,7 +150,7 @@ class CutProxy:
 
     def arm(self, mode: str, action: Callable[[], None] = lambda: None) -> threading.Event:
         """Cut the next request (``mode`` "kill" runs ``action`` mid-call; "reset"); set once it was cut."""
-        assert mode in ("kill", "reset"), mode
+        assert mode in ("kill", "kill-garble", "reset", "garble"), mode
         armed = _Armed(mode, action)
         with self._lock:
             self._armed = armed
