@@ -42,9 +42,9 @@ def flink_sink_jar() -> Path:
     return build_sink()
 
 
-def stage(staging: Path, part: str, epoch: int, first: int, rows: int) -> str:
+def stage(staging: Path, part: str, epoch: int, first: int, rows: int, producer: str = PRODUCER) -> str:
     """A staged Parquet file as the sink writes it: ``<staging>/<producer>/<part>/<epoch>/<file>``."""
-    folder = staging / PRODUCER / part / str(epoch)
+    folder = staging / producer / part / str(epoch)
     folder.mkdir(parents=True)
     x = [float(i) for i in range(rows)]
     table = pa.table([list(range(first, first + rows)), x, [3.0 * v + 1.0 for v in x]], schema=SCHEMA)
@@ -52,9 +52,14 @@ def stage(staging: Path, part: str, epoch: int, first: int, rows: int) -> str:
     return str(folder / "a0-test-0.parquet")
 
 
+def flink_jars() -> list[Path]:
+    """Flink's own classes and its logging, from the PyFlink venv."""
+    lib = next(FLINK_VENV.glob("lib/python*/site-packages/pyflink/lib"))
+    return [*sorted(lib.glob("flink-dist-*.jar")), *sorted(lib.glob("log4j-*.jar"))]
+
+
 def run_committer(jar: Path, master: str, token: str, staging: Path, commits: list[tuple[str, int, str, int]]) -> str:
-    lib = next(FLINK_VENV.glob("lib/python*/site-packages/pyflink/lib"))  # Flink's own jars
-    jars = [jar, *sorted(lib.glob("flink-dist-*.jar")), *sorted(lib.glob("log4j-*.jar"))]
+    jars = [jar, *flink_jars()]
     cmd = ["java", "-Dorg.apache.logging.log4j.level=INFO", "-cp", ":".join(map(str, jars)),
            str(HERE / "CommitterHarness.java"), master, token, "stream", str(staging), "60"]  # fmt: skip
     for part, epoch, uri, records in commits:
@@ -103,3 +108,32 @@ def test_a_commit_cut_mid_call_is_retried_and_lands_once(tmp_path: Path, flink_s
     finally:
         proxy.close()
         master.stop()
+
+
+def test_a_restored_writer_deletes_only_its_epochs_after_the_restored_checkpoint(
+    tmp_path: Path, flink_sink_jar: Path
+) -> None:
+    """Epoch folders above the restored checkpoint K of the writer's own (producer, part) go; nothing else."""
+    staging = tmp_path / "staging"
+    for producer, part, epoch in [(PRODUCER, "0", e) for e in (3, 4, 5, 12)] + [(PRODUCER, "1", 9), ("other", "0", 9)]:
+        stage(staging, part, epoch, 0, 10, producer)
+    classes = tmp_path / "classes"
+    cp = ":".join(map(str, [flink_sink_jar, *flink_jars()]))
+    javac = subprocess.run(["javac", "-d", str(classes), "-cp", cp, str(HERE / "WriterHarness.java")],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert javac.returncode == 0, javac.stderr
+
+    logs: list[str] = []
+
+    def left(restored: str) -> list[str]:
+        out = subprocess.run(["java", "-Dorg.apache.logging.log4j.level=INFO", "-cp", f"{classes}:{cp}",
+                              "streamrover.flink.WriterHarness", str(staging), PRODUCER, "0", restored],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        logs.append(out.stdout + out.stderr)
+        return re.findall(r"^left (\S+)$", out.stdout, re.M)
+
+    assert left("none") == ["12", "3", "4", "5", "_inprogress"], "a writer that was not restored deletes no epoch"
+    assert left("4") == ["3", "4", "_inprogress"], "restored from checkpoint 4: epochs 5 and 12 are garbage"
+    assert "deleted 2 epoch folder(s) (2 files)" in logs[-1], logs[-1]
+    assert (staging / PRODUCER / "1" / "9").is_dir() and (staging / "other" / "0" / "9").is_dir(), "not its own"
