@@ -35,7 +35,7 @@ GARBLED_FRAME = bytes([0xFF, 0xFF, 0xFF, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01])
 
 @dataclass
 class _Armed:
-    mode: str  # "kill" or "reset"
+    mode: str  # "kill", "kill-garble", "reset" or "garble"
     action: Callable[[], None]
     fired: threading.Event = field(default_factory=threading.Event)
 
@@ -52,7 +52,8 @@ def _reset(sock: socket.socket) -> None:
 def _without_trailers(chunk: bytes) -> bytes:
     """The HTTP/2 frames of ``chunk`` up to the first HEADERS frame that ends its stream (a call's trailers).
 
-    A connection's first chunks are whole frames, and the proxy relays them as read: a good enough parser."""
+    It assumes ``chunk`` starts at a frame's start: true of the master's small answers, each written at once
+    (a chunk that is not is taken for one without trailers, and relayed as it is)."""
     out = 0
     while out + 9 <= len(chunk):
         length = int.from_bytes(chunk[out : out + 3], "big")
