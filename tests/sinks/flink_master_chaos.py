@@ -44,7 +44,7 @@ class MasterChaos(threading.Thread):
     def run(self) -> None:
         try:
             for step in self.plan:
-                if self.stop.wait(self.rng.uniform(0.2, 1.5)):  # a random point, not a synchronisation
+                if self.stop.wait(self.rng.uniform(0.1, 0.8)):  # a random point, not a synchronisation
                     return
                 with self.quiet:
                     self._step(step)

@@ -1,9 +1,8 @@
 """A TCP proxy between the Flink sink's committer and the job master that can cut a call in its middle.
 
-The committer is the only client that reaches the master through it, so a chunk of at least
-:data:`REQUEST_BYTES` from the client is a call's request (gRPC's own frames on an idle connection,
-SETTINGS/PING/WINDOW_UPDATE acks, are 9-17 bytes). :meth:`CutProxy.arm` picks the next such request:
-it is forwarded whole, its answer is never forwarded, and then either
+The committer is the only client that reaches the master through it, and makes unary calls only: a chunk
+from the client with a DATA frame that ends its stream is the end of a call's request. :meth:`CutProxy.arm`
+picks the next such request: it is forwarded whole, its answer is never forwarded, and then either
 
 - ``"kill"``: the given action runs (the test SIGKILLs the master) while the call is in flight, and the
   client's connection ends the way the master's did (EOF or reset, mirrored as it comes);
@@ -28,7 +27,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-REQUEST_BYTES = 80
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # what a client's connection starts with
 #: an HTTP/2 DATA frame header on stream 1 claiming 16 MiB, more than any peer's SETTINGS_MAX_FRAME_SIZE
 GARBLED_FRAME = bytes([0xFF, 0xFF, 0xFF, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01])
 
@@ -49,19 +48,30 @@ def _reset(sock: socket.socket) -> None:
         pass
 
 
-def _without_trailers(chunk: bytes) -> bytes:
-    """The HTTP/2 frames of ``chunk`` up to the first HEADERS frame that ends its stream (a call's trailers).
+def _frames(chunk: bytes) -> list[tuple[int, int, int]]:
+    """(offset, type, flags) of the HTTP/2 frames in ``chunk``, after the connection preface if it starts so.
 
-    It assumes ``chunk`` starts at a frame's start: true of the master's small answers, each written at once
-    (a chunk that is not is taken for one without trailers, and relayed as it is)."""
-    out = 0
+    It assumes ``chunk`` starts at a frame's start: true of the small writes of a unary call, each made at
+    once (a chunk that does not is misread, and at worst a cut waits for the next call)."""
+    out = len(PREFACE) if chunk.startswith(PREFACE) else 0
+    frames = []
     while out + 9 <= len(chunk):
-        length = int.from_bytes(chunk[out : out + 3], "big")
-        kind, flags = chunk[out + 3], chunk[out + 4]
-        if kind == 1 and flags & 1:  # HEADERS with END_STREAM
-            break
-        out += 9 + length
-    return chunk[:out]
+        frames.append((out, chunk[out + 3], chunk[out + 4]))
+        out += 9 + int.from_bytes(chunk[out : out + 3], "big")
+    return frames
+
+
+def _ends_a_request(chunk: bytes) -> bool:
+    """Whether the client's ``chunk`` holds a DATA frame with END_STREAM: the end of a unary call's request."""
+    return any(kind == 0 and flags & 1 for _, kind, flags in _frames(chunk))
+
+
+def _without_trailers(chunk: bytes) -> bytes:
+    """The HTTP/2 frames of the master's ``chunk`` before the first HEADERS frame that ends its stream (trailers)."""
+    for offset, kind, flags in _frames(chunk):
+        if kind == 1 and flags & 1:
+            return chunk[:offset]
+    return chunk
 
 
 class _Connection:
@@ -92,7 +102,7 @@ class _Connection:
                 self.upstream.close()
                 self.client.close()
                 return False
-            if len(chunk) >= REQUEST_BYTES and self.cut is None:
+            if self.cut is None and _ends_a_request(chunk):
                 self.cut = self.proxy._take_armed()
             self.upstream.sendall(chunk)
             if self.cut is not None and self.cut.mode.startswith("kill") and not self.cut.fired.is_set():

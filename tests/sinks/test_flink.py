@@ -49,7 +49,7 @@ from tests.trainers.streams import KafkaTopic
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 RECORDS = 10_000
 FAIL_AFTER = 1_500  # records one subtask maps before the injected failure
-KILLS, MID_CALL, RESETS = 20, 8, 4  # master SIGKILLs (MID_CALL of them during a commit), connection resets
+KILLS, MID_CALL, RESETS = 20, 8, 2  # master SIGKILLs (MID_CALL of them during a commit), connection resets
 SEED = int(os.environ.get("SR_TEST_SEED", "26"))
 #: the rows the job's map declares (flink_job.ROW), as the trainers read them before any file is committed
 SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("y", pa.float64())])
@@ -72,13 +72,13 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
     proxy = CutProxy(lambda: job.master.address)  # the committer reaches the master through it
     chaos = MasterChaos(job.master, proxy, flink, KILLS, MID_CALL, RESETS, SEED)
 
-    def produce_later() -> None:  # the second half in small steps, so that commits go on during the chaos
-        chunks = np.array_split(ids[RECORDS // 2 :], 100)
-        for chunk in chunks[:-1]:
-            topic.produce(chunk)
-            chaos.stop.wait(1.0)  # pacing, not a synchronisation
+    def produce_later() -> None:  # the second half in small steps while the chaos lasts (commits go on), the rest after
+        chunks = np.array_split(ids[RECORDS // 2 :], 200)
+        while len(chunks) > 1 and chaos.is_alive():
+            topic.produce(chunks.pop(0))
+            chaos.stop.wait(0.5)  # pacing, not a synchronisation
         chaos.join(timeout=600)
-        topic.produce(chunks[-1])
+        topic.produce(np.concatenate(chunks))
 
     later = threading.Thread(target=produce_later, daemon=True)
 
