@@ -13,13 +13,13 @@ while the job runs. Half the records are produced before the start, half while i
   again under the old one, which the master answers already_committed when they were).
 
 Meanwhile the job master is SIGKILLed KILLS times and restarted on its state dir
-(tests/sinks/flink_master_chaos.py): at random points, and MID_CALL times with a ``CommitStaged`` in flight (a proxy
-between the committer and the master forwards the request, then the master dies before the answer). RESETS
-times the proxy lets the master answer a commit and resets the committer's connection instead: the committer
-retries a commit that already landed. Every other cut also hands the committer a garbled HTTP/2 frame
-(grpc-java: INTERNAL, which the committer before issue 26 dropped: failedCommittables > 0). The committer must log
-each retry with its gRPC status, never count a committable as failed (Flink's ``failedCommittables`` stays
-0), and lose nothing.
+(tests/sinks/flink_master_chaos.py): at random points, and MID_CALL times with a ``CommitStaged`` in flight (a
+proxy between the committer and the master forwards the request, then the master dies before the answer).
+RESETS times the proxy lets the master answer a commit and resets the committer's connection instead: the
+committer retries a commit that already landed. Every other cut also hands the committer a garbled HTTP/2
+frame (grpc-java: INTERNAL, which the committer before issue 26 dropped: failedCommittables > 0). The dlrover-
+run trainer rides the same kills. The committer must log each retry with its gRPC status, never count a
+committable as failed (Flink's ``failedCommittables`` stays 0), and lose nothing.
 
 The ledger in the model must then hold every id exactly once, and the dataset exactly RECORDS records.
 """
@@ -146,7 +146,7 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         print(f"committer retries by status: {dict(statuses)}; retriedCommittables up to "
               f"{chaos.retried_committables}", file=sys.stderr)  # fmt: skip
         assert "INTERNAL" in statuses and set(statuses) <= {"UNAVAILABLE", "UNKNOWN", "INTERNAL"}, statuses
-        if "reset" in proxy.cuts:
+        if {"reset", "garble"} & set(proxy.cuts):
             assert "an earlier attempt landed" in log, "a commit whose answer was cut was not retried to its end"
         losses = job.losses()
         assert np.mean(losses[-20:]) < np.mean(losses[:20]) / 5, "the loss decreases"
