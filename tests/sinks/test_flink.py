@@ -17,9 +17,9 @@ Meanwhile the job master is SIGKILLed KILLS times and restarted on its state dir
 proxy between the committer and the master forwards the request, then the master dies before the answer).
 RESETS times the proxy lets the master answer a commit and resets the committer's connection instead: the
 committer retries a commit that already landed. Every other cut also hands the committer a garbled HTTP/2
-frame (grpc-java: INTERNAL, which the committer before issue 26 dropped: failedCommittables > 0). The dlrover-
-run trainer rides the same kills. The committer must log each retry with its gRPC status, never count a
-committable as failed (Flink's ``failedCommittables`` stays 0), and lose nothing.
+frame (grpc-java: INTERNAL, which the committer before issue 26 dropped: failedCommittables > 0). The
+dlrover-run trainer rides the same kills. The committer must log each retry with its gRPC status, never count
+a committable as failed (Flink's ``failedCommittables`` stays 0), and lose nothing.
 
 The ledger in the model must then hold every id exactly once, and the dataset exactly RECORDS records.
 """
