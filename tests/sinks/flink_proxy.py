@@ -7,8 +7,8 @@ picks the next such request: it is forwarded whole, its answer is never forwarde
 - ``"kill"``: the given action runs (the test SIGKILLs the master) while the call is in flight, and the
   client's connection ends the way the master's did (EOF or reset, mirrored as it comes);
 - ``"kill-garble"``: the same, and the client reads a garbled HTTP/2 frame before the connection ends;
-- ``"reset"``: the proxy waits for the master's whole answer (so the call took effect), drops its
-  trailers and resets the client's connection (RST): the client cannot know the commit landed;
+- ``"reset"``: the proxy waits for the master's whole successful answer (so the call took effect), drops
+  it and resets the client's connection (RST): the client cannot know the commit landed;
 - ``"garble"``: the same, with a garbled frame in place of the trailers.
 
 What grpc-java 1.85 reports for each (seen in tests/sinks/test_flink_committer.py): a master killed
@@ -64,6 +64,14 @@ def _frames(chunk: bytes) -> list[tuple[int, int, int]]:
 def _ends_a_request(chunk: bytes) -> bool:
     """Whether the client's ``chunk`` holds a DATA frame with END_STREAM: the end of a unary call's request."""
     return any(kind == 0 and flags & 1 for _, kind, flags in _frames(chunk))
+
+
+def _is_an_answer(chunk: bytes) -> bool:
+    """Whether the master's ``chunk`` holds a whole successful unary answer: a message (DATA) and trailers.
+
+    (An error is answered by trailers alone.)"""
+    frames = _frames(chunk)
+    return any(kind == 0 for _, kind, _ in frames) and any(kind == 1 and flags & 1 for _, kind, flags in frames)
 
 
 def _without_trailers(chunk: bytes) -> bytes:
@@ -128,8 +136,8 @@ class _Connection:
             self.client.close()
             self.upstream.close()
             return False
-        if self.cut is None or (self.cut.mode in ("reset", "garble") and len(_without_trailers(chunk)) == len(chunk)):
-            try:  # (a cut waits for the answer's trailers: the call is complete; pings and settings pass)
+        if self.cut is None or (self.cut.mode in ("reset", "garble") and not _is_an_answer(chunk)):
+            try:  # (a cut waits for a whole answer with a message, a success; pings, settings, errors pass)
                 self.client.sendall(chunk)
             except OSError:
                 _reset(self.upstream)
