@@ -47,7 +47,7 @@ from benchmarks._streams_pool import Pass, Pool, Result
 TOKEN = "bench-token"
 # what the pool processes import before their first pass (the clock must not time module loading)
 KAFKA_IMPORTS = ("confluent_kafka", "numpy")
-# (streamrover.sources.files too: opening any source imports it, see sources/registry.py load_builtin_backends)
+# (streamrover.sources.files too: opening any source imports it, see sources/api.py load_builtin_backends)
 SHARD_IMPORTS = (
     "numpy", "pyarrow.compute", "streamrover.shard_service", "streamrover.sources.kafka", "streamrover.sources.files"
 )
