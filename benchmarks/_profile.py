@@ -41,8 +41,8 @@ def profile_core(tmp: Path, workers: int = 1, ahead: int = 1) -> None:
     ``workers`` workers each hold ``ahead`` leases (as readers leasing ahead do); in turn each acks
     its oldest lease and leases one more, so the master has ``workers * ahead`` leases out throughout.
     """
-    from streamrover.shard_service.core import ShardCore
-    from streamrover.shard_service.journal import Journal
+    from streamrover.shard_service.master.core import ShardCore
+    from streamrover.shard_service.master.journal import Journal
     from streamrover.sources.api import open_source
 
     spec = _dataset(tmp, CYCLES + workers * ahead)

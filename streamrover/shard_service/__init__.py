@@ -26,9 +26,9 @@ from streamrover.shard_service.api import (
     UnauthenticatedError,
     UnavailableError,
 )
-from streamrover.shard_service.client import ShardClient
-from streamrover.shard_service.leased import LeasedShard
-from streamrover.shard_service.master import MasterServer, load_or_create_token
+from streamrover.shard_service.client.leased import LeasedShard
+from streamrover.shard_service.client.shard_client import ShardClient
+from streamrover.shard_service.master.process import MasterServer, load_or_create_token
 
 __all__ = [
     "AckFailedError",

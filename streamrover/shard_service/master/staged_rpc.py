@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from streamrover.shard_service.api import InvalidArgumentError
-from streamrover.shard_service.staged import StagedOutcome
+from streamrover.shard_service.master.staged import StagedOutcome
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import SourceError
 from streamrover.sources.staged import (
@@ -22,7 +22,7 @@ from streamrover.sources.staged import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from streamrover.shard_service.server import ShardServicer
+    from streamrover.shard_service.master.server import ShardServicer
 
 log = logging.getLogger(__name__)
 

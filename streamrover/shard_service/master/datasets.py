@@ -11,12 +11,12 @@ from streamrover.shard_service.api import (
     PartitionPlan,
     ShardState,
 )
-from streamrover.shard_service.bookkeeping import DatasetCounts, DatasetRecord
-from streamrover.shard_service.cuts import CutBook
-from streamrover.shard_service.planner import grid_cells_covered
-from streamrover.shard_service.staged import StagedCommits
-from streamrover.shard_service.state import CoreState
-from streamrover.shard_service.streams import StreamPlanner
+from streamrover.shard_service.master.bookkeeping import DatasetCounts, DatasetRecord
+from streamrover.shard_service.master.cuts import CutBook
+from streamrover.shard_service.master.planner import grid_cells_covered
+from streamrover.shard_service.master.staged import StagedCommits
+from streamrover.shard_service.master.state import CoreState
+from streamrover.shard_service.master.streams import StreamPlanner
 from streamrover.sources.api import Partition, SourceKind
 
 

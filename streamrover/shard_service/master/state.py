@@ -22,10 +22,10 @@ from streamrover.shard_service.api import (
     ShardState,
     shard_id_for,
 )
-from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
-from streamrover.shard_service.journal import Journal
-from streamrover.shard_service.planner import PlannedShard, plan_epoch
-from streamrover.shard_service.tallies import AckRates, BoundedSet
+from streamrover.shard_service.master.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.master.journal import Journal
+from streamrover.shard_service.master.planner import PlannedShard, plan_epoch
+from streamrover.shard_service.master.tallies import AckRates, BoundedSet
 from streamrover.sources.api import SourceKind
 
 # shard ids discarded by restores that an ack is told about precisely ("revoked by a restore"); older

@@ -19,7 +19,6 @@ import uuid
 from collections.abc import Callable
 
 from streamrover.cursor import DataCursor
-from streamrover.shard_service import datasets, fencing
 from streamrover.shard_service.api import (
     DEFAULT_LEASE_TTL,
     AckResult,
@@ -31,7 +30,8 @@ from streamrover.shard_service.api import (
     ShardServiceError,
     ShardState,
 )
-from streamrover.shard_service.bookkeeping import (
+from streamrover.shard_service.master import datasets, fencing
+from streamrover.shard_service.master.bookkeeping import (
     AckItem,
     CutRecord,
     DatasetCounts,
@@ -40,15 +40,15 @@ from streamrover.shard_service.bookkeeping import (
     ShardRecord,
     WorkerRecord,
 )
-from streamrover.shard_service.cuts import CutBook
-from streamrover.shard_service.deadlines import DeadlineQueue
-from streamrover.shard_service.journal import Journal
-from streamrover.shard_service.kv import KvStore
-from streamrover.shard_service.merging import merge_room, merge_run
-from streamrover.shard_service.staged import StagedCommits, StagedOutcome
-from streamrover.shard_service.state import CoreState
-from streamrover.shard_service.streams import StreamPlanner
-from streamrover.shard_service.tallies import RATE_WINDOW
+from streamrover.shard_service.master.cuts import CutBook
+from streamrover.shard_service.master.deadlines import DeadlineQueue
+from streamrover.shard_service.master.journal import Journal
+from streamrover.shard_service.master.kv import KvStore
+from streamrover.shard_service.master.merging import merge_room, merge_run
+from streamrover.shard_service.master.staged import StagedCommits, StagedOutcome
+from streamrover.shard_service.master.state import CoreState
+from streamrover.shard_service.master.streams import StreamPlanner
+from streamrover.shard_service.master.tallies import RATE_WINDOW
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.staged import FileFacts
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from streamrover.cursor import DataCursor
 from streamrover.shard_service import convert
-from streamrover.shard_service.admin import AdminClient
-from streamrover.shard_service.client_acks import AckFailure, AckQueue
-from streamrover.shard_service.lease_table import LeaseTable
+from streamrover.shard_service.client.admin import AdminClient
+from streamrover.shard_service.client.client_acks import AckFailure, AckQueue
+from streamrover.shard_service.client.lease_table import LeaseTable
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 
 

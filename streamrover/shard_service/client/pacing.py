@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from streamrover.shard_service.lease_table import LeaseTable
+from streamrover.shard_service.client.lease_table import LeaseTable
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 
 PREFETCH_SECONDS = 0.02  # a reader keeps about this much of its caller's work leased ahead when shards are small...

@@ -26,14 +26,14 @@ import grpc
 
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import ShardServiceError
-from streamrover.shard_service.journal import JournalWriteError
-from streamrover.shard_service.merging import sized_by_records
+from streamrover.shard_service.master.journal import JournalWriteError
+from streamrover.shard_service.master.merging import sized_by_records
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import SourceError, SourceNotFoundError, SourceUnavailableError
 
 if TYPE_CHECKING:
-    from streamrover.shard_service.core import ShardCore
-    from streamrover.shard_service.server import ShardServicer
+    from streamrover.shard_service.master.core import ShardCore
+    from streamrover.shard_service.master.server import ShardServicer
 
 DEFAULT_MAX_SESSIONS = 48
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from streamrover.cursor import DataCursor
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import DatasetSpec
-from streamrover.shard_service.transport import Transport
+from streamrover.shard_service.client.transport import Transport
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from streamrover.sources.api import SourceKind
 
 if TYPE_CHECKING:
-    from streamrover.shard_service.server import ShardServicer
+    from streamrover.shard_service.master.server import ShardServicer
 
 PREFIX = "streamrover"
 NODES_PREFIX = "nodes/"  # the agents' health documents: nodes/<run id>/<node id> (trainers.torch.agent)

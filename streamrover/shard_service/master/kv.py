@@ -7,7 +7,7 @@ and one counter, ``kv_version_floor``.
 from __future__ import annotations
 
 from streamrover.shard_service.api import InvalidArgumentError
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.master.journal import Journal
 
 
 class KvStore:

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from streamrover.cursor import DataCursor
-from streamrover.shard_service import fencing
 from streamrover.shard_service.api import FailedPreconditionError, NotFoundError
-from streamrover.shard_service.bookkeeping import CutRecord, CutState
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.master import fencing
+from streamrover.shard_service.master.bookkeeping import CutRecord, CutState
+from streamrover.shard_service.master.journal import Journal
 
 KEEP_COMMITTED_CUTS = 8
 MAX_PREPARED_CUTS = 32  # cuts of snapshots not (yet) to be persisted: the oldest beyond this are evicted

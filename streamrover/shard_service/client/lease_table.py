@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from streamrover.shard_service.leased import LeasedShard
+    from streamrover.shard_service.client.leased import LeasedShard
 
 LeaseKey = tuple[str, int]  # (shard id, attempt)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from types import TracebackType
 
-from streamrover.shard_service.journal import Journal, JournalWriteError
+from streamrover.shard_service.master.journal import Journal, JournalWriteError
 
 MAX_GROUP = 64  # transactions at most in one commit (bounds the wait of the first under a steady stream of calls)
 

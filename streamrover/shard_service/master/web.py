@@ -29,10 +29,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
-from streamrover.shard_service.metrics import job_registry
+from streamrover.shard_service.master.metrics import job_registry
 
 if TYPE_CHECKING:
-    from streamrover.shard_service.server import ShardServicer
+    from streamrover.shard_service.master.server import ShardServicer
 
 log = logging.getLogger(__name__)
 StartResponse = Callable[..., Any]
@@ -62,7 +62,7 @@ class Dashboard:
         self._expected = f"Bearer {token}".encode()
         self.registry = job_registry(servicer, durability)
         self._metrics_app = make_wsgi_app(self.registry)
-        self._page = resources.files("streamrover.shard_service").joinpath("dashboard.html").read_bytes()
+        self._page = resources.files("streamrover.shard_service.master").joinpath("dashboard.html").read_bytes()
         self._server = make_server(host, port, self._app, server_class=_Server, handler_class=_QuietHandler)
         self.port = self._server.server_port
         self.address = f"{host}:{self.port}"

@@ -16,7 +16,7 @@ from streamrover.shard_service.api import AckResult, FailedPreconditionError, Le
 from streamrover.sources.api import Partition, ReadBatch, Source
 
 if TYPE_CHECKING:
-    from streamrover.shard_service.client import ShardClient
+    from streamrover.shard_service.client.shard_client import ShardClient
 
 DEFAULT_BATCH_SIZE = 4096
 

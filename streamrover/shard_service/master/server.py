@@ -21,15 +21,15 @@ from streamrover.shard_service.api import (
     LeaseStatus,
     ShardServiceError,
 )
-from streamrover.shard_service.bookkeeping import DatasetRecord
-from streamrover.shard_service.core import AckItem, ShardCore
-from streamrover.shard_service.group_commit import CommitLock
-from streamrover.shard_service.journal import JournalWriteError
-from streamrover.shard_service.kv_rpc import kv_delete_range, kv_get, kv_set
-from streamrover.shard_service.poller import StreamPoller
-from streamrover.shard_service.reported import ReportedMetrics
-from streamrover.shard_service.session import DEFAULT_MAX_SESSIONS, WorkerSessions, lease_limits, status_of
-from streamrover.shard_service.staged_rpc import commit_staged, delete_trained_files
+from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.core import AckItem, ShardCore
+from streamrover.shard_service.master.group_commit import CommitLock
+from streamrover.shard_service.master.journal import JournalWriteError
+from streamrover.shard_service.master.kv_rpc import kv_delete_range, kv_get, kv_set
+from streamrover.shard_service.master.poller import StreamPoller
+from streamrover.shard_service.master.reported import ReportedMetrics
+from streamrover.shard_service.master.session import DEFAULT_MAX_SESSIONS, WorkerSessions, lease_limits, status_of
+from streamrover.shard_service.master.staged_rpc import commit_staged, delete_trained_files
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.sources.api import (

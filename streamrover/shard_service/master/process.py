@@ -14,12 +14,12 @@ from typing import Any
 import grpc
 
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, InvalidArgumentError
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
-from streamrover.shard_service.server import ShardServicer
-from streamrover.shard_service.statelock import StateDirLock
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
+from streamrover.shard_service.master.server import ShardServicer
+from streamrover.shard_service.master.statelock import StateDirLock
+from streamrover.shard_service.master.web import Dashboard, write_address
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
-from streamrover.shard_service.web import Dashboard, write_address
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from types import TracebackType
 
 from streamrover.shard_service.api import DatasetSpec, PartitionPlan, ShardState
-from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
-from streamrover.shard_service.journal_tables import JournalTables
+from streamrover.shard_service.master.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.master.journal_tables import JournalTables
 from streamrover.sources.api import SourceKind
 from streamrover.sources.positions import RecordRuns
 

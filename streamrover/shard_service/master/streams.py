@@ -15,11 +15,11 @@ from dataclasses import replace
 
 from streamrover.cursor import PartitionKey
 from streamrover.shard_service.api import PartitionPlan, ShardState
-from streamrover.shard_service.bookkeeping import DatasetRecord
-from streamrover.shard_service.cuts import CutBook
-from streamrover.shard_service.planner import PlannedShard
-from streamrover.shard_service.state import CoreState
-from streamrover.shard_service.upstream import Upstream
+from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.cuts import CutBook
+from streamrover.shard_service.master.planner import PlannedShard
+from streamrover.shard_service.master.state import CoreState
+from streamrover.shard_service.master.upstream import Upstream
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.options import StreamPlanning, planning_options
 from streamrover.sources.positions import RecordRuns

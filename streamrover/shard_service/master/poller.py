@@ -27,13 +27,13 @@ from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
-from streamrover.shard_service.bounded import SourceStuckError, SourceThread
-from streamrover.shard_service.journal import JournalWriteError
-from streamrover.shard_service.streams import stream_planning
+from streamrover.shard_service.master.bounded import SourceStuckError, SourceThread
+from streamrover.shard_service.master.journal import JournalWriteError
+from streamrover.shard_service.master.streams import stream_planning
 from streamrover.sources.api import MasterSource, SourceError, SourceGoneError, open_source
 
 if TYPE_CHECKING:  # pragma: no cover
-    from streamrover.shard_service.server import ShardServicer
+    from streamrover.shard_service.master.server import ShardServicer
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF = 5.0

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 
 if TYPE_CHECKING:  # pragma: no cover
-    from streamrover.shard_service.server import ShardServicer
+    from streamrover.shard_service.master.server import ShardServicer
 
 
 def kv_get(self: ShardServicer, request: pb.KvGetRequest, context: Any) -> pb.KvGetResponse:

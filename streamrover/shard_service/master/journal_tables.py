@@ -11,7 +11,7 @@ import json
 import sqlite3
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
-from streamrover.shard_service.bookkeeping import CutRecord, CutState
+from streamrover.shard_service.master.bookkeeping import CutRecord, CutState
 
 
 class JournalTables:

@@ -40,11 +40,11 @@ from streamrover.shard_service.api import (
     NotFoundError,
     ShardServiceError,
 )
-from streamrover.shard_service.client_acks import AckFailure, AckQueue, QueuedAck
-from streamrover.shard_service.cursor_client import CursorClient
-from streamrover.shard_service.lease_table import LeaseTable
-from streamrover.shard_service.leased import LeasedShard
-from streamrover.shard_service.pacing import Pacing, PrefetchPace
+from streamrover.shard_service.client.client_acks import AckFailure, AckQueue, QueuedAck
+from streamrover.shard_service.client.cursor_client import CursorClient
+from streamrover.shard_service.client.lease_table import LeaseTable
+from streamrover.shard_service.client.leased import LeasedShard
+from streamrover.shard_service.client.pacing import Pacing, PrefetchPace
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import Source, open_source
 

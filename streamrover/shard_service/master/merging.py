@@ -24,11 +24,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from streamrover.shard_service.api import ShardState, shard_id_for
-from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
+from streamrover.shard_service.master.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.sources.api import SourceKind
 
 if TYPE_CHECKING:
-    from streamrover.shard_service.state import CoreState
+    from streamrover.shard_service.master.state import CoreState
 
 
 def _fresh(s: ShardRecord) -> bool:

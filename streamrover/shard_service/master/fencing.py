@@ -19,7 +19,7 @@ from streamrover.shard_service.api import (
     StaleLeaseError,
     parse_shard_id,
 )
-from streamrover.shard_service.bookkeeping import DatasetRecord, ShardRecord
+from streamrover.shard_service.master.bookkeeping import DatasetRecord, ShardRecord
 from streamrover.sources.api import SourceKind
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streamrover.shard_service.api import FailedPreconditionError, InvalidArgumentError, PartitionPlan
-from streamrover.shard_service.bookkeeping import DatasetRecord
-from streamrover.shard_service.planner import plan_epoch
-from streamrover.shard_service.state import CoreState
-from streamrover.shard_service.streams import StreamPlanner
+from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.planner import plan_epoch
+from streamrover.shard_service.master.state import CoreState
+from streamrover.shard_service.master.streams import StreamPlanner
 from streamrover.sources.staged import STAGING_DIR, FileFacts, in_staging, is_staged, retention
 
 

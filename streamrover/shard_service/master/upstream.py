@@ -29,10 +29,10 @@ from dataclasses import replace
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import InvalidArgumentError, PartitionPlan, ShardState
-from streamrover.shard_service.bookkeeping import DatasetRecord
-from streamrover.shard_service.cuts import CutBook
-from streamrover.shard_service.planner import PlannedShard
-from streamrover.shard_service.state import CoreState
+from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.cuts import CutBook
+from streamrover.shard_service.master.planner import PlannedShard
+from streamrover.shard_service.master.state import CoreState
 from streamrover.sources.api import Partition, SourceKind
 
 log = logging.getLogger(__name__)
