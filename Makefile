@@ -40,6 +40,7 @@ demo-backfill: install
 lint: install
 	$(BIN)/ruff check streamrover tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 	PYTHON=$(BIN)/python scripts/gen-proto.sh --check
 
 jars:
@@ -84,4 +85,4 @@ proto: install
 	PYTHON=$(BIN)/python scripts/gen-proto.sh
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
