@@ -5,7 +5,7 @@
    of 1 record so that only the lease+ack cycle is measured), as a ratio to a bare
    gRPC echo service (generic handlers, bytes in and out) with the same server
    thread pool and the same number of client processes. Two worker patterns
-   (:mod:`benchmarks._rtt`): lease() then ack(), two RPCs, the ratio RPC for RPC;
+   (:mod:`benchmarks.bench_shard_service.rtt`): lease() then ack(), two RPCs, the ratio RPC for RPC;
    and a worker leasing one shard ahead (the ack that finishes a shard brings the
    next lease, as ``ShardClient.shards()`` does), one message per cycle, the ratio
    a whole cycle against one bare RPC. Goal: >= 0.8. The echo server and the master stay up
@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import CTX, cores, environment, load, processes, table
-from benchmarks._rtt import BARRIER_TIMEOUT, TOKEN, run_sliced, write_rtt_file
 from benchmarks._servers import MASTER_THREADS, cpu_seconds, served, server_process
+from benchmarks.bench_shard_service.rtt import BARRIER_TIMEOUT, TOKEN, run_sliced, write_rtt_file
 
 RECORDS_WARMUP = 1  # records bench: passes per configuration, both sides, made before the measured ones
 
@@ -69,9 +69,9 @@ def bench_round_trips(tmp: Path, sizes: Sizes, session: bool = True) -> list[tup
     """Per client count: echo, stream echo, the master (lease, ack), the master (ack leasing the next), in turns.
 
     Both servers (the echo and a fresh master) stay up through the count's rounds; each round gives every kind
-    one slice of ``sizes.slice_seconds`` in turn (:func:`benchmarks._rtt.run_sliced`), and a ratio is taken per
-    round, between slices a second apart. The master's CPU (all its threads, from /proc) is summed over its
-    kind's slices: per acked shard.
+    one slice of ``sizes.slice_seconds`` in turn (:func:`benchmarks.bench_shard_service.rtt.run_sliced`), and a
+    ratio is taken per round, between slices a second apart. The master's CPU (all its threads, from /proc) is
+    summed over its kind's slices: per acked shard.
     """
     from streamrover.shard_service import DatasetSpec, ShardClient
 

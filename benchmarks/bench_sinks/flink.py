@@ -1,4 +1,4 @@
-"""The Flink part of ``make bench`` ``sinks`` (benchmarks/bench_sinks.py, issue 12): sink vs DiscardingSink.
+"""The Flink part of ``make bench`` ``sinks`` (benchmarks/bench_sinks/, issue 12): sink vs DiscardingSink.
 
 A topic of JSON ``{id, x, y}`` records over 4 Kafka partitions (Apache Kafka 4.x, KRaft, tests/brokers) is
 read by the PyFlink job of tests/sinks/flink_job.py (Flink's Kafka connector, a Python featurize map,

@@ -1,6 +1,6 @@
 """Recovery after a worker SIGKILL, and goodput under periodic faults: dlrover-run vs torchrun.
 
-Both sides run the same 2-process gloo DDP job (``benchmarks/_torch_worker.py``: an MLP
+Both sides run the same 2-process gloo DDP job (``benchmarks/bench_torch_recovery/worker.py``: an MLP
 of ``--layers`` x ``--hidden``, Adam) on this machine:
 
 * **dlrover-run**: streamrover's agent (hosting the checkpoint saver), a StreamSession on a
@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.testing.procs import MasterProcess, python_env
 
-WORKER = Path(__file__).resolve().with_name("_torch_worker.py")
+WORKER = Path(__file__).resolve().with_name("worker.py")
 BIN = Path(sys.executable).parent
 
 

@@ -1,6 +1,6 @@
 """TF parameter-server training: throughput through shards vs tf.data, and recovery after a PS SIGKILL.
 
-Both sides run the same chief (``benchmarks/_tf_ps_chief.py``: y = wx + b plus a sharded
+Both sides run the same chief (``benchmarks/bench_tf_ps/chief.py``: y = wx + b plus a sharded
 embedding of ``--buckets`` x ``--dim``, Adagrad) under the same ``tf-ps-run`` launcher, 2 PS and
 2 workers on this machine:
 
@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.testing.procs import MasterProcess, python_env
 
-CHIEF = Path(__file__).resolve().with_name("_tf_ps_chief.py")
+CHIEF = Path(__file__).resolve().with_name("chief.py")
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
@@ -77,7 +77,7 @@ class Run:
                "--log-dir", str(self.root / "logs"), "--status-file", str(self.status),
                "--events", str(self.events), *script]  # fmt: skip
         env = python_env()
-        env["PYTHONPATH"] = os.pathsep.join([str(CHIEF.parents[1]), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([str(CHIEF.parents[2]), env.get("PYTHONPATH", "")])
         with open(self.root / "launcher.log", "wb") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 

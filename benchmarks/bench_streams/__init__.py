@@ -42,7 +42,7 @@ from typing import Any
 
 from benchmarks._common import CTX, cores, environment, load, processes, table
 from benchmarks._servers import server_process
-from benchmarks._streams_pool import Pass, Pool, Result
+from benchmarks.bench_streams.pool import Pass, Pool, Result
 
 TOKEN = "bench-token"
 # what the pool processes import before their first pass (the clock must not time module loading)
@@ -637,7 +637,7 @@ def main(argv: list[str]) -> int:
             finally:
                 broker.stop()
         if args.only in (None, "pulsar"):
-            from benchmarks._streams_pulsar import bench_pulsar
+            from benchmarks.bench_streams.pulsar import bench_pulsar
 
             print(f"\n[2] Pulsar records/s: {sizes.pulsar_records:,} records of {sizes.record_bytes} bytes", flush=True)
             try:

@@ -1,9 +1,11 @@
 """Where a lease+ack cycle spends its time (a tool for whoever tunes the shard service, not a benchmark).
 
-    python -m benchmarks._profile core [W] [A]    # ShardCore + Journal alone, no gRPC, cProfile
-                                                  # (W workers, each holding A leases; default 1 1)
-    python -m benchmarks._profile server [N]      # a master in this process under yappi, N client processes
-    python -m benchmarks._profile client          # one ShardClient in this process under cProfile
+    python -m benchmarks.bench_shard_service.profiling core [W] [A]
+        # ShardCore + Journal alone, no gRPC, cProfile (W workers, each holding A leases; default 1 1)
+    python -m benchmarks.bench_shard_service.profiling server [N]
+        # a master in this process under yappi, N client processes
+    python -m benchmarks.bench_shard_service.profiling client
+        # one ShardClient in this process under cProfile
 
 ``server`` needs yappi (it profiles every thread of the gRPC pool); it is not a
 project dependency: install it in a separate virtualenv and put that on PYTHONPATH.
@@ -21,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import CTX, processes
-from benchmarks._rtt import TOKEN, rtt_client, write_rtt_file
 from benchmarks._servers import MASTER_THREADS, server_process
+from benchmarks.bench_shard_service.rtt import TOKEN, rtt_client, write_rtt_file
 
 CYCLES = 20_000
 

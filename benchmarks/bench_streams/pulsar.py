@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import CTX, processes
-from benchmarks._streams_pool import Pass, Pool, Result
+from benchmarks.bench_streams.pool import Pass, Pool, Result
 
 TOPIC = "persistent://public/default/bench-throughput"
 STALL = 10.0  # seconds without a new message after which a read fails (after re-opening its reader)

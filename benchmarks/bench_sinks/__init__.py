@@ -1,6 +1,6 @@
 """Training as the downstream node of a stream job: each engine's sink against the same job without it.
 
-Parts (``python -m benchmarks sinks [--part spark|flink]``), each a module ``benchmarks/_sinks_<part>.py``
+Parts (``python -m benchmarks sinks [--part spark|flink]``), each a module ``benchmarks/bench_sinks/<part>.py``
 with ``main(argv) -> int``; a part whose module is not there (its engine's sink not built) is reported
 and skipped. Goals (issue 12): Spark with the sink vs a foreachBatch that only counts >= 0.7; Flink with
 the sink vs a DiscardingSink >= 0.7; a Flink checkpoint's completion to its shards leasable p99 <= 1 s.
@@ -21,11 +21,11 @@ def main(argv: list[str]) -> int:
     status = 0
     for part in args.part or PARTS:
         try:
-            module = importlib.import_module(f"benchmarks._sinks_{part}")
+            module = importlib.import_module(f"benchmarks.bench_sinks.{part}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"benchmarks._sinks_{part}":
+            if exc.name != f"benchmarks.bench_sinks.{part}":
                 raise
-            print(f"\n-- sinks/{part}: not built here (no benchmarks/_sinks_{part}.py)")
+            print(f"\n-- sinks/{part}: not built here (no benchmarks/bench_sinks/{part}.py)")
             continue
         print(f"\n-- sinks/{part}", flush=True)
         status = status or int(module.main(rest) or 0)

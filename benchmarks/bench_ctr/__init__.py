@@ -5,7 +5,7 @@ Three runs on one tansu broker, in this process's run:
 1. **exactly once**: ``streamrover run`` of the example's job (master, one dlrover-run node, two
    DDP workers, leases, acks, flash checkpoints every 20 steps, the ledger) over a topic
    prefilled with ``--records`` records; records/s from its first step to its last;
-2. **hand-written** (benchmarks/_ctr_plain.py): torchrun, one confluent-kafka consumer per rank
+2. **hand-written** (benchmarks/bench_ctr/plain.py): torchrun, one confluent-kafka consumer per rank
    in one consumer group, the same DeepFM, optimizer and batch, no checkpoints, no exactly-once,
    over the same prefilled topic; the same measure;
 3. **paced**: the example as ``make demo`` runs it (no kill) on a live topic written at
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-ROOT = Path(__file__).resolve().parents[1]
-PLAIN = Path(__file__).resolve().with_name("_ctr_plain.py")
+ROOT = Path(__file__).resolve().parents[2]
+PLAIN = Path(__file__).resolve().with_name("plain.py")
 
 
 def _river_rows(records: int, seed: int, drift_at: int, window: int) -> np.ndarray:

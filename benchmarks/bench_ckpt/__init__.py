@@ -6,7 +6,7 @@ Peers, on the same state (float32 tensors of random values):
   ``Tensor.copy_`` (torch's intra-op threads) and libc ``memmove`` (one thread);
 * ``torch.save`` to local disk, with ``fsync`` (durable, like our persist) and without (page cache);
 * ``torch.distributed.checkpoint.async_save`` (blocking part);
-* DLRover's flash checkpoint (``DdpCheckpointer``, run from its own venv by ``ckpt_dlrover_peer.py``);
+* DLRover's flash checkpoint (``DdpCheckpointer``, run from its own venv by ``bench_ckpt/dlrover_peer.py``);
 * restore after a process restart: ours from shared memory in a fresh process against
   ``torch.load(weights_only=True)`` of the ``torch.save`` file, both copied into an already built model.
 
@@ -52,7 +52,7 @@ from benchmarks._common import table
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 GIB = 1 << 30
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DLROVER_PY = os.environ.get("STREAMROVER_DLROVER_PYTHON", "/work/venvs/dlrover/bin/python")
 # Peak resident memory of one size, in state sizes: the state, our two shared-memory buffers and the memcpy
 # peer's destination while saving (page cache is reclaimable); the restore children need less.
@@ -656,7 +656,7 @@ def run_size(size: int, a: argparse.Namespace) -> dict[str, Any]:
 def bench_dlrover(run: Run, size: int, a: argparse.Namespace) -> dict[str, Any]:
     if not os.path.exists(DLROVER_PY):
         return {"error": f"no DLRover venv at {DLROVER_PY} (set STREAMROVER_DLROVER_PYTHON)"}
-    script = Path(__file__).with_name("ckpt_dlrover_peer.py")
+    script = Path(__file__).with_name("dlrover_peer.py")
     cmd = [DLROVER_PY, str(script), "--bytes", str(size), "--tensors", str(a.tensors), "--dir", str(run.work)]
     cmd += ["--warmups", str(a.warmups), "--repeats", str(a.repeats)]
     errors = tempfile.TemporaryFile(mode="w+", dir=run.work)

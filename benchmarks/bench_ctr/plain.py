@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # torchrun runs this file as a script
 
 from examples.streaming_ctr import metrics
 from examples.streaming_ctr.clickstream import CATEGORICAL, NUMERIC
