@@ -73,7 +73,7 @@ class PrefetchPace:
 
         The depth and merges this pace asks for first once the size is known (:data:`PREFETCH_RECORDS` of shards,
         merged in runs of at most :data:`FIRST_MERGE_RECORDS` and :data:`BATCH_SHARDS`), which the master counts
-        (:func:`~streamrover.shard_service.merging.sized_by_records`).
+        (:func:`~streamrover.shard_service.master.merging.sized_by_records`).
         """
         return pb.LeaseRequest(
             dataset=dataset, max_shards=MAX_PREFETCH, merge_records=FIRST_MERGE_RECORDS, describe=True,

@@ -15,7 +15,7 @@ queued acks in order, in ``AckBatch`` round trips. Everything that depends on ac
 recorded waits for them first (``flush()``, ``prepare_cut()``, ``get_cursor()``, ``leave()``,
 ``ack(..., wait=True)``), and a refused ack is never dropped; when another process takes the
 cut, each acking process must ``flush()`` before the barrier. The full semantics are in
-:mod:`streamrover.shard_service.client_acks`.
+:mod:`streamrover.shard_service.client.client_acks`.
 
 Leases, acks and heartbeats go as messages on one worker session stream (:mod:`.transport`).
 Calls survive a master restart: they are retried through ``UNAVAILABLE`` for up to ``timeout``
@@ -234,12 +234,12 @@ class ShardClient(CursorClient):
         their turn are kept alive by heartbeats like the rest. The first lease of a dataset this
         client has not opened yet brings the dataset's spec with it (one round trip, no describe
         first) and asks for about 256 Ki records of shards; the depth is then ``prefetch`` or more
-        (:class:`~streamrover.shard_service.pacing.PrefetchPace`: about 20 ms of the caller's work by
+        (:class:`~streamrover.shard_service.client.pacing.PrefetchPace`: about 20 ms of the caller's work by
         its measured pace, at least 8 shards of up to 100 ms in all); from then on the acks that
         finish shards bring the next leases back with them (no extra round trip), enough to keep
         that many waiting. Then queued acks (``async_acks``) gather into fewer batches while ~12 ms
         of work is waiting. The leases ask the master to merge runs of small shards
-        (:mod:`~streamrover.shard_service.merging`: about 10 ms of the caller's work per lease once
+        (:mod:`~streamrover.shard_service.master.merging`: about 10 ms of the caller's work per lease once
         its pace is known), so a lease and its ack serve several planned shards.
         """
         queue = self.leases.waiting(dataset)

@@ -62,7 +62,7 @@ class CutBook:
 
     def prepare(self, step: int | None, persisting: bool, acked: Callable[[int | None], DataCursor]) -> CutRecord:
         """The cut of ``step``: a new one of cursor ``acked(step)``, or the one already taken for ``step`` since
-        the last commit or restore (the core's :meth:`~streamrover.shard_service.core.ShardCore.cut_prepare`)."""
+        the last commit or restore (the core's :meth:`~streamrover.shard_service.master.core.ShardCore.cut_prepare`)."""
         if step is not None:
             same = self._cut_of_step(step)
             if same is not None:

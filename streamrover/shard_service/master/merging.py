@@ -3,7 +3,7 @@
 Small planned shards are what relieves stragglers and bounds the work redone after a failure,
 but each lease and each ack costs the master and the worker the same whatever the shard's size.
 A lease request that carries ``merge_records`` (:meth:`ShardClient.shards` sends about
-:data:`~streamrover.shard_service.pacing.MERGE_SECONDS` of its reader's work) lets the master grant
+:data:`~streamrover.shard_service.client.pacing.MERGE_SECONDS` of its reader's work) lets the master grant
 a run of planned shards as one: the shard it was about to grant and the never-leased TODO
 shards that follow it in the same partition and epoch, up to ``merge_records`` records and the
 number of shards the request may still take (each planned shard counts as one; far from the end of a

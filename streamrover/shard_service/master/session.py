@@ -65,7 +65,7 @@ def lease_limits(core: ShardCore, request: pb.LeaseRequest) -> tuple[int, int]:
 
 
 class WorkerSessions:
-    """Serves ``WorkerSession`` streams for a :class:`~streamrover.shard_service.server.ShardServicer`."""
+    """Serves ``WorkerSession`` streams for a :class:`~streamrover.shard_service.master.server.ShardServicer`."""
 
     def __init__(self, servicer: ShardServicer, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
         self._servicer = servicer
