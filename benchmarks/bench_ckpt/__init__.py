@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any
 
@@ -140,6 +139,3 @@ def parent_main(a: argparse.Namespace) -> int:
     print("\n".join(goal_lines(results)), flush=True)
     return status
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,57 +22,48 @@ ratio is the median over rounds of the per-round ratio. Brokers are real: Apache
 Kafka 4.x (KRaft, tests/brokers/kafka.py) and pulsar-lite (tests/brokers/pulsar.py),
 bound to 127.0.0.1 and stopped at the end. Producers: acks=1, linger.ms=5, no
 compression.
+
+Modules: ``passes`` (what the pool processes run, sizes, constants), ``rounds`` (topics, producers, the
+master process, a shard-path round, the throughput table), ``pool`` (the worker processes), ``pulsar``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import cProfile
 import dataclasses
-import os
 import pstats
-import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks._common import CTX, cores, environment, load, processes, table
-from benchmarks._servers import server_process
-from benchmarks.bench_streams.pool import Pass, Pool, Result
-
-TOKEN = "bench-token"
-# what the pool processes import before their first pass (the clock must not time module loading)
-KAFKA_IMPORTS = ("confluent_kafka", "numpy")
-# (streamrover.sources.files too: opening any source imports it, see sources/api.py load_builtin_backends)
-SHARD_IMPORTS = (
-    "numpy", "pyarrow.compute", "streamrover.shard_service", "streamrover.sources.kafka", "streamrover.sources.files"
+from benchmarks.bench_streams.passes import (
+    FULL,
+    KAFKA_IMPORTS,
+    PASS_DEADLINE,
+    QUICK,
+    SHARD_IMPORTS,
+    Sizes,
+    _ack_mode,
+    _percentiles,
+    kafka_raw_pass,
+    shard_pass,
 )
-PASS_DEADLINE = 240.0  # a pass that has not seen every record by then fails (a broker or master problem)
-MAX_PENDING_SHARDS = 64  # the master's default sr.max_pending_shards (shard_service/streams.py)
-WARM_UP_KEY = b"warm-up"  # freshness: the key of records produced before the measured ones (those have none)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    partitions: int
-    records: int            # Kafka throughput topic
-    record_bytes: int
-    records_per_shard: int  # throughput passes (freshness uses the default)
-    batch_size: int
-    rounds: int
-    rate: int               # freshness: records/s produced
-    duration: float         # freshness: seconds of producing, measured
-    warmup: float           # freshness: seconds of producing before that (a new topic's first seconds are slow)
-    pulsar_records: int
-    pulsar_records_per_shard: int
-
-
-FULL = Sizes(4, 1_600_000, 1024, 50_000, 4096, 3, 2000, 20.0, 5.0, 40_000, 5_000)
-QUICK = Sizes(4, 60_000, 1024, 15_000, 4096, 1, 2000, 4.0, 3.0, 10_000, 2_500)
+from benchmarks.bench_streams.pool import Pass, Pool
+from benchmarks.bench_streams.rounds import (
+    CpuMeter,
+    _acked,
+    _check,
+    _create_topic,
+    _produce_all,
+    _produce_paced,
+    _register,
+    _shard_consumer_settings,
+    _shard_round,
+    _throughput_table,
+    master_process,
+)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -94,309 +85,7 @@ def _versions() -> str:
     return ", ".join(out)
 
 
-@contextlib.contextmanager
-def _profiled(path: str) -> Iterator[None]:
-    """cProfile the block into ``path`` (nothing when ``path`` is empty)."""
-    if not path:
-        yield
-        return
-    prof = cProfile.Profile()
-    prof.enable()
-    try:
-        yield
-    finally:
-        prof.disable()
-        prof.dump_stats(path)
-
-
-def _percentiles(latencies_ms: Any) -> tuple[float, float, float, float]:
-    import numpy as np
-
-    arr = np.asarray(latencies_ms, dtype=np.float64)
-    if arr.size == 0:
-        return (float("nan"),) * 4
-    p50, p99 = np.percentile(arr, [50, 99])
-    return float(p50), float(p99), float(arr.max()), float(arr.mean())
-
-
-def _value_bytes(column: Any) -> int:
-    import pyarrow.compute as pc
-
-    return int(pc.sum(pc.binary_length(column)).as_py() or 0)
-
-
-# --------------------------------------------------------------------------- Kafka: raw
-def kafka_raw_pass(job: tuple[Any, ...], shared: Any) -> Result:
-    """Assign ``partitions`` from offset 0 and consume until ``expected`` records arrived.
-
-    ``conf``: librdkafka settings beyond bootstrap/group/no auto commit (the shard path's
-    consumer settings, for a like-for-like peer, or nothing: librdkafka's defaults).
-
-    ``latency``: consume with ``poll`` (returns at the first record) and note each record's
-    produce->consume latency; otherwise ``consume(batch_size)`` like a throughput reader.
-    """
-    from confluent_kafka import Consumer, KafkaException, TopicPartition
-
-    bootstrap, topic, partitions, expected, batch_size, latency, conf = job
-    t0, c0 = time.monotonic(), time.process_time()
-    deadline = t0 + PASS_DEADLINE
-    consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": f"bench-raw-{topic}", "enable.auto.commit": False, **conf}
-    )
-    consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-    records = nbytes = 0
-    last = t0
-    lat: list[tuple[int, float]] = []  # (produce time ms, latency ms)
-    try:
-        while records < expected:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"raw consumer saw {records} of {expected} records in {PASS_DEADLINE:.0f}s")
-            if latency:
-                first = consumer.poll(0.1)
-                msgs = [] if first is None else [first, *consumer.consume(batch_size - 1, timeout=0)]
-            else:
-                # never ask for more than is left: consume() waits for a full batch or the timeout
-                msgs = consumer.consume(min(batch_size, expected - records), timeout=0.5)
-            if not msgs:
-                continue
-            now_ms = time.time() * 1000.0
-            for m in msgs:
-                if m.error() is not None:
-                    raise KafkaException(m.error())
-            records += len(msgs)
-            nbytes += sum(len(m.value() or b"") for m in msgs)
-            if latency:
-                lat.extend((m.timestamp()[1], now_ms - m.timestamp()[1]) for m in msgs if m.key() is None)
-            last = time.monotonic()
-    finally:
-        end, cpu = time.monotonic(), time.process_time() - c0
-        consumer.close()
-    return Result(records, nbytes, t0, last, end, cpu, lat if latency else None)
-
-
-# --------------------------------------------------------------------------- shard path
-def _ack_mode() -> dict[str, Any]:
-    """``async_acks=True`` where ShardClient has it (acks queued, sent by a thread), else nothing (synchronous)."""
-    import inspect
-
-    from streamrover.shard_service import ShardClient
-
-    return {"async_acks": True} if "async_acks" in inspect.signature(ShardClient).parameters else {}
-
-
-def shard_pass(job: tuple[Any, ...], counter: Any) -> Result:
-    """Lease shards of ``dataset`` and ack every batch until ``counter`` (all workers) reaches ``expected``.
-
-    Leases two shards per round trip, like ``ShardClient.shards`` (which cannot be left
-    while it waits for a stream's next shard), one at a time in the last eighth of the
-    pass. Where acks are queued (asynchronous acks) the pass ends when the master has
-    recorded the last ones: ``flush()`` then.
-    ``latency``: note, per record, the time its batch's ack was recorded (flushed after
-    each batch) minus the record's produce time (the raw ``timestamp`` column), except for
-    warm-up records (they have a key).
-    ``profile``: cProfile into that path.
-    """
-    import numpy as np
-    import pyarrow.compute as pc
-
-    from streamrover.shard_service import ShardClient
-
-    address, dataset, expected, batch_size, index, latency, profile = job
-    t0, c0 = time.monotonic(), time.process_time()
-    deadline = t0 + PASS_DEADLINE
-    records = nbytes = 0
-    last = t0
-    lat: list[Any] = []
-    with _profiled(profile), ShardClient(address, token=TOKEN, name=f"bench-worker-{index}", **_ack_mode()) as client:
-        flush = getattr(client, "flush", None)  # acks are queued: wait until the master has them
-        while counter.value < expected:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the workers acked {counter.value} of {expected} records in {PASS_DEADLINE:.0f}s")
-            # two shards per round trip, one near the end of the pass: two shards held by one worker
-            # there would leave the other idle while it reads both (a finite pass's tail; a stream has none)
-            _, leased = client.lease(dataset, 2 if expected - counter.value > expected // 8 else 1, wait=0.25)
-            for shard in leased:
-                for batch in shard.batches(batch_size):
-                    n = batch.num_records
-                    b = _value_bytes(batch.records.column("value"))
-                    shard.ack(batch.end)
-                    if latency and flush is not None:
-                        flush()  # the latency of a record ends when the master has its ack
-                    last = time.monotonic()
-                    if latency and n:
-                        measured = pc.is_null(batch.records.column("key"))  # warm-up records have a key
-                        produced = batch.records.column("timestamp").filter(measured).to_numpy()
-                        lat.append(np.stack([produced, time.time() * 1000.0 - produced], axis=1))
-                    records, nbytes = records + n, nbytes + b
-                    with counter.get_lock():
-                        counter.value += n
-            if flush is not None and leased and counter.value >= expected:
-                flush()  # the pass ends when the master has the last acks
-                last = time.monotonic()
-    end, cpu = time.monotonic(), time.process_time() - c0
-    extra = [(int(t), float(x)) for t, x in np.concatenate(lat)] if lat else []  # (produce time ms, latency ms)
-    return Result(records, nbytes, t0, last, end, cpu, extra if latency else None)
-
-
-# --------------------------------------------------------------------------- Kafka: set-up
-def _create_topic(bootstrap: str, topic: str, partitions: int) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for f in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
-        f.result(30)
-
-
-def _kafka_producer(bootstrap: str) -> Any:
-    from confluent_kafka import Producer
-
-    return Producer({"bootstrap.servers": bootstrap, "acks": 1, "linger.ms": 5, "compression.type": "none"})
-
-
-def _produce_all(bootstrap: str, topic: str, n: int, partitions: int, size: int) -> float:
-    """``n`` records of ``size`` random bytes, round robin over the partitions; returns records/s."""
-    producer = _kafka_producer(bootstrap)
-    payload = os.urandom(size)
-    t0 = time.perf_counter()
-    for i in range(n):
-        while True:
-            try:
-                producer.produce(topic, value=payload, partition=i % partitions)
-                break
-            except BufferError:
-                producer.poll(0.05)
-        if i % 1000 == 0:
-            producer.poll(0)
-    left = producer.flush(60)
-    if left:
-        raise RuntimeError(f"{left} records not delivered to {topic}")
-    return n / (time.perf_counter() - t0)
-
-
-def _produce_paced(
-    bootstrap: str, topic: str, warm: int, n: int, partitions: int, size: int, rate: float
-) -> tuple[float, float]:
-    """``warm`` then ``n`` records at ``rate`` records/s, each handed to the producer at its due time.
-
-    The ``warm`` records are the warm-up: a new topic on a fresh broker delivers with a
-    second or more of latency for its first seconds, readers included or not.
-    Returns (the achieved rate of the ``n`` records, the wall-clock ms at which they started).
-    """
-    producer = _kafka_producer(bootstrap)
-    payload = os.urandom(size)
-    interval = 1.0 / rate
-    t0 = time.perf_counter()
-    start_ms, t_measured = time.time() * 1000.0, t0
-    for i in range(warm + n):
-        delay = t0 + i * interval - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        if i == warm:
-            start_ms, t_measured = time.time() * 1000.0, time.perf_counter()
-        producer.produce(topic, value=payload, key=WARM_UP_KEY if i < warm else None, partition=i % partitions)
-        producer.poll(0)
-    elapsed = time.perf_counter() - t_measured
-    left = producer.flush(60)
-    if left:
-        raise RuntimeError(f"{left} records not delivered to {topic}")
-    return n / elapsed, start_ms
-
-
-def _register(address: str, name: str, uri: str, options: dict[str, str], records_per_shard: int,
-              expected: int, timeout: float = 120.0) -> None:
-    """Register a stream dataset and wait until shards cover ``expected`` records (planning is set-up, not timed)."""
-    from streamrover.shard_service import DatasetSpec, ShardClient
-
-    admin = ShardClient(address, token=TOKEN, heartbeat=False)
-    try:
-        admin.register_dataset(DatasetSpec(name, uri, options=options, records_per_shard=records_per_shard))
-        give_up = time.monotonic() + timeout
-        while True:
-            info = admin.describe_dataset(name)
-            if info.total_records >= expected or not expected or info.shards.todo >= MAX_PENDING_SHARDS:
-                return  # (or as much as the master plans ahead: the rest is planned as shards are leased)
-            if info.error or time.monotonic() > give_up:
-                raise RuntimeError(
-                    f"dataset {name}: {info.total_records} of {expected} records planned; error: {info.error!r}"
-                )
-            time.sleep(0.1)
-    finally:
-        admin.close()
-
-
-def _acked(address: str, name: str) -> tuple[int, int]:
-    """(records acked, shards planned) as the master sees them."""
-    from streamrover.shard_service import ShardClient
-
-    admin = ShardClient(address, token=TOKEN, heartbeat=False)
-    try:
-        info = admin.describe_dataset(name)
-        s = info.shards
-        return int(info.records_acked), int(s.todo + s.leased + s.acked + s.committed)
-    finally:
-        admin.close()
-
-
-def _check(p: Pass, records: int, size: int, what: str) -> None:
-    if p.records != records or p.value_bytes != records * size:
-        raise RuntimeError(
-            f"{what}: {p.records} records / {p.value_bytes} bytes, expected {records} / {records * size}"
-        )
-
-
 # --------------------------------------------------------------------------- [1] Kafka throughput
-def _shard_consumer_settings() -> dict[str, Any]:
-    """The librdkafka settings the Kafka source gives its consumer beyond the user's (none in older versions)."""
-    from streamrover.sources import kafka
-
-    return dict(getattr(kafka, "SHARD_READ_DEFAULTS", {}))
-
-
-class CpuMeter:
-    """CPU seconds (user + system, all threads) that other processes spend during a pass: broker, master."""
-
-    def __init__(self, **pids: int | None) -> None:
-        import psutil
-
-        self.procs = {name: psutil.Process(pid) for name, pid in pids.items() if pid}
-        self._start: dict[str, float] = {}
-
-    def add(self, name: str, pid: int) -> None:
-        import psutil
-
-        self.procs[name] = psutil.Process(pid)
-
-    def _now(self) -> dict[str, float]:
-        out = {}
-        for name, proc in self.procs.items():
-            t = proc.cpu_times()
-            out[name] = t.user + t.system
-        return out
-
-    def start(self) -> None:
-        self._start = self._now()
-
-    def stop(self, p: Pass) -> Pass:
-        """Note the CPU used since :meth:`start` into ``p.others``."""
-        for name, t in self._now().items():
-            p.others[name] = t - self._start.get(name, t)
-        return p
-
-
-@contextlib.contextmanager
-def master_process(state: str) -> Iterator[tuple[str, int]]:
-    """A master in its own process (benchmarks._servers); yields (address, pid)."""
-    import psutil
-
-    me = psutil.Process()
-    before = {c.pid for c in me.children()}
-    with server_process("master", state, TOKEN) as address:
-        new = [c.pid for c in me.children() if c.pid not in before]
-        if len(new) != 1:
-            raise RuntimeError(f"cannot tell the master process among new children {new}")
-        yield address, new[0]
-
-
 def bench_kafka_throughput(
     tmp: Path, bootstrap: str, broker_pid: int | None, sizes: Sizes, profile_dir: str, extra: dict[str, str]
 ) -> None:
@@ -459,53 +148,6 @@ def bench_kafka_throughput(
     })
     print(f"raw consumers use the shard path's consumer settings {tuning} except the 'librdkafka defaults' row")
     print(f"shard-path workers' ShardClient: {_ack_mode() or 'synchronous acks'}")
-
-
-def _shard_round(tmp: Path, ours: Pool, counter: Any, meter: CpuMeter, uri: str, r: int, sizes: Sizes,
-                 options: dict[str, str], records_per_shard: int, n: int, profile_dir: str, tag: str = "kafka") -> Pass:
-    """One shard-path pass against a fresh master (its journal and pollers start empty)."""
-    state = tempfile.mkdtemp(prefix=f"master-{tag}-{r}-", dir=tmp)
-    name = f"{tag}-{r}"
-    with master_process(state) as (address, master_pid):
-        _register(address, name, uri, options, records_per_shard, n)
-        counter.value = 0
-        jobs = [
-            (address, name, n, sizes.batch_size, i, False,
-             str(Path(profile_dir) / f"{tag}-worker{i}-round{r}.prof") if profile_dir else "")
-            for i in range(ours.size)
-        ]
-        meter.add("master", master_pid)
-        meter.start()
-        result = meter.stop(ours.run(jobs))
-        del meter.procs["master"]
-        acked, _ = _acked(address, name)
-    if acked != n:
-        raise RuntimeError(f"round {r + 1}: the master counts {acked} records acked, expected {n}")
-    return result
-
-
-def _throughput_table(runs: list[dict[str, Pass]], size: int, labels: dict[str, str]) -> None:
-    rows: list[tuple[Any, ...]] = []
-
-    def us(kind: str, who: str) -> float | str:
-        per = [(run[kind].cpu if who == "readers" else run[kind].others.get(who, float("nan"))) / run[kind].records
-               for run in runs]
-        value = statistics.median(per) * 1e6
-        return "-" if value != value else value  # NaN: not measured
-
-    for kind, label in labels.items():
-        rate = statistics.median(run[kind].rate for run in runs)
-        cpu = (us(kind, "readers"), us(kind, "broker"), us(kind, "master") if kind == "shard" else "-")
-        if kind == "shard":
-            rows.append((label, rate, rate * size / 1e6, "-", "-", *cpu))
-            continue
-        ratios = [run["shard"].rate / run[kind].rate for run in runs]
-        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        rows.append((label, rate, rate * size / 1e6, statistics.median(ratios), spread, *cpu))
-    print(table(["reader", "records/s", "MB/s", "shard path / this", "per round", "reader CPU us/rec",
-                 "broker CPU us/rec", "master CPU us/rec"], rows))
-    tail = statistics.median(run["shard"].tail for run in runs)
-    print(f"shard path: {tail * 1e3:.0f} ms from the last ack until both workers noticed the end (not in the rates)")
 
 
 # --------------------------------------------------------------------------- [3] freshness

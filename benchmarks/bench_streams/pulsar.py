@@ -137,15 +137,8 @@ def bench_pulsar(tmp: Path, sizes: Any, profile_dir: str, extra: dict[str, str])
     except ImportError as exc:
         print(f"pulsar: source not available ({exc})")
         return
-    from benchmarks.bench_streams import (
-        PASS_DEADLINE,
-        SHARD_IMPORTS,
-        CpuMeter,
-        _check,
-        _shard_round,
-        _throughput_table,
-        shard_pass,
-    )
+    from benchmarks.bench_streams.passes import PASS_DEADLINE, SHARD_IMPORTS, shard_pass
+    from benchmarks.bench_streams.rounds import CpuMeter, _check, _shard_round, _throughput_table
     from tests.brokers.pulsar import PulsarLiteBroker
 
     sr_extra = {k: v for k, v in extra.items() if k.startswith("sr.")}  # librdkafka options are Kafka's

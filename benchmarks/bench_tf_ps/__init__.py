@@ -179,6 +179,3 @@ def main(argv: list[str] | None = None) -> int:
               f"ratio {ours_rec / peer_rec:.2f} (goal <= 0.33)", flush=True)  # fmt: skip
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

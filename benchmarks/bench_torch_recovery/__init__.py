@@ -262,6 +262,3 @@ def main(argv: list[str] | None = None) -> int:
                   f"ratio to torchrun {good['streamrover'] / max(good['torchrun'], 1e-9):.2f}")  # fmt: skip
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
