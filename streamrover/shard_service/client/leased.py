@@ -8,23 +8,58 @@ acks go through the client that leased them (queued or synchronous, see
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal, overload
+from typing import Literal, Protocol, overload
 
 import pyarrow as pa
 
 from streamrover.shard_service.api import AckResult, FailedPreconditionError, LeaseGrant, LeaseLostError
 from streamrover.sources.api import Partition, ReadBatch, Source
 
-if TYPE_CHECKING:
-    from streamrover.shard_service.client.shard_client import ShardClient
-
 DEFAULT_BATCH_SIZE = 4096
+
+
+class HeldLeases(Protocol):
+    """The client's table of held leases, as a leased shard uses it (``lease_table.LeaseTable``)."""
+
+    def is_revoked(self, shard: LeasedShard) -> bool: ...
+
+    def finished(self, shard: LeasedShard) -> None: ...
+
+
+class LeasePacing(Protocol):
+    """The client's pacing, as a leased shard uses it (``pacing.Pacing``)."""
+
+    def leases_wanted(self, dataset: str) -> int: ...
+
+
+class LeaseHolder(Protocol):
+    """What a leased shard needs of the client that leased it (:class:`ShardClient` keeps it).
+
+    A protocol, so that this module does not import the client module, which imports this one.
+    """
+
+    @property
+    def leases(self) -> HeldLeases: ...
+
+    @property
+    def pacing(self) -> LeasePacing: ...
+
+    def send_ack(
+        self,
+        lease: LeaseGrant,
+        shard: LeasedShard | None,
+        position: int,
+        step: int | None,
+        dead_letters: int,
+        lease_more: int,
+        wait: bool | None,
+    ) -> AckResult | None: ...
 
 
 class LeasedShard:
     """A shard this worker holds: read its records from the source and ack positions."""
 
-    def __init__(self, client: ShardClient, lease: LeaseGrant, source: Source) -> None:
+    def __init__(self, client: LeaseHolder, lease: LeaseGrant, source: Source) -> None:
         self.client = client
         self.lease = lease
         self.source = source
