@@ -16,12 +16,15 @@ BENCH_STAMP := $(STAMP)-bench
 .PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s flink-sink
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install $(PIP_FLAGS) -q --upgrade pip
+	@echo "make: creating the virtualenv $(VENV) ($(PYTHON) -m venv), once"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install $(PIP_FLAGS) -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install $(PIP_FLAGS) -q -e ".[$(TEST_EXTRAS)]"
-	touch $@
+	@echo "make: installing streamrover (editable) with the extras $(TEST_EXTRAS) into $(VENV);"
+	@echo "      the first time takes minutes (torch, tensorflow, ray... are large), later runs skip this step"
+	@$(BIN)/pip install $(PIP_FLAGS) -q -e ".[$(TEST_EXTRAS)]"
+	@touch $@
 
 install: $(STAMP)
 
@@ -31,7 +34,9 @@ $(BENCH_STAMP): $(STAMP)
 
 # The flagship: online CTR from a live Kafka topic (embedded tansu), a worker SIGKILLed, a report.
 demo: install
-	$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)
+	@echo "make demo: online CTR training from a live Kafka topic (an embedded tansu broker), one worker SIGKILLed"
+	@echo "           midway, then the report: every record applied exactly once (examples/streaming_ctr/demo.py)"
+	@$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)
 
 # The batch backfill of parquet files into a ledger (the first demo).
 demo-backfill: install
@@ -40,6 +45,7 @@ demo-backfill: install
 lint: install
 	$(BIN)/ruff check streamrover tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 	PYTHON=$(BIN)/python scripts/gen-proto.sh --check
 	# --strict: a broken link fails (not with --quiet, which hides the warnings strict mode counts)
 	site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d "$$site"
@@ -90,4 +96,4 @@ proto: install
 	PYTHON=$(BIN)/python scripts/gen-proto.sh
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

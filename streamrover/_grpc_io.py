@@ -2,7 +2,7 @@
 
 grpcio 1.8x does a client's and a server's socket I/O on its EventEngine threads, which adds a
 thread hand-off to each message of a stream. A worker's leases and acks are messages on one
-long-lived stream (:mod:`streamrover.shard_service.transport`), so that hand-off is paid per shard.
+long-lived stream (:mod:`streamrover.shard_service.client.transport`), so that hand-off is paid per shard.
 Measured on the 2-core machines (session 8, ``python -m benchmarks shard_service --only rtt``, both
 sides and the bare echo peers under the same setting): one client's lease-then-ack messages
 1,350-1,530/s with the EventEngine I/O, 1,695-1,875/s with the poll-based one, while the bare

@@ -25,9 +25,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from streamrover.operator.api import MasterLaunch, NodeState, Platform, create_platform
+from streamrover.operator.api import MasterLaunch, NodeState, Platform
 from streamrover.operator.autoscaler import Autoscaler
 from streamrover.operator.jobs import JobDir, write_atomic
+from streamrover.operator.registry import create_platform
 from streamrover.operator.spec import JobSpec
 from streamrover.operator.supervisor import JobPhase, Supervisor
 

@@ -2,7 +2,7 @@
 
 A real master process; the client reaches it through :class:`tests.netcut.CutProxy`, which resets the TCP
 connection as the call's answer (the master ran it, the client never hears) or its request (the master never
-saw it) passes. The rule retried here is :mod:`streamrover.shard_service.retry`; what each call's "exactly
+saw it) passes. The rule retried here is :mod:`streamrover.shard_service.client.retry`; what each call's "exactly
 once" means is checked against the master through a second, direct client.
 """
 
@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from streamrover.shard_service import DatasetSpec, LeaseStatus, ShardClient
-from streamrover.shard_service.retry import transient
+from streamrover.shard_service.client.retry import transient
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.staged import encode_schema
 from streamrover.testing.procs import MasterProcess
