@@ -87,7 +87,7 @@ setup: k8s-build-start
 	$(MAKE) --no-print-directory -j4 --output-sync=target install jars browser flink-sink
 
 test: setup lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
 bench: $(BENCH_STAMP) jars flink-sink
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
