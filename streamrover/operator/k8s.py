@@ -54,7 +54,7 @@ class K8sConfig:
     image: str = "streamrover:0.1.0"
     python: str = "python"  # the interpreter in the image
     master_bind: str = "0.0.0.0"
-    master_host: str | None = None  # None: the Service's DNS name
+    master_host: str | None = None  # None: the Service's DNS name; "cluster-ip": its IP (a cluster without DNS)
     journal_host_dir: str | None = None  # None: a PersistentVolumeClaim per job
     journal_size: str = "1Gi"
     master_node_selector: dict[str, str] = field(default_factory=dict)
@@ -205,6 +205,8 @@ class K8sPlatform(Platform):
         self._create("pod", body)
         self._master_pod, self._master_stopped = name, False
         host = self.config.master_host or f"{self.job}-master.{self.ns}.svc"
+        if host == "cluster-ip":  # no cluster DNS: the Service's virtual IP (kube-proxy) reaches the master
+            host = self.core.read_namespaced_service(f"{self.job}-master", self.ns).spec.cluster_ip
         give_up = time.monotonic() + self.config.launch_timeout
         while not _accepting(host, port):  # the master listens once its journal is open
             status = self.observe_master()

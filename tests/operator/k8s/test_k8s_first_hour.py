@@ -23,7 +23,7 @@ import yaml
 
 from streamrover.operator.k8s import GROUP, PLURAL, VERSION
 from tests.brokers._process import free_port
-from tests.helpers import wait_until
+from tests.helpers import wait_until, write_parquet_dataset
 from tests.operator.k8s.cluster import ControlPlane
 from tests.operator.k8s.conftest import AGENT_NODE, Operator, _env
 
@@ -39,14 +39,15 @@ with open(sys.argv[1], "w") as out:
 def _spec(name: str, tmp_path: Path, **changes: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "name": name, "master": {"port": free_port()},
-        "datasets": [{"name": "rows", "uri": str(tmp_path / "no-data-read"), "records_per_shard": 10}],
+        "datasets": [{"name": "rows", "uri": str(tmp_path / "data"), "records_per_shard": 50}],  # (not read)
         "trainer": {"script": "train.py", "args": [str(tmp_path / "ran.json")],
                     "launcher_args": ["--standby-workers", "0", "--monitor-interval", "0.2"]},
         "checkpoint": {"url": str(tmp_path / "ckpt")},
         "restart": {"per_job": 0},  # a node that cannot run its script fails the job at once
     }  # fmt: skip
     spec.update(changes)
-    (tmp_path / "no-data-read").mkdir(exist_ok=True)
+    if not (tmp_path / "data").exists():
+        write_parquet_dataset(tmp_path / "data", rows=100, files=1, row_group_size=50)
     return spec
 
 
