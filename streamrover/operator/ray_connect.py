@@ -119,6 +119,9 @@ def connect(ray: Any, address: str | None = None, namespace: str | None = None,
         except BaseException as exc:  # reported to the caller below
             errors.append(exc)
 
+    # ray.init runs in a thread (to have a deadline), where Ray says it leaves SIGTERM alone: the controller
+    # installs its own handler (run_controller), so that warning is noise
+    logging.getLogger("ray._private.worker").addFilter(lambda r: "SIGTERM handler is not set" not in r.getMessage())
     thread = threading.Thread(target=init, name="ray-init", daemon=True)
     thread.start()
     thread.join(timeout)

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
 from tests.brokers._process import free_port
+from tests.helpers import end_processes_under
 from tests.operator.runner import RunningJob, ledger_spec
 
 pytestmark = pytest.mark.slow
@@ -46,20 +46,6 @@ def _ray_env(temp: Path) -> dict[str, str]:
     return {**env, "RAY_TMPDIR": str(temp), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def _end_processes_under(temp: Path) -> None:
-    """SIGKILL every process whose command line names ``temp`` (the cluster's, and a local Ray's)."""
-    mine = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if any(str(temp) in arg for arg in proc.info["cmdline"] or []):
-            mine.append(proc)
-    for proc in mine:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(mine, timeout=30)
-
-
 @pytest.fixture
 def ray_head() -> Iterator[RayHead]:
     temp = Path(tempfile.mkdtemp(prefix="rayh"))  # short: Ray's socket paths live under it
@@ -72,7 +58,7 @@ def ray_head() -> Iterator[RayHead]:
         address = (temp / "ray" / "ray_current_cluster").read_text().strip()
         yield RayHead(address, temp, env)
     finally:
-        _end_processes_under(temp)
+        end_processes_under(temp)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -125,5 +111,5 @@ def test_an_unreachable_ray_address_fails_within_30_s_naming_it(tmp_path: Path) 
         print(f"unreachable RAY_ADDRESS -> failed in {took:.1f} s")
     finally:
         job.stop()
-        _end_processes_under(temp)
+        end_processes_under(temp)
         shutil.rmtree(temp, ignore_errors=True)
