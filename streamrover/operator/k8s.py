@@ -206,7 +206,8 @@ class K8sPlatform(Platform):
         self._master_pod, self._master_stopped = name, False
         host = self.config.master_host or f"{self.job}-master.{self.ns}.svc"
         if host == "cluster-ip":  # no cluster DNS: the Service's virtual IP (kube-proxy) reaches the master
-            host = self.core.read_namespaced_service(f"{self.job}-master", self.ns).spec.cluster_ip
+            service: Any = self.core.read_namespaced_service(f"{self.job}-master", self.ns)
+            host = str(service.spec.cluster_ip)
         give_up = time.monotonic() + self.config.launch_timeout
         while not _accepting(host, port):  # the master listens once its journal is open
             status = self.observe_master()
