@@ -9,9 +9,9 @@ The way Ray's own tools choose (``ray.init()``, ``ray status``), and said in the
    directory, ``$RAY_TMPDIR/ray/ray_current_cluster``: Ray's ``address="auto"``), if it still answers.
 3. Else a local Ray instance for this job alone (it ends with the job).
 
-A cluster ``ray start`` made has token authentication on by default (Ray 2.5x+): joining it, the token
-Ray keeps (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``) is used, as ``RAY_AUTH_MODE=token``
-would, unless ``RAY_AUTH_MODE`` says otherwise.
+A cluster ``ray start`` made has token authentication on by default (Ray 2.5x+), one made otherwise may not:
+the first call to the cluster's GCS says which (:func:`answers`), and the token Ray keeps (``~/.ray/auth_token``,
+``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``) is sent exactly when it wants one, unless ``RAY_AUTH_MODE`` is set.
 
 Ray's processes are started without streamrover's ``GRPC_EXPERIMENTS`` (:mod:`streamrover._grpc_io`):
 Ray's own gRPC core does not know those experiments and logs ``Unknown experiment`` in every process.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from streamrover.operator.api import PlatformUnavailableError
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 30.0  # seconds for ray.init to join a cluster that answers on its port
-PROBE_TIMEOUT = 5.0  # seconds for the cluster's port to accept a connection
+PROBE_TIMEOUT = 5.0  # seconds for the cluster's GCS to answer one call
 
 
 def _ray_temp_dir() -> Path:
@@ -47,16 +46,32 @@ def recorded_cluster() -> str | None:
         return None
 
 
-def answers(address: str, timeout: float = PROBE_TIMEOUT) -> str | None:
-    """None if ``host:port`` accepts a TCP connection, else why not."""
+def answers(address: str, timeout: float = PROBE_TIMEOUT) -> tuple[str | None, bool]:
+    """(None, whether it wants a token) if Ray's GCS answers at ``host:port``, else (why not, False).
+
+    One gRPC call (``GetClusterId``) with a deadline: it tells a GCS from a port nothing (or something else)
+    answers on, and a cluster with token authentication (UNAUTHENTICATED) from one without. A driver must use
+    the token exactly when the cluster does: in token mode against an open cluster Ray connects, then
+    cancels every actor it creates.
+    """
+    import grpc
+
     host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
-            return None
-    except ValueError:
-        return f"{address!r} is not HOST:PORT"
-    except OSError as exc:
-        return exc.strerror or str(exc)
+    if not host or not port.isdigit():
+        return f"{address!r} is not HOST:PORT", False
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)  # fmt: skip
+        try:
+            call(b"", timeout=timeout, wait_for_ready=True)  # a GCS still starting gets the whole deadline
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code is grpc.StatusCode.UNAUTHENTICATED:
+                return None, True
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return f"no Ray GCS answers there within {timeout:.0f} s ({code.name}: {exc.details()})", False
+            return None, False  # something answered in gRPC: not a token refusal
+    return None, False
 
 
 def choose_address(address: str | None = None) -> tuple[str, str]:
@@ -66,17 +81,19 @@ def choose_address(address: str | None = None) -> tuple[str, str]:
         source = "RAY_ADDRESS" if not address else "the platform's address"
         if given in ("auto", "local") or given.startswith("ray://"):
             return given, f"Ray at {given} ({source})"
-        why = answers(given)
+        why, token = answers(given)
         if why is not None:
             raise PlatformUnavailableError(
                 f"cannot reach the Ray cluster at {given} ({source}): {why}. Is it running (`ray status --address "
                 f"{given}`)? Unset RAY_ADDRESS to join the cluster `ray start --head` started on this machine, or to "
                 "run on a local Ray instance of the job's own")  # fmt: skip
+        _token_mode(given, token)
         return given, f"joining the Ray cluster at {given} ({source})"
     recorded = recorded_cluster()
     if recorded is not None:
-        why = answers(recorded)
+        why, token = answers(recorded)
         if why is None:
+            _token_mode(recorded, token)
             return recorded, (f"joining the running Ray cluster at {recorded} (the one `ray start` recorded in "
                               f"{_ray_temp_dir()}; Ray's address=\"auto\")")  # fmt: skip
         log.info("the Ray cluster %s that `ray start` recorded does not answer (%s): not joining it", recorded, why)
@@ -84,20 +101,22 @@ def choose_address(address: str | None = None) -> tuple[str, str]:
                      "machine answers): starting a local Ray instance for this job")  # fmt: skip
 
 
-def _use_cluster_token() -> None:
-    """Send Ray's token when joining a cluster, as ``ray start`` clusters require (unless RAY_AUTH_MODE is set)."""
-    if "RAY_AUTH_MODE" in os.environ:
+def _token_mode(address: str, wanted: bool) -> None:
+    """Send Ray's token to a cluster that wants one (``ray start``'s default), unless RAY_AUTH_MODE says otherwise."""
+    if "RAY_AUTH_MODE" in os.environ or not wanted:
         return
     token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    has_token = bool(os.environ.get("RAY_AUTH_TOKEN")) or token_file.is_file()
-    if has_token:
-        os.environ["RAY_AUTH_MODE"] = "token"
-        try:  # Ray read its configuration when it was imported: it reads it again, as its own token set-up does
-            from ray._raylet import Config  # type: ignore[attr-defined]
+    if not os.environ.get("RAY_AUTH_TOKEN") and not token_file.is_file():
+        raise PlatformUnavailableError(
+            f"the Ray cluster at {address} wants a token (token authentication, `ray start`'s default) and none is "
+            f"here: copy {token_file} from its head node, or set RAY_AUTH_TOKEN")  # fmt: skip
+    os.environ["RAY_AUTH_MODE"] = "token"
+    try:  # Ray read its configuration when it was imported: it reads it again, as its own token set-up does
+        from ray._raylet import Config  # type: ignore[attr-defined]
 
-            Config.initialize("")
-        except (ImportError, AttributeError):  # a Ray without token authentication
-            pass
+        Config.initialize("")
+    except (ImportError, AttributeError):  # a Ray without token authentication
+        pass
 
 
 def connect(ray: Any, address: str | None = None, namespace: str | None = None,
@@ -109,8 +128,6 @@ def connect(ray: Any, address: str | None = None, namespace: str | None = None,
     target, why = choose_address(address)
     log.warning("%s", why)  # the user's first question on Ray: which cluster is this job on?
     leave_grpc_to_ray()
-    if target != "local":
-        _use_cluster_token()
     errors: list[BaseException] = []
 
     def init() -> None:
