@@ -13,7 +13,14 @@ comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
 
-.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s flink-sink
+.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s flink-sink image
+
+# The operator image (deploy/docker/Dockerfile), tagged with the package's version: the tag deploy/k8s names.
+# Needs docker (BuildKit: it reads deploy/docker/Dockerfile.dockerignore) or podman; this project's CI machines
+# have neither: tests/deploy/test_image.py checks the build context holds what the Dockerfile copies instead.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= streamrover:$(VERSION)
+CONTAINER_TOOL ?= $(shell command -v docker || command -v podman)
 
 $(BIN)/python:
 	@echo "make: creating the virtualenv $(VENV) ($(PYTHON) -m venv), once"
@@ -94,6 +101,13 @@ bench: $(BENCH_STAMP) jars flink-sink
 
 proto: install
 	PYTHON=$(BIN)/python scripts/gen-proto.sh
+
+image:
+	@test -n "$(CONTAINER_TOOL)" || { echo "make image: no docker or podman on this machine (CONTAINER_TOOL=...)"; exit 1; }
+	@$(CONTAINER_TOOL) info >/dev/null 2>&1 || { echo "make image: $(CONTAINER_TOOL) cannot reach a container engine here ($(CONTAINER_TOOL) info fails): build on a machine that has one"; exit 1; }
+	DOCKER_BUILDKIT=1 $(CONTAINER_TOOL) build -f deploy/docker/Dockerfile -t $(IMAGE) .
+	@echo "built $(IMAGE): push it where the cluster pulls from, e.g. docker tag $(IMAGE) REGISTRY/$(IMAGE) && docker push REGISTRY/$(IMAGE);"
+	@echo "then STREAMROVER_K8S_IMAGE and the Deployment's image (deploy/k8s/overlays/plain-cluster/kustomization.yaml: images)"
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
