@@ -13,15 +13,25 @@ comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
 
-.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s flink-sink serving-venv
+.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s flink-sink image serving-venv
+
+# The operator image (deploy/docker/Dockerfile), tagged with the package's version: the tag deploy/k8s names.
+# Needs docker (BuildKit: it reads deploy/docker/Dockerfile.dockerignore) or podman; this project's CI machines
+# have neither: tests/deploy/test_image.py checks the build context holds what the Dockerfile copies instead.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= streamrover:$(VERSION)
+CONTAINER_TOOL ?= $(shell command -v docker || command -v podman)
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install $(PIP_FLAGS) -q --upgrade pip
+	@echo "make: creating the virtualenv $(VENV) ($(PYTHON) -m venv), once"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install $(PIP_FLAGS) -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install $(PIP_FLAGS) -q -e ".[$(TEST_EXTRAS)]"
-	touch $@
+	@echo "make: installing streamrover (editable) with the extras $(TEST_EXTRAS) into $(VENV);"
+	@echo "      the first time takes minutes (torch, tensorflow, ray... are large), later runs skip this step"
+	@$(BIN)/pip install $(PIP_FLAGS) -q -e ".[$(TEST_EXTRAS)]"
+	@touch $@
 
 install: $(STAMP)
 
@@ -31,7 +41,9 @@ $(BENCH_STAMP): $(STAMP)
 
 # The flagship: online CTR from a live Kafka topic (embedded tansu), a worker SIGKILLed, a report.
 demo: install
-	$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)
+	@echo "make demo: online CTR training from a live Kafka topic (an embedded tansu broker), one worker SIGKILLed"
+	@echo "           midway, then the report: every record applied exactly once (examples/streaming_ctr/demo.py)"
+	@$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)
 
 # The batch backfill of parquet files into a ledger (the first demo).
 demo-backfill: install
@@ -40,6 +52,7 @@ demo-backfill: install
 lint: install
 	$(BIN)/ruff check streamrover tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 	PYTHON=$(BIN)/python scripts/gen-proto.sh --check
 	# --strict: a broken link fails (not with --quiet, which hides the warnings strict mode counts)
 	site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d "$$site"
@@ -86,7 +99,7 @@ setup: k8s-build-start
 	$(MAKE) --no-print-directory -j4 --output-sync=target install jars browser flink-sink serving-venv
 
 test: setup lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
 bench: $(BENCH_STAMP) jars flink-sink serving-venv
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
@@ -94,5 +107,12 @@ bench: $(BENCH_STAMP) jars flink-sink serving-venv
 proto: install
 	PYTHON=$(BIN)/python scripts/gen-proto.sh
 
+image:
+	@test -n "$(CONTAINER_TOOL)" || { echo "make image: no docker or podman on this machine (CONTAINER_TOOL=...)"; exit 1; }
+	@$(CONTAINER_TOOL) info >/dev/null 2>&1 || { echo "make image: $(CONTAINER_TOOL) cannot reach a container engine here ($(CONTAINER_TOOL) info fails): build on a machine that has one"; exit 1; }
+	DOCKER_BUILDKIT=1 $(CONTAINER_TOOL) build -f deploy/docker/Dockerfile -t $(IMAGE) .
+	@echo "built $(IMAGE): push it where the cluster pulls from, e.g. docker tag $(IMAGE) REGISTRY/$(IMAGE) && docker push REGISTRY/$(IMAGE);"
+	@echo "then STREAMROVER_K8S_IMAGE and the Deployment's image (deploy/k8s/overlays/plain-cluster/kustomization.yaml: images)"
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

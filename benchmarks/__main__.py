@@ -1,6 +1,7 @@
 """Run the benchmarks: ``python -m benchmarks [NAME...] [OPTIONS]``.
 
-NAME is a module ``benchmarks/bench_NAME.py`` (default: all of them, in name order).
+NAME is a module ``benchmarks/bench_NAME.py``, or a folder ``benchmarks/bench_NAME/`` for a bench with helpers
+(default: all of them, in name order).
 Every other argument (``--quick`` for a smoke-sized run, ...) is passed to each
 module's ``main(argv)``.
 """
@@ -15,7 +16,8 @@ from pathlib import Path
 
 def available() -> list[str]:
     here = Path(__file__).resolve().parent
-    return sorted(p.stem.removeprefix("bench_") for p in here.glob("bench_*.py"))
+    benches = [p for p in here.glob("bench_*") if p.suffix == ".py" or (p / "__init__.py").is_file()]
+    return sorted(p.stem.removeprefix("bench_") for p in benches)
 
 
 def _takes_value(arg: str) -> bool:

@@ -2,6 +2,7 @@
 
 * :mod:`~streamrover.operator.spec`: the job spec (YAML, a typed model, a published JSON schema);
 * :mod:`~streamrover.operator.api`: the platform contract (launch, stop, observe) and its errors;
+* :mod:`~streamrover.operator.registry`: platforms by name (``local``, ``ray`` imported on first use);
 * :mod:`~streamrover.operator.local`: the ``local`` platform (processes, memory cgroups);
 * :mod:`~streamrover.operator.supervisor`: platform-neutral supervision (relaunch, OOM, scale, fail);
 * :mod:`~streamrover.operator.controller`: what ``streamrover run`` runs; :mod:`~streamrover.operator.jobs`:
@@ -22,9 +23,8 @@ from streamrover.operator.api import (
     PlatformUnavailableError,
     Resources,
     UnknownNodeError,
-    create_platform,
-    register_platform,
 )
+from streamrover.operator.registry import create_platform, register_platform
 
 __all__ = [
     "LaunchError",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,35 +157,3 @@ class Platform(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release what the platform holds for the job (processes are stopped by the caller first)."""
-
-
-PlatformFactory = Callable[..., Platform]
-_registry: dict[str, PlatformFactory] = {}
-
-
-def register_platform(name: str, factory: PlatformFactory) -> None:
-    """Make a platform available to ``streamrover run --platform NAME``."""
-    _registry[name] = factory
-
-
-def create_platform(name: str, **kwargs: Any) -> Platform:
-    """A platform instance by name; the built-in ones import their engine only now."""
-    if name not in _registry:
-        if name == "local":
-            from streamrover.operator import local
-
-            register_platform("local", local.LocalPlatform)
-        elif name == "ray":
-            from streamrover.operator import ray
-
-            register_platform("ray", ray.RayPlatform)
-        elif name == "k8s":
-            raise PlatformUnavailableError(
-                "the k8s platform runs inside the operator (python -m streamrover.operator.k8s_operator, one per "
-                "StreamTrainJob): `streamrover run job.yaml --platform k8s` creates the resource")
-    try:
-        factory = _registry[name]
-    except KeyError:
-        known = ", ".join(sorted({"local", "ray", "k8s", *_registry}))
-        raise PlatformError(f"unknown platform {name!r} (known: {known})") from None
-    return factory(**kwargs)

@@ -48,6 +48,10 @@ def add_parsers(sub: Any) -> None:
     run = sub.add_parser("run", help="run a job spec (YAML) on a platform")
     run.add_argument("spec", help="the job spec file (see `streamrover jobs schema`)")
     run.add_argument("--detach", "-d", action="store_true", help="run the job's controller in the background")
+    start = float(os.environ.get("STREAMROVER_K8S_START_TIMEOUT") or 60)
+    run.add_argument("--start-timeout", type=float, default=start, metavar="SECONDS",
+                     help="k8s: fail if no operator takes the job within this time (default: "
+                          f"$STREAMROVER_K8S_START_TIMEOUT or 60; now {start:g})")  # fmt: skip
     add_platform_args(run)
 
     jobs = sub.add_parser("jobs", help="jobs started with `streamrover run`")
@@ -114,9 +118,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     from streamrover.operator.jobs import job_dir, write_atomic
     from streamrover.operator.spec import load_spec
 
+    if args.platform == "k8s":  # relative paths are shipped or refused there, not resolved on this machine
+        return _run_k8s(load_spec(args.spec, resolve=False), args, console)
     spec = load_spec(args.spec)
-    if args.platform == "k8s":
-        return _run_k8s(spec, args, console)
     job = job_dir(spec.name, _home(args), create=True)
     pid = job.controller_pid()
     if pid is not None:
@@ -146,10 +150,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 def _run_k8s(spec: Any, args: argparse.Namespace, console: Console) -> int:
     """Create the job's StreamTrainJob; the operator runs it. Follows its status unless ``--detach``."""
-    from streamrover.operator import k8s
+    from streamrover.operator import k8s, k8s_files, k8s_jobs
 
+    spec, files = k8s_files.for_pods(spec, Path(args.spec).resolve().parent, args.spec)
     api = k8s.api_client(args.kubeconfig)
-    k8s.submit(spec, args.namespace, api)
+    k8s.submit(spec, args.namespace, api, files=files)
     console.print(f"job [bold]{spec.name}[/bold]: StreamTrainJob created in namespace {args.namespace} "
                   f"(`kubectl get streamtrainjob {spec.name} -n {args.namespace}`)")  # fmt: skip
     if args.detach:
@@ -160,7 +165,7 @@ def _run_k8s(spec: Any, args: argparse.Namespace, console: Console) -> int:
         console.print(f"{spec.name}: {status.get('phase', 'pending')} nodes {status.get('replicas', 0)} {last}",
                       markup=False, highlight=False)  # fmt: skip
 
-    phase = k8s.follow(spec.name, args.namespace, api, report)
+    phase = k8s_jobs.follow(spec.name, args.namespace, api, report, start_timeout=args.start_timeout)
     return 0 if phase in ("succeeded", "stopped") else 1
 
 

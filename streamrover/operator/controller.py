@@ -25,9 +25,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from streamrover.operator.api import MasterLaunch, NodeState, Platform, create_platform
+from streamrover.operator.api import MasterLaunch, NodeState, Platform
 from streamrover.operator.autoscaler import Autoscaler
 from streamrover.operator.jobs import JobDir, write_atomic
+from streamrover.operator.registry import create_platform
 from streamrover.operator.spec import JobSpec
 from streamrover.operator.supervisor import JobPhase, Supervisor
 
@@ -65,7 +66,12 @@ class JobController:
             options: dict[str, Any] = {"standby_agents": hi - lo, "standby_workers": spec.trainer.nproc_per_node}
             if platform == "ray":
                 options = {"max_nodes": spec.trainer.nodes.max, "cpu": spec.trainer.cpu}
-            self.platform = create_platform(platform, workdir=job.path / "logs", **options)
+            try:
+                self.platform = create_platform(platform, workdir=job.path / "logs", **options)
+            except Exception as exc:  # `jobs status` says why, not phase "unknown"; the CLI prints it too
+                job.write_status({"job": spec.name, "phase": "failed", "platform": platform, "nodes": [],
+                                  "reason": f"the {platform} platform is not available: {exc}"})  # fmt: skip
+                raise
         else:
             self.platform = platform
         self.tick = tick

@@ -54,7 +54,7 @@ class K8sConfig:
     image: str = "streamrover:0.1.0"
     python: str = "python"  # the interpreter in the image
     master_bind: str = "0.0.0.0"
-    master_host: str | None = None  # None: the Service's DNS name
+    master_host: str | None = None  # None: the Service's DNS name; "cluster-ip": its IP (a cluster without DNS)
     journal_host_dir: str | None = None  # None: a PersistentVolumeClaim per job
     journal_size: str = "1Gi"
     master_node_selector: dict[str, str] = field(default_factory=dict)
@@ -98,6 +98,7 @@ class K8sPlatform(Platform):
         self._master_stopped = False
         self._abandoned = False
         self._resources: tuple[float, Resources] | None = None
+        self._files: dict[str, str] = dict((owner.get("spec") or {}).get("files") or {})  # see k8s_files
         self.reaped = self._reap()
 
     # -- objects ---------------------------------------------------------------------------
@@ -204,6 +205,9 @@ class K8sPlatform(Platform):
         self._create("pod", body)
         self._master_pod, self._master_stopped = name, False
         host = self.config.master_host or f"{self.job}-master.{self.ns}.svc"
+        if host == "cluster-ip":  # no cluster DNS: the Service's virtual IP (kube-proxy) reaches the master
+            service: Any = self.core.read_namespaced_service(f"{self.job}-master", self.ns)
+            host = str(service.spec.cluster_ip)
         give_up = time.monotonic() + self.config.launch_timeout
         while not _accepting(host, port):  # the master listens once its journal is open
             status = self.observe_master()
@@ -231,11 +235,24 @@ class K8sPlatform(Platform):
         if launch.cpu is not None:
             resources.setdefault("requests", {})["cpu"] = str(launch.cpu)
         command = [self.python if c == _local_python() else c for c in launch.command]
+        volumes, mounts = self._shipped_files()
         body = self._pod(pod_name(self.job, launch.node_id), "node", launch.node_id, command, launch.env,
-                         self.config.node_selector, resources)  # fmt: skip
+                         self.config.node_selector, resources, volumes, mounts)  # fmt: skip
         self._create("pod", body)
         self._nodes[launch.node_id] = launch
         return self.observe(launch.node_id)
+
+    def _shipped_files(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The ConfigMap of the files ``streamrover run`` shipped (made once), as a node pod's volume and mount."""
+        from streamrover.operator.k8s_files import FILES_MOUNT, FILES_VOLUME, configmap_name
+
+        if not self._files:
+            return [], []
+        name = configmap_name(self.job)
+        self._create("config_map", {"apiVersion": "v1", "kind": "ConfigMap", "data": self._files,
+                                    "metadata": self._meta(name, "files")})  # fmt: skip
+        return ([{"name": FILES_VOLUME, "configMap": {"name": name}}],
+                [{"name": FILES_VOLUME, "mountPath": FILES_MOUNT, "readOnly": True}])  # fmt: skip
 
     def observe(self, node_id: str) -> NodeStatus:
         if node_id not in self._nodes:
@@ -340,8 +357,10 @@ def api_client(kubeconfig: str | None = None) -> Any:
         raise PlatformUnavailableError(f"no Kubernetes cluster configured (--kubeconfig, $KUBECONFIG): {exc}") from None
 
 
-def submit(spec: Any, namespace: str, api: Any, replicas: int | None = None) -> dict[str, Any]:
-    """Create the ``StreamTrainJob`` of a validated job spec (``streamrover run --platform k8s``)."""
+def submit(spec: Any, namespace: str, api: Any, replicas: int | None = None,
+           files: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Create the ``StreamTrainJob`` of a validated job spec (``streamrover run --platform k8s``), with the files it
+    ships to the pods (:mod:`streamrover.operator.k8s_files`)."""
     import urllib3
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
@@ -351,6 +370,8 @@ def submit(spec: Any, namespace: str, api: Any, replicas: int | None = None) -> 
                             "spec": {"job": spec.model_dump(mode="json", exclude_none=True)}}  # fmt: skip
     if replicas is not None:
         body["spec"]["replicas"] = replicas
+    if files:
+        body["spec"]["files"] = files
     try:
         out: Any = client.CustomObjectsApi(api).create_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, body)
@@ -364,26 +385,3 @@ def submit(spec: Any, namespace: str, api: Any, replicas: int | None = None) -> 
     except (OSError, urllib3.exceptions.HTTPError) as exc:  # the API server is not reachable
         raise PlatformUnavailableError(f"cannot reach the Kubernetes API server: {exc}") from None
     return dict(out)
-
-
-def follow(name: str, namespace: str, api: Any, report: Any, interval: float = 1.0) -> str:
-    """Poll the job's resource until its phase ends (``report(status)`` on every change); the final phase."""
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
-
-    custom, last = client.CustomObjectsApi(api), None
-    while True:
-        try:
-            found: Any = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-            status = found.get("status") or {}
-        except ApiException as exc:
-            if exc.status == 404:
-                return "deleted"
-            raise
-        key = (status.get("phase"), status.get("replicas"), tuple(status.get("events") or [])[-1:])
-        if key != last:
-            report(status)
-            last = key
-        if status.get("phase") in ("succeeded", "failed", "stopped"):
-            return str(status["phase"])
-        time.sleep(interval)  # a status poll for the user's terminal

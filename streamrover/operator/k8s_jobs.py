@@ -14,6 +14,7 @@ Kubernetes the job is its custom resource, so they read and patch that, with the
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from streamrover.operator.api import PlatformUnavailableError
@@ -21,6 +22,16 @@ from streamrover.operator.jobs import JobNotFoundError
 from streamrover.operator.k8s import GROUP, PLURAL, VERSION
 
 ENDED = ("succeeded", "failed", "stopped")
+START_TIMEOUT = 60.0  # seconds for an operator to take a new job (it writes a status at once)
+STALL_TIMEOUT = 300.0  # seconds without a status write from the operator (it rewrites it every few seconds)
+OPERATOR_HINT = ("Install it with `kubectl apply -f deploy/k8s/` (or, on a cluster without cluster DNS, a volume "
+                 "provisioner or mounted service-account tokens, `kubectl apply -k deploy/k8s/overlays/plain-cluster`: "
+                 "docs/guide/kubernetes.md); see it with `kubectl -n streamrover-system get pods` and its log with "
+                 "`kubectl -n streamrover-system logs deploy/streamrover-operator`")  # fmt: skip
+
+
+class OperatorMissingError(PlatformUnavailableError):
+    """No operator took the job, or the one that had stopped writing its status."""
 
 
 def _custom(api: Any) -> Any:
@@ -105,3 +116,46 @@ def stop(api: Any, namespace: str, name: str) -> str | None:
 def stop_requested(body: Any) -> bool:
     """Whether ``streamrover stop`` (or a user's patch) asked the resource's job to stop."""
     return bool((body.get("spec") or {}).get("stop"))
+
+
+def follow(name: str, namespace: str, api: Any, report: Any, interval: float = 1.0,
+           start_timeout: float = START_TIMEOUT, stall_timeout: float = STALL_TIMEOUT) -> str:  # fmt: skip
+    """Poll the job's resource until its phase ends (``report(status)`` on every change); the final phase.
+
+    :class:`OperatorMissingError` (saying how to install one) when no operator wrote the job's status within
+    ``start_timeout`` seconds, or the status stopped changing for ``stall_timeout`` seconds. The resource stays:
+    an operator that comes (back) runs the job.
+    """
+    from kubernetes.client.exceptions import ApiException
+
+    custom, last, seen = _custom(api), None, None
+    started = changed_at = time.monotonic()
+    stays = (f"The StreamTrainJob stays and runs once an operator does (`kubectl delete streamtrainjob {name} -n "
+             f"{namespace}` withdraws it).")  # fmt: skip
+    while True:
+        try:
+            found: Any = _call(f"read StreamTrainJob {name}", custom.get_namespaced_custom_object, GROUP, VERSION,
+                               namespace, PLURAL, name)  # fmt: skip
+            status = found.get("status") or {}
+        except ApiException as exc:
+            if exc.status == 404:
+                return "deleted"
+            raise
+        key = (status.get("phase"), status.get("replicas"), tuple(status.get("events") or [])[-1:])
+        if key != last:
+            report(status)
+            last = key
+        if status.get("phase") in ENDED:
+            return str(status["phase"])
+        now = time.monotonic()
+        if status != seen:
+            seen, changed_at = status, now
+        if not status and now - started > start_timeout:
+            raise OperatorMissingError(f"no operator took StreamTrainJob {name!r} in namespace {namespace!r} within "
+                                       f"{start_timeout:.0f} s: is the streamrover operator installed, and watching "
+                                       f"this namespace? {OPERATOR_HINT}. {stays}")  # fmt: skip
+        if status and now - changed_at > stall_timeout:
+            raise OperatorMissingError(f"the operator has not updated StreamTrainJob {name!r} for {stall_timeout:.0f}"
+                                       f" s (phase {phase({'status': status})}, updated {status.get('updatedAt')}): "
+                                       f"is it still running? {OPERATOR_HINT}. {stays}")  # fmt: skip
+        time.sleep(interval)  # a status poll for the user's terminal

@@ -174,6 +174,9 @@ def run_job(api: Any, body: dict[str, Any], stopped: Any, config: K8sConfig, wor
     except SpecError as exc:
         patch_status(api, namespace, name, {"phase": "failed", "reason": str(exc)})
         return
+    if not body.get("status"):  # `streamrover run` waits for this (k8s_jobs.follow): an operator took the job
+        patch_status(api, namespace, name, {"phase": "starting", "reason": "", "updatedAt": time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime())})  # fmt: skip
     job = ResourceJob(workdir / namespace / name, api=api, namespace=namespace, body=body)
     job.path.mkdir(parents=True, exist_ok=True)
     platform = K8sPlatform(api, namespace, body, config)

@@ -16,7 +16,8 @@
   previous probe if it has arrived and sends the next (a Ray node that vanished without a
   word leaves calls pending until Ray declares its actors dead, tens of seconds).
 * The cluster is Ray's usual ``RAY_ADDRESS`` (``ray start --head`` + ``ray start --address``,
-  or ``ray.cluster_utils.Cluster`` in tests); with none set, a local Ray is started.
+  or ``ray.cluster_utils.Cluster`` in tests); with none set, the cluster ``ray start`` started on this
+  machine, else a local Ray (:mod:`streamrover.operator.ray_connect`, with a deadline).
 
 Calls into actors pass plain values (strings, numbers, lists, dicts).
 """
@@ -24,7 +25,6 @@ Calls into actors pass plain values (strings, numbers, lists, dicts).
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 from dataclasses import asdict
 from pathlib import Path
@@ -114,8 +114,9 @@ class RayPlatform(Platform):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         if not ray.is_initialized():
-            ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", namespace=namespace,
-                     include_dashboard=False, log_to_driver=False)  # fmt: skip
+            from streamrover.operator.ray_connect import connect
+
+            connect(ray, address, namespace)  # RAY_ADDRESS, else the `ray start` cluster, else a local Ray
         self._actor_cls: Any = ray.remote(max_restarts=0, max_task_retries=0)(_Host)
         self._cpu = cpu or 1.0
         from ray.util.placement_group import placement_group

@@ -347,12 +347,20 @@ def _resolved(spec: JobSpec, base: Path) -> JobSpec:
     master = spec.master.model_copy(update={"state_dir": path(spec.master.state_dir)})
     trainer = spec.trainer.model_copy(update={"script": path(spec.trainer.script)})
     ckpt = spec.checkpoint.model_copy(update={"url": path(spec.checkpoint.url)})
+    datasets = [ds.model_copy(update={"uri": path(ds.uri)}) for ds in spec.datasets]
     export = spec.export.model_copy(update={"repository": path(spec.export.repository)}) if spec.export else None
-    return spec.model_copy(update={"master": master, "trainer": trainer, "checkpoint": ckpt, "export": export})
+    return spec.model_copy(
+        update={"master": master, "trainer": trainer, "checkpoint": ckpt, "datasets": datasets, "export": export}
+    )
 
 
-def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a job spec file; a :class:`SpecError` names each bad field."""
+def load_spec(path: str | Path, resolve: bool = True) -> JobSpec:
+    """Read and validate a job spec file; a :class:`SpecError` names each bad field.
+
+    Relative paths (``trainer.script``, ``checkpoint.url``, ``master.state_dir``, dataset ``uri``,
+    ``export.repository``) resolve against the file's directory unless ``resolve`` is False (Kubernetes:
+    :mod:`streamrover.operator.k8s_files`).
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -364,7 +372,7 @@ def load_spec(path: str | Path) -> JobSpec:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
         raise SpecError(str(path), [(where, f"not valid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
-    return parse_spec(data, str(path), path.parent.resolve())
+    return parse_spec(data, str(path), path.parent.resolve() if resolve else None)
 
 
 def json_schema() -> dict[str, Any]:

@@ -235,7 +235,7 @@ class Supervisor:
 
     def _apply(self, record: NodeRecord, status: NodeStatus) -> None:
         record.state, record.exit_code, record.oom_kills = status.state, status.exit_code, status.oom_kills
-        record.pid, record.detail = status.pid, status.detail or record.detail
+        record.pid, record.detail = status.pid, status.detail  # an empty detail is news too: "Pending" is over
 
     def _read_health(self, record: NodeRecord) -> None:
         if self.health is None:

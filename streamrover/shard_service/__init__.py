@@ -3,6 +3,10 @@
 Public API: the contract in :mod:`~streamrover.shard_service.api` (:class:`ShardService`,
 :class:`Shard`, :class:`DatasetSpec`, the error types), :class:`ShardClient` that keeps it over
 gRPC for workers and tools, and :class:`MasterServer` to run a master in-process.
+
+Layout: ``api.py`` (the contract), ``v1/`` (the wire), ``convert.py`` (messages <-> types, both sides),
+:mod:`~streamrover.shard_service.master` (what runs only in the job master) and
+:mod:`~streamrover.shard_service.client` (what a worker runs); those two never import each other.
 """
 
 from typing import TYPE_CHECKING
@@ -27,9 +31,9 @@ from streamrover.shard_service.api import (
     UnauthenticatedError,
     UnavailableError,
 )
-from streamrover.shard_service.client import ShardClient
-from streamrover.shard_service.leased import LeasedShard
-from streamrover.shard_service.master import MasterServer, load_or_create_token
+from streamrover.shard_service.client.leased import LeasedShard
+from streamrover.shard_service.client.shard_client import ShardClient
+from streamrover.shard_service.master.process import MasterServer, load_or_create_token
 
 __all__ = [
     "AckFailedError",

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, LeaseGrant, LeaseStatus, PartitionPlan
-from streamrover.shard_service.bookkeeping import DatasetRecord
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import SourceKind
 
@@ -34,7 +33,16 @@ def _interval_sets(msgs: Iterable[pb.PartitionCursor]) -> dict[PartitionKey, Int
     return entries
 
 
-def spec_info(ds: DatasetRecord) -> pb.DatasetInfo:
+class DatasetFacts(Protocol):
+    """What :func:`spec_info` reads of a dataset (the master's ``DatasetRecord`` has it): a protocol, so that
+    this module, shared by the master and the client, depends on neither side."""
+
+    spec: DatasetSpec
+    kind: SourceKind
+    schema_json: str
+
+
+def spec_info(ds: DatasetFacts) -> pb.DatasetInfo:
     """What a worker needs to open a dataset's source: its spec, kind and schema (no partitions, no counts)."""
     kind = pb.DATASET_KIND_BATCH if ds.kind is SourceKind.BATCH else pb.DATASET_KIND_STREAM
     return pb.DatasetInfo(spec=spec_to_pb(ds.spec), kind=kind, schema_json=ds.schema_json)

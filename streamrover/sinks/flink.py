@@ -6,14 +6,16 @@
     ds.sink_to(TrainingSink("127.0.0.1:50051", "clicks", token=token, staging_dir="/shared/staging"))
 
 The sink is Java (PyFlink has no Python sink or checkpoint hook): ``java/flink-sink/``, a Sink V2 with a
-committer. At each checkpoint every subtask closes its Parquet file(s) under
-``<staging_dir>/<job id>/<subtask>/<checkpoint id>/``; when the checkpoint completes the committer registers
-them with the master's ``CommitStaged`` RPC, keyed by (job id, subtask, checkpoint id), so a commit
-replayed after a restore is a no-op. Records reach Java in Flink's own row serialization: the stream's
-declared row type is the schema, nothing is pickled. Checkpointing must be on (without it Flink never
-commits). The dataset must be registered first with uri ``staged://<name>``, format ``parquet``, option
-``sr.staging_dir`` set to the same ``staging_dir`` and option ``sr.schema`` (the rows' Arrow schema,
-``streamrover.sources.staged.encode_schema``: trainers need it before the first file is committed).
+committer. At each checkpoint every subtask closes its Parquet file(s) under ``<staging_dir>/<job
+id>/<subtask>/<checkpoint id>/``; when the checkpoint completes the committer registers them with the master's
+``CommitStaged`` RPC, keyed by (job id, subtask, checkpoint id), so a commit replayed after a restore, or
+retried after its answer was lost, is a no-op. A writer restored from checkpoint K deletes its own
+``<checkpoint id>`` folders above K: a failed attempt staged them and no commit can claim them. Records reach
+Java in Flink's own row serialization: the stream's declared row type is the schema, nothing is pickled.
+Checkpointing must be on (without it Flink never commits). The dataset must be registered first with uri
+``staged://<name>``, format ``parquet``, option ``sr.staging_dir`` set to the same ``staging_dir`` and option
+``sr.schema`` (the rows' Arrow schema, ``streamrover.sources.staged.encode_schema``: trainers need it before
+the first file is committed).
 
 The jar is built by ``make flink-sink`` (``scripts/build-flink-sink.sh``) into
 ``~/.cache/streamrover/flink-sink/``; ``STREAMROVER_FLINK_SINK_JAR`` names another one.
@@ -65,8 +67,12 @@ def TrainingSink(  # a function named as the sink it makes: ds.sink_to(TrainingS
     """A PyFlink ``Sink`` committing the stream's rows to ``dataset`` on the master at ``master`` (host:port).
 
     ``staging_dir`` is an absolute path or ``file://`` URL every trainer can read. A checkpoint closes each
-    subtask's open file; ``rows_per_file`` caps a file in between. A commit that cannot reach the master
-    retries for ``retry_seconds``, then at the next checkpoint. The stream must carry named rows
+    subtask's open file; ``rows_per_file`` caps a file in between. A commit that fails with a transient
+    gRPC status (the master down, killed mid-call, restarting: ``Retry.java``) is retried for
+    ``retry_seconds``, then handed back to Flink, which calls the committer again up to
+    ``sink.committer.retries`` times and then fails the job; a final status (a staged file gone, the
+    dataset failed, a wrong token) fails the job at once. Either way the restart commits the checkpoint
+    again: a commit is never dropped. The stream must carry named rows
     (``output_type=Types.ROW_NAMED(...)``): BIGINT, INT, DOUBLE, FLOAT, BOOLEAN, STRING, BYTES fields or
     arrays of the numeric ones.
     """

@@ -35,18 +35,21 @@ package assumes positions are dense:
 
 Errors: every failure is a :class:`SourceError`; its subclasses say what the caller should do
 (retry, fail the dataset, fix the input). Backends plug in with :func:`register_source`; the
-built-in ones are imported on first use by :mod:`streamrover.sources.registry`, so broker
-clients are never imported here.
+built-in ones, listed in :mod:`streamrover.sources.registry`, are imported on first use, so
+broker clients are never imported here.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from streamrover.sources.registry import BUILTIN_SCHEMES, FILES_MODULE
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
@@ -227,8 +230,6 @@ def register_source(factory: SourceFactory, *, schemes: tuple[str, ...] = (), fo
 def open_source(uri: str, format: str = "", options: Mapping[str, str] | None = None) -> Source:
     """Open the source a dataset names. Raises :class:`SourceError` with the reason when it cannot."""
     opts = dict(options or {})
-    from streamrover.sources.registry import load_builtin_backends  # (it imports this module)
-
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     load_builtin_backends(scheme)
     factory = _SCHEMES.get(scheme)
@@ -238,6 +239,22 @@ def open_source(uri: str, format: str = "", options: Mapping[str, str] | None = 
         known = sorted(set(_SCHEMES) | set(_FORMATS))
         raise SourceError(f"no source handles uri {uri!r} with format {format!r}; known: {', '.join(known)}")
     return factory(uri, format, opts)
+
+
+def load_builtin_backends(scheme: str = "") -> None:
+    """Import the built-in backend for ``scheme`` (and the file source) unless registered already.
+
+    Raises :class:`SourceError` naming the extra to install when the backend's client library is missing.
+    """
+    module = BUILTIN_SCHEMES.get(scheme)
+    if module is not None and not is_registered(scheme=scheme):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            hint = f"pip install 'streamrover[{scheme}]'"
+            raise SourceError(f"{scheme}:// needs the {scheme!r} extra: {hint} ({exc})") from exc
+    if not is_registered(format="files"):
+        importlib.import_module(FILES_MODULE)
 
 
 def is_registered(*, scheme: str = "", format: str = "") -> bool:

@@ -81,7 +81,7 @@ CONTINUE_IDLE = 0.5
 # librdkafka defaults for shard reads (the dataset's options override them). A worker reads
 # one partition at a time and, when its next shard continues that partition (the master
 # leases it so), goes on without a new assignment, so what its consumer prefetched is used:
-# librdkafka's prefetch queue keeps its default size (64 MB). Figures: benchmarks/bench_streams.py
+# librdkafka's prefetch queue keeps its default size (64 MB). Figures: benchmarks/bench_streams/
 # --only kafka (1 KB records, 4 partitions, 2 workers; raw consumers of 2-4 partitions alongside).
 # - max.partition.fetch.bytes 16 MB (default 1 MB): a reader of one partition makes as many fetch
 #   requests per byte as a consumer of several partitions would with the same total. Broker CPU

@@ -17,7 +17,7 @@ from streamrover.ckpt import Checkpointer, RetentionPolicy
 from streamrover.ckpt.layout import read_manifest
 from streamrover.cursor import DataCursor
 from streamrover.shard_service import DatasetSpec, NotFoundError, ShardClient
-from streamrover.shard_service.cuts import MAX_PREPARED_CUTS
+from streamrover.shard_service.master.cuts import MAX_PREPARED_CUTS
 from streamrover.testing.procs import MasterProcess
 from tests.helpers import write_parquet_dataset
 

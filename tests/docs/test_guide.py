@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,16 +25,19 @@ from streamrover.operator.spec import parse_spec
 from streamrover.testing.procs import MasterProcess
 from tests.docs.blocks import GUIDE, PARSED, RUN, Block, pages, parse
 from tests.docs.runner import Session
+from tests.helpers import end_processes_under
 
 ROOT = GUIDE.parents[1]
 # What a page's blocks are given (beside a working directory): "master" (STREAMROVER_MASTER, STREAMROVER_TOKEN,
-# STATE_DIR with its token file) and "kafka" (KAFKA: a tansu broker's bootstrap address).
+# STATE_DIR with its token file), "kafka" (KAFKA: a tansu broker's bootstrap address) and "ray" (a Ray temp
+# directory of the test's own, RAY_TMPDIR, whose processes end with the test: `ray stop` would end every Ray).
 NEEDS: dict[str, set[str]] = {
     "sources.md": {"master", "kafka"},
     "checkpoints.md": {"master"},
     "operations.md": {"master"},
     "troubleshooting.md": {"master"},
     "quickstart.md": {"kafka"},
+    "ray.md": {"ray"},
 }
 
 
@@ -97,6 +102,11 @@ def page_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[st
     needs = NEEDS.get(page, set())
     if "kafka" in needs:
         env["KAFKA"] = request.getfixturevalue("tansu_broker").bootstrap
+    ray_temp = None
+    if "ray" in needs:
+        ray_temp = Path(tempfile.mkdtemp(prefix="rayd"))  # short: Ray's socket paths live under it
+        env.pop("RAY_ADDRESS", None)
+        env.update(RAY_TMPDIR=str(ray_temp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")  # 127.0.0.1 only
     master = None
     if "master" in needs:
         master = MasterProcess(tmp_path / "master-state", lease_ttl=5.0)
@@ -110,6 +120,9 @@ def page_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[st
     finally:
         if master is not None:
             master.stop()
+        if ray_temp is not None:
+            end_processes_under(ray_temp)
+            shutil.rmtree(ray_temp, ignore_errors=True)
 
 
 @pytest.mark.parametrize("page_env", [p.name for p in pages()], indirect=True)

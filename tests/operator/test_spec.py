@@ -50,6 +50,16 @@ def test_a_good_spec_parses_with_paths_resolved_and_defaults(tmp_path: Path) -> 
     assert spec.restart.per_node == 3 and spec.master.port == 0 and spec.master.state_dir is None
 
 
+def test_a_relative_dataset_path_resolves_against_the_spec_file_like_the_script(tmp_path: Path) -> None:
+    # the master and the nodes run in directories of their own: a relative path must not depend on theirs
+    text = GOOD.replace("uri: kafka://127.0.0.1:9092/clicks", "uri: data/*.parquet")
+    spec = load_spec(_write(tmp_path, text))
+    assert spec.datasets[0].uri == str(tmp_path / "data" / "*.parquet")
+    assert load_spec(_write(tmp_path, GOOD)).datasets[0].uri == "kafka://127.0.0.1:9092/clicks"
+    raw = load_spec(_write(tmp_path, text), resolve=False)  # what --platform k8s reads (shipped or refused there)
+    assert raw.datasets[0].uri == "data/*.parquet" and raw.trainer.script == "train.py"
+
+
 @pytest.mark.parametrize(
     ("change", "field", "message"),
     [

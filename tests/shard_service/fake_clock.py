@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
 
 
 class Clock:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from streamrover.cursor import PartitionKey
 from streamrover.shard_service import DatasetSpec, LeasedShard, ShardClient
-from streamrover.shard_service.client_acks import QueuedAck
+from streamrover.shard_service.client.client_acks import QueuedAck
 from streamrover.testing.procs import MasterProcess
 from tests.helpers import write_parquet_dataset
 

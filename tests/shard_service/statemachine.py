@@ -44,9 +44,9 @@ from streamrover.shard_service.api import (
     ShardState,
     StaleLeaseError,
 )
-from streamrover.shard_service.core import AckItem, ShardCore
-from streamrover.shard_service.cuts import MAX_PREPARED_CUTS
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.master.core import AckItem, ShardCore
+from streamrover.shard_service.master.cuts import MAX_PREPARED_CUTS
+from streamrover.shard_service.master.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.staged import FileFacts
 

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from streamrover.cursor import IntervalSet
 from streamrover.shard_service import InvalidArgumentError, ShardClient
-from streamrover.shard_service import state as core_state
 from streamrover.shard_service.api import DatasetSpec, PartitionPlan
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
-from streamrover.shard_service.planner import plan_epoch
+from streamrover.shard_service.master import state as core_state
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
+from streamrover.shard_service.master.planner import plan_epoch
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.positions import RecordRuns
 from streamrover.testing.procs import MasterProcess

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, LeaseStatus
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
 from tests.shard_service.fake_clock import Clock
 

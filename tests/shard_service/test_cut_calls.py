@@ -2,7 +2,7 @@
 
 A real master process; the client reaches it through :class:`tests.netcut.CutProxy`, which resets the TCP
 connection as the call's answer (the master ran it, the client never hears) or its request (the master never
-saw it) passes. The rule retried here is :mod:`streamrover.shard_service.retry`; what each call's "exactly
+saw it) passes. The rule retried here is :mod:`streamrover.shard_service.client.retry`; what each call's "exactly
 once" means is checked against the master through a second, direct client.
 """
 
@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from streamrover.shard_service import DatasetSpec, LeaseStatus, ShardClient
-from streamrover.shard_service.retry import transient
+from streamrover.shard_service.client.retry import transient
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.staged import encode_schema
 from streamrover.testing.procs import MasterProcess
@@ -97,8 +97,14 @@ def test_worker_calls_cut_mid_call_land_once(
         assert direct.describe_dataset("rows").records_committed == 200
 
         # the key-value store and reported metrics
-        _cut(proxy, client, where, lambda: client.kv_set("k", b"v", 0))
+        # a compare-and-set retried after it landed is answered written, not "the version moved" (a
+        # read-modify-write such as the rendezvous store's add would otherwise write twice)
+        assert _cut(proxy, client, where, lambda: client.kv_set("k", b"v", 0)) == (True, b"v", 1)
         assert direct.kv_get("k") == (b"v", 1)
+        assert _cut(proxy, client, where, lambda: client.kv_set("k", b"w", 1)) == (True, b"w", 2)
+        assert _cut(proxy, client, where, lambda: client.kv_delete("k", 2)) == (True, b"", 0)
+        assert direct.kv_get("k") is None
+        assert client.kv_set("k", b"x", 2)[0] is False, "a stale version is still refused"
 
         # calls that are not idempotent but guarded: a remove and a leave repeated after the first landed
         _cut(proxy, client, where, client.leave)

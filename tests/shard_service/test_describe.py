@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from streamrover.shard_service import DatasetSpec, NotFoundError, ShardClient
-from streamrover.shard_service.pacing import BATCH_SHARDS, PREFETCH_RECORDS
+from streamrover.shard_service.client.pacing import BATCH_SHARDS, PREFETCH_RECORDS
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.testing.procs import MasterProcess
 from tests.helpers import write_parquet_dataset

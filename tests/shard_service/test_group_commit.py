@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from streamrover.shard_service.bookkeeping import WorkerRecord
-from streamrover.shard_service.group_commit import CommitLock
-from streamrover.shard_service.journal import Journal, JournalWriteError
+from streamrover.shard_service.master.bookkeeping import WorkerRecord
+from streamrover.shard_service.master.group_commit import CommitLock
+from streamrover.shard_service.master.journal import Journal, JournalWriteError
 from tests.helpers import wait_until
 from tests.shard_service.test_journal_failures import ERRORS, FailingConnection
 

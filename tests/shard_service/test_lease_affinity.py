@@ -17,8 +17,8 @@ import pytest
 
 from streamrover.cursor import DataCursor
 from streamrover.shard_service.api import DatasetSpec, ShardState
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
 from tests.shard_service.fake_clock import Clock
 

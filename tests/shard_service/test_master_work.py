@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from streamrover.shard_service.api import DatasetSpec, StaleLeaseError
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
 from tests.shard_service.test_core_units import Clock
 

@@ -13,8 +13,8 @@ import pytest
 from streamrover.cursor import IntervalSet, PartitionKey
 from streamrover.shard_service import StaleLeaseError
 from streamrover.shard_service.api import DatasetSpec, LeaseStatus, ShardState, shard_id_for
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.merging import sized_by_records
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.merging import sized_by_records
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.testing.procs import MasterProcess
 from tests.helpers import write_parquet_dataset

@@ -11,8 +11,8 @@ import pytest
 
 from streamrover.shard_service import DatasetSpec, InvalidArgumentError, ShardClient
 from streamrover.shard_service.api import DatasetSpec as Spec
-from streamrover.shard_service.bookkeeping import DatasetRecord
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.journal import Journal
 from streamrover.sources.api import SourceKind
 from streamrover.testing.procs import MasterProcess, python_env
 from tests.helpers import wait_until, write_parquet_dataset

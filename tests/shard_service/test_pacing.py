@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, cast
 
-from streamrover.shard_service.lease_table import LeaseTable
-from streamrover.shard_service.pacing import MAX_PREFETCH, RAMP_SHARDS, Pacing, PrefetchPace
+from streamrover.shard_service.client.lease_table import LeaseTable
+from streamrover.shard_service.client.pacing import MAX_PREFETCH, RAMP_SHARDS, Pacing, PrefetchPace
 
 
 def _lease() -> Any:

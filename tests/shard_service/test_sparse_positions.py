@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, PartitionPlan
-from streamrover.shard_service.bookkeeping import DatasetRecord
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
-from streamrover.shard_service.planner import plan_epoch
+from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
+from streamrover.shard_service.master.planner import plan_epoch
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.positions import RecordRuns
 from tests.shard_service.fake_clock import Clock

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from streamrover.shard_service.api import DatasetSpec, LeaseStatus, ShardState
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
-from streamrover.shard_service.streams import full_shards
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
+from streamrover.shard_service.master.streams import full_shards
 from streamrover.sources.api import Partition, SourceKind
 from tests.shard_service.fake_clock import Clock
 

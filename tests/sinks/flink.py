@@ -92,10 +92,28 @@ class FlinkJob:
         """The job's checkpoints from its REST endpoint (id, status, latest_ack_timestamp in ms...)."""
         return list(self.rest(f"/jobs/{job_id}/checkpoints")["history"])
 
+    def committer_metric(self, name: str) -> int | None:
+        """The sum over the running job's committer subtasks of a Sink V2 committer metric (Flink's
+        ``failedCommittables``, ``retriedCommittables``...), None while no job runs. A failover resets it."""
+        job_id = self.job_id()
+        if job_id is None:
+            return None
+        total = 0
+        for vertex in self.rest(f"/jobs/{job_id}")["vertices"]:
+            path = f"/jobs/{job_id}/vertices/{vertex['id']}/metrics"
+            ids = [m["id"] for m in self.rest(path) if m["id"].endswith("." + name)]
+            if ids:
+                total += sum(int(float(m["value"])) for m in self.rest(f"{path}?get={','.join(ids)}"))
+        return total
+
     def latest_retained(self) -> Path | None:
         """The newest completed checkpoint on disk (its chk-N folder holds _metadata)."""
         found = sorted(self.checkpoints.glob("*/chk-*/_metadata"), key=lambda p: int(p.parent.name[4:]))
         return found[-1].parent if found else None
+
+    def cluster_log(self) -> str:
+        """The mini cluster's own log (where the sink's Java classes log), all runs."""
+        return "\n".join(p.read_text(errors="replace") for p in sorted((self.workdir / "flink-logs").glob("*.log")))
 
     def logs(self) -> str:
         """The driver's output and the lines of the mini cluster's log that tell of failures."""

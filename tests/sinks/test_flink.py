@@ -12,13 +12,25 @@ while the job runs. Half the records are produced before the start, half while i
   again resumed from its last retained checkpoint (a new job id: the restored committables are committed
   again under the old one, which the master answers already_committed when they were).
 
+Meanwhile the job master is SIGKILLed KILLS times and restarted on its state dir
+(tests/sinks/flink_master_chaos.py): at random points, and MID_CALL times with a ``CommitStaged`` in flight (a
+proxy between the committer and the master forwards the request, then the master dies before the answer).
+RESETS times the proxy lets the master answer a commit and resets the committer's connection instead: the
+committer retries a commit that already landed. Every other cut also hands the committer a garbled HTTP/2
+frame (grpc-java: INTERNAL, which the committer before issue 26 dropped: failedCommittables > 0). The
+dlrover-run trainer rides the same kills. The committer must log each retry with its gRPC status, never count
+a committable as failed (Flink's ``failedCommittables`` stays 0), and lose nothing.
+
 The ledger in the model must then hold every id exactly once, and the dataset exactly RECORDS records.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -29,12 +41,16 @@ from streamrover.sources.staged import encode_schema
 from tests.brokers._process import free_port
 from tests.helpers import wait_until
 from tests.sinks.flink import FlinkJob, build_sink
+from tests.sinks.flink_master_chaos import MasterChaos
+from tests.sinks.flink_proxy import CutProxy
 from tests.trainers.cluster import TorchJob
 from tests.trainers.streams import KafkaTopic
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 RECORDS = 10_000
 FAIL_AFTER = 1_500  # records one subtask maps before the injected failure
+KILLS, MID_CALL, RESETS = 20, 8, 2  # master SIGKILLs (MID_CALL of them during a commit), connection resets
+SEED = int(os.environ.get("SR_TEST_SEED", "26"))
 #: the rows the job's map declares (flink_job.ROW), as the trainers read them before any file is committed
 SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("y", pa.float64())])
 
@@ -53,10 +69,26 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
     job = TorchJob(tmp_path, "staged://stream", options, records_per_shard=1_000)
     marker = tmp_path / "map-failed"
     flink = FlinkJob(tmp_path, flink_sink_jar, [], free_port())
-    later = threading.Thread(target=topic.produce, args=(ids[RECORDS // 2 :],), daemon=True)
+    proxy = CutProxy(lambda: job.master.address)  # the committer reaches the master through it
+    chaos = MasterChaos(job.master, proxy, flink, KILLS, MID_CALL, RESETS, SEED)
+
+    def produce_later() -> None:  # the second half in small steps while the chaos lasts (commits go on), the rest after
+        chunks = np.array_split(ids[RECORDS // 2 :], 200)
+        while len(chunks) > 1 and chaos.is_alive():
+            topic.produce(chunks.pop(0))
+            chaos.stop.wait(0.5)  # pacing, not a synchronisation
+        chaos.join(timeout=600)
+        topic.produce(np.concatenate(chunks))
+
+    later = threading.Thread(target=produce_later, daemon=True)
 
     def committed() -> int:
-        with job.admin() as admin:
+        assert chaos.error is None, f"the master chaos failed: {chaos.error!r}"
+        assert chaos.failed_committables == 0, (
+            f"Flink's committers counted {chaos.failed_committables} failed committables: a commit was dropped\n"
+            f"{job.master.log_tail()}\n{flink.logs()}"
+        )
+        with chaos.quiet, job.admin() as admin:
             info = admin.describe_dataset("stream")
         assert not info.failed, f"the dataset FAILED: {info.error}"
         return int(info.total_records)
@@ -68,11 +100,12 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
     try:
         job.start()
         flink.args = ["--bootstrap", kafka_broker.bootstrap, "--topic", topic.topic,  # type: ignore[attr-defined]
-                      "--master", job.master.address, "--token", job.master.token, "--staging", str(staging),
+                      "--master", proxy.address, "--token", job.master.token, "--staging", str(staging),
                       "--fail-after", str(FAIL_AFTER), "--fail-marker", str(marker)]  # fmt: skip
         flink.start()
         script = ["--records", str(RECORDS), "--batch-size", "128", "--ckpt-every", "10", "--out", str(job.out)]
         job.start_agent("n0", "1", 2, script)
+        chaos.start()
         later.start()
 
         # failure 1: the map raised once; the restarted job commits past the failure point
@@ -92,6 +125,10 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
 
         later.join(timeout=300)
         assert not later.is_alive(), "the producer did not finish"
+        chaos.join(timeout=600)
+        assert not chaos.is_alive() and chaos.error is None, f"the master chaos: {chaos.error!r} {chaos.done}"
+        print(f"master chaos (seed {SEED}): {dict(chaos.done)}, proxy cuts {Counter(proxy.cuts)}", file=sys.stderr)
+        assert chaos.kills() >= KILLS and chaos.done["mid-call"] >= MID_CALL // 2, chaos.done
         wait_until(lambda: running("after the resume") and committed() >= RECORDS, 300, "every record committed")
         wait_until(lambda: job.agents["n0"].poll() is not None, 300, "the trainer to finish")
         assert job.agents["n0"].returncode == 0, job.logs()
@@ -102,8 +139,19 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
             f"(e.g. ids {np.flatnonzero(ledger > 1)[:10].tolist()})\n{job.logs()}\n{flink.logs()}"
         )
         assert committed() == RECORDS, "the dataset holds every record once"
+        assert chaos.failed_committables == 0 == (flink.committer_metric("failedCommittables") or 0)
+        # the committer named the status of each call the cuts broke, retried it, and a reset call landed once
+        log = flink.cluster_log()
+        statuses = Counter(re.findall(r"CommitStaged of \S+ failed with (\w+)", log))
+        print(f"committer retries by status: {dict(statuses)}; retriedCommittables up to "
+              f"{chaos.retried_committables}", file=sys.stderr)  # fmt: skip
+        assert "INTERNAL" in statuses and set(statuses) <= {"UNAVAILABLE", "UNKNOWN", "INTERNAL"}, statuses
+        if {"reset", "garble"} & set(proxy.cuts):
+            assert "an earlier attempt landed" in log, "a commit whose answer was cut was not retried to its end"
         losses = job.losses()
         assert np.mean(losses[-20:]) < np.mean(losses[:20]) / 5, "the loss decreases"
     finally:
+        chaos.stop.set()
         flink.kill()
+        proxy.close()
         job.stop()

@@ -24,8 +24,8 @@ import pytest
 
 from streamrover.cursor import IntervalSet, PartitionKey
 from streamrover.shard_service import DatasetSpec, FailedPreconditionError, ShardClient
-from streamrover.shard_service.core import ShardCore
-from streamrover.shard_service.journal import Journal
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.testing.procs import MasterProcess, python_env
 from tests.helpers import wait_until

@@ -1315,12 +1315,18 @@ class KvSetRequest(google.protobuf.message.Message):
     VALUE_FIELD_NUMBER: builtins.int
     EXPECTED_VERSION_FIELD_NUMBER: builtins.int
     DELETE_FIELD_NUMBER: builtins.int
+    WRITER_FIELD_NUMBER: builtins.int
     key: builtins.str
     value: builtins.bytes
     expected_version: builtins.int
     """the version the caller read; 0 = the key must not exist yet"""
     delete: builtins.bool
     """remove the key (compare-and-delete) instead of writing value"""
+    writer: builtins.str
+    """the write's id, unique per logical write (a client makes one per call, the same across its retries):
+    a repeat of a write that landed, whose answer was lost, is answered ok (its version moved by that very
+    write) instead of "the version moved" (which would make a read-modify-write add twice). "" = none.
+    """
     def __init__(
         self,
         *,
@@ -1328,8 +1334,9 @@ class KvSetRequest(google.protobuf.message.Message):
         value: builtins.bytes = ...,
         expected_version: builtins.int = ...,
         delete: builtins.bool = ...,
+        writer: builtins.str = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["delete", b"delete", "expected_version", b"expected_version", "key", b"key", "value", b"value"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["delete", b"delete", "expected_version", b"expected_version", "key", b"key", "value", b"value", "writer", b"writer"]) -> None: ...
 
 global___KvSetRequest = KvSetRequest
 

@@ -20,8 +20,11 @@ for the pods the scheduler binds to it what a kubelet would, through the real AP
   finishes the deletion (``grace_period_seconds=0``) as the kubelet does.
 
 Volumes are not mounted: a hostPath volume works only when it is mounted at its own path (the
-operator's ``STREAMROVER_K8S_JOURNAL_HOST_DIR`` layout does that). Pods are polled every 0.2 s
-(a stand-in: simpler than a watch, and the API server does not mind).
+operator's ``STREAMROVER_K8S_JOURNAL_HOST_DIR`` layout does that). A ConfigMap volume is written into
+the pod's own directory (``<workdir>/<namespace>/<pod>/mounts/<mountPath>``, read from the API as a
+kubelet would), and the command's arguments under its ``mountPath`` are pointed there: no mount
+namespace here, but a pod sees only what its spec and the API give it, not the submitter's files.
+Pods are polled every 0.2 s (a stand-in: simpler than a watch, and the API server does not mind).
 """
 
 from __future__ import annotations
@@ -163,6 +166,7 @@ class NodeAgent:
                 Path(volume.host_path.path).mkdir(parents=True, exist_ok=True)
         cwd = self.workdir / pod.metadata.namespace / pod.metadata.name
         cwd.mkdir(parents=True, exist_ok=True)
+        argv = self._mount_config_maps(pod, container, cwd, argv)
         limits = (container.resources.limits if container.resources else None) or {}
         memory = parse_memory(limits["memory"]) if "memory" in limits else None
         cgroup = None
@@ -179,6 +183,21 @@ class NodeAgent:
             proc, pod.metadata.uid, container.name, started, memory=memory, cgroup=cgroup)
         state = {"running": {"startedAt": started}}
         self._report(pod, "Running", container.name, state, ready=True, started=started)
+
+    def _mount_config_maps(self, pod: Any, container: Any, cwd: Path, argv: list[str]) -> list[str]:
+        """Write the container's ConfigMap volumes under ``cwd/mounts``; ``argv`` with their paths pointed there."""
+        maps = {v.name: v.config_map.name for v in pod.spec.volumes or [] if v.config_map is not None}
+        for mount in container.volume_mounts or []:
+            if mount.name not in maps:
+                continue
+            target = cwd / "mounts" / mount.mount_path.lstrip("/")
+            target.mkdir(parents=True, exist_ok=True)
+            data = self.core.read_namespaced_config_map(maps[mount.name], pod.metadata.namespace).data or {}
+            for key, text in data.items():
+                (target / key).write_text(text)
+            prefix = mount.mount_path.rstrip("/") + "/"
+            argv = [str(target / a[len(prefix):]) if a.startswith(prefix) else a for a in argv]
+        return argv
 
     def _ended(self, pod: Any, run: _Running) -> None:
         code = run.proc.returncode

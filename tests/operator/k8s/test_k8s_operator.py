@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import yaml
 
-from streamrover.operator.k8s import GROUP, LABEL_JOB, LABEL_ROLE, PLURAL, VERSION, pod_name, submit
+from streamrover.operator.k8s import GROUP, LABEL_JOB, LABEL_NODE, LABEL_ROLE, PLURAL, VERSION, pod_name, submit
 from streamrover.operator.spec import parse_spec
 from tests.brokers._process import free_port
 from tests.helpers import wait_until, write_parquet_dataset
@@ -112,6 +112,12 @@ def test_pods_are_owned_relaunched_scaled_and_garbage_collected(k8s: ControlPlan
         assert token_env.value is None and token_env.value_from.secret_key_ref.name == f"{name}-token"
         wait_until(lambda: (_job(k8s, ns, name).get("status") or {}).get("replicas") == 2, 60, "status.replicas 2")
         assert _job(k8s, ns, name)["status"]["phase"] == "running"
+        # the status's nodes say what their pods say: Running, with no detail left over from their Pending start
+        wait_until(lambda: [n["state"] for n in _job(k8s, ns, name)["status"]["nodes"]] == ["running"] * 2, 60,
+                   "both nodes running in the status")  # fmt: skip
+        nodes = {n["node"]: n for n in _job(k8s, ns, name)["status"]["nodes"]}
+        for pod in _pods(k8s, ns, name):
+            assert (nodes[pod.metadata.labels[LABEL_NODE]]["detail"], pod.status.phase) == ("", "Running"), nodes
 
         core.delete_namespaced_pod(f"{name}-n1", ns, grace_period_seconds=0)
         wait_until(lambda: _names(_pods(k8s, ns, name)) == {f"{name}-n0", f"{name}-n1-1"}, 120,

@@ -2,6 +2,7 @@ package streamrover.flink;
 
 import java.io.IOException;
 import java.util.Collection;
+import java.util.Optional;
 import java.util.concurrent.TimeUnit;
 
 import io.grpc.ClientInterceptors;
@@ -9,7 +10,6 @@ import io.grpc.Grpc;
 import io.grpc.InsecureChannelCredentials;
 import io.grpc.ManagedChannel;
 import io.grpc.Metadata;
-import io.grpc.Status;
 import io.grpc.StatusRuntimeException;
 import io.grpc.stub.MetadataUtils;
 import org.apache.flink.api.connector.sink2.Committer;
@@ -22,26 +22,40 @@ import streamrover.v1.ShardServiceOuterClass.StagedFile;
 
 /**
  * Commits each checkpoint's staged files to the job master (CommitStaged), once Flink says the checkpoint
- * is complete. A key the master already holds (a commit replayed after a restore) answers
- * already_committed, which is success. A master that cannot be reached is retried for
- * {@code retrySeconds}, then the commit is retried at the next checkpoint; any other error fails the job
- * with the master's message.
+ * is complete. No committable is ever dropped: each ends committed, handed back to Flink, or failing the job.
+ *
+ * <ul>
+ *   <li>Answered: committed, or {@code already_committed} (the key was committed before: a replay after a
+ *       restore, or an earlier attempt of this call that landed though its answer was lost), both success.</li>
+ *   <li>A transient status ({@link Retry#TRANSIENT}: the master down, killed mid-call, restarting): retried
+ *       for {@code retrySeconds} (the call is idempotent by its key), then {@code retryLater()}. In Flink 2.3
+ *       the committer operator then calls {@link #commit} again at once, up to {@code sink.committer.retries}
+ *       (10) more times, and then throws "Failed to commit N committables after 10 retries", which fails the
+ *       job; the restart restores the committable from the checkpoint and commits it again.</li>
+ *   <li>A final status (INVALID_ARGUMENT: a staged file missing or not matching, FAILED_PRECONDITION: the
+ *       dataset failed, NOT_FOUND, PERMISSION_DENIED, UNAUTHENTICATED...): {@link #commit} throws, which fails
+ *       the job (Flink's CommitterOperator lets the exception out of notifyCheckpointComplete); a restart
+ *       replays the commit from the checkpoint's state, so the job keeps failing, loudly, until the cause
+ *       is fixed. Never {@code signalFailedWithKnownReason}: in Flink 2.3 that only counts the committable in
+ *       the {@code failedCommittables} metric and forgets it, with no log line and no failure.</li>
+ * </ul>
  */
 final class StagedCommitter implements Committer<Staged> {
     private static final Logger LOG = LoggerFactory.getLogger(StagedCommitter.class);
+    private static final long ATTEMPT_SECONDS = 30;
     private final String dataset;
-    private final long retrySeconds;
     private final ManagedChannel channel;
     private final ShardServiceGrpc.ShardServiceBlockingStub stub;
+    private final Retry retry;
 
     StagedCommitter(String master, String dataset, String token, long retrySeconds) {
         this.dataset = dataset;
-        this.retrySeconds = retrySeconds;
         this.channel = Grpc.newChannelBuilder(master, InsecureChannelCredentials.create()).build();
         Metadata auth = new Metadata();
         auth.put(Metadata.Key.of("authorization", Metadata.ASCII_STRING_MARSHALLER), "Bearer " + token);
         this.stub = ShardServiceGrpc.newBlockingStub(
                 ClientInterceptors.intercept(channel, MetadataUtils.newAttachHeadersInterceptor(auth)));
+        this.retry = new Retry(LOG, retrySeconds, channel::resetConnectBackoff);
     }
 
     @Override
@@ -57,39 +71,35 @@ final class StagedCommitter implements Committer<Staged> {
         }
     }
 
-    private void commitOne(CommitRequest<Staged> request, CommitStagedRequest rpc, Staged s) throws InterruptedException {
-        long deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(retrySeconds);
-        long backoffMs = 50;
-        while (true) {
-            try {
-                long sent = System.nanoTime();
-                CommitStagedResponse response = stub.withDeadlineAfter(30, TimeUnit.SECONDS).commitStaged(rpc);
-                long ms = TimeUnit.NANOSECONDS.toMillis(System.nanoTime() - sent);
-                if (response.getAlreadyCommitted()) {
-                    LOG.info("streamrover: {} was committed before (a replayed commit; {} ms)", s, ms);
-                    request.signalAlreadyCommitted();
-                } else {
-                    LOG.info("streamrover: committed {} to dataset {} in {} ms", s, dataset, ms);
-                }
-                return;
-            } catch (StatusRuntimeException e) {
-                Status.Code code = e.getStatus().getCode();
-                boolean transient_ = code == Status.Code.UNAVAILABLE || code == Status.Code.DEADLINE_EXCEEDED
-                        || code == Status.Code.RESOURCE_EXHAUSTED || code == Status.Code.ABORTED;
-                if (!transient_) {
-                    request.signalFailedWithKnownReason(new IOException(
-                            "streamrover: CommitStaged of " + s + " to dataset '" + dataset + "' failed: " + e.getStatus(), e));
-                    return;
-                }
-                if (System.nanoTime() > deadline) {
-                    LOG.warn("streamrover: the master did not take {} for {} s ({}); retrying at the next checkpoint",
-                            s, retrySeconds, e.getStatus());
-                    request.retryLater();
-                    return;
-                }
-                Thread.sleep(backoffMs);
-                backoffMs = Math.min(backoffMs * 2, 2000);
+    private void commitOne(CommitRequest<Staged> request, CommitStagedRequest rpc, Staged s)
+            throws IOException, InterruptedException {
+        String key = dataset + "/" + s.producer + "/" + s.part + "/" + s.epoch;
+        long sent = System.nanoTime();
+        Optional<Retry.Outcome<CommitStagedResponse>> outcome;
+        try {
+            outcome = retry.call("CommitStaged", key,
+                    () -> stub.withDeadlineAfter(ATTEMPT_SECONDS, TimeUnit.SECONDS).commitStaged(rpc));
+        } catch (StatusRuntimeException e) {
+            throw new IOException("streamrover: CommitStaged of " + s + " to dataset '" + dataset + "' failed with "
+                    + e.getStatus() + ". Failing the job: its restart commits this checkpoint again. Fix the cause "
+                    + "the master names (a staged file gone, the dataset failed or removed, a wrong token)", e);
+        }
+        if (outcome.isEmpty()) {
+            request.retryLater();
+            return;
+        }
+        Retry.Outcome<CommitStagedResponse> o = outcome.get();
+        long ms = TimeUnit.NANOSECONDS.toMillis(System.nanoTime() - sent);
+        if (o.answer.getAlreadyCommitted()) {
+            if (o.attempts > 1) {
+                LOG.info("streamrover: {} was committed before: an earlier attempt landed though its answer was lost "
+                        + "({}; {} attempts, {} ms)", s, o.lastFailure.getCode(), o.attempts, ms);
+            } else {
+                LOG.info("streamrover: {} was committed before (a replayed commit; {} ms)", s, ms);
             }
+            request.signalAlreadyCommitted();
+        } else {
+            LOG.info("streamrover: committed {} to dataset {} in {} ms ({} attempts)", s, dataset, ms, o.attempts);
         }
     }
 

@@ -47,7 +47,8 @@ public final class TrainingSink
      * @param token the job token
      * @param stagingDir where the Parquet files are staged: an absolute path or file:// URL every trainer reads
      * @param rowsPerFile rows per staged file at most (a checkpoint closes the open file whatever its size)
-     * @param retrySeconds how long a commit retries an unreachable master before waiting for the next checkpoint
+     * @param retrySeconds how long a commit retries a transient failure ({@link Retry}) before handing it back to
+     *     Flink, which calls the committer again (up to {@code sink.committer.retries}), then fails the job
      */
     public TrainingSink(String master, String dataset, String token, String stagingDir, long rowsPerFile,
                         long retrySeconds) {
@@ -96,7 +97,8 @@ public final class TrainingSink
         }
         String producer = context.getJobInfo().getJobId().toHexString();
         String part = Integer.toString(context.getTaskInfo().getIndexOfThisSubtask());
-        return new StagingWriter(schema, staging, producer, part, context.getTaskInfo().getAttemptNumber(), rowsPerFile);
+        return new StagingWriter(schema, staging, producer, part, context.getTaskInfo().getAttemptNumber(), rowsPerFile,
+                context.getRestoredCheckpointId());
     }
 
     @Override

@@ -1,0 +1,123 @@
+"""The flash checkpoint bench's ground rules: sizes, signals and cleanup of children, timing, the states."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+DLROVER_PY = os.environ.get("STREAMROVER_DLROVER_PYTHON", "/work/venvs/dlrover/bin/python")
+# Peak resident memory of one size, in state sizes: the state, our two shared-memory buffers and the memcpy
+# peer's destination while saving (page cache is reclaimable); the restore children need less.
+PEAK_FACTOR = 4.0
+MEMORY_MARGIN = GIB  # interpreters, torch, the saver, the DLRover peer's own process
+DISK_FACTOR = 4.0  # torch.save file + a DCP checkpoint + our newest and next persisted checkpoint
+CHILD_GRACE = 15.0
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived; unwinds through every ``finally`` so cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # cleanup must not be interrupted in turn
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def install_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    signal.signal(signal.SIGINT, _raise_interrupted)
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the parent dies (even by SIGKILL), so nothing is orphaned."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+
+
+def meminfo(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
+
+
+def timed(fn: Callable[[], Any], warmups: int, repeats: int, before: Callable[[], Any] | None = None) -> list[float]:
+    """``fn`` run ``warmups`` times untimed, then ``repeats`` times timed; ``before`` runs untimed each time."""
+    times = []
+    for i in range(warmups + repeats):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - t
+        if i >= warmups:
+            times.append(elapsed)
+    return times
+
+
+def drop_cache(path: Path | str) -> None:
+    """Write back and drop the page cache of a file, or of every file under a directory."""
+    paths = [Path(path)] if Path(path).is_file() else [p for p in Path(path).rglob("*") if p.is_file()]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def make_state(nbytes: int, tensors: int) -> dict[str, Any]:
+    import torch
+
+    n = nbytes // 4 // tensors
+    return {f"layer{i}.weight": torch.randn(n) for i in range(tensors)}
+
+
+def empty_model(nbytes: int, tensors: int) -> dict[str, Any]:
+    """The restarted trainer's model, already built (pages touched), that a restore copies into."""
+    import torch
+
+    n = nbytes // 4 // tensors
+    return {f"layer{i}.weight": torch.zeros(n) for i in range(tensors)}
+
+
+def into_model(state: dict[str, Any], model: dict[str, Any]) -> None:
+    """What ``load_state_dict`` does: copy into the live parameters."""
+    import torch
+
+    with torch.no_grad():
+        for k, v in state.items():
+            model[k].copy_(v)

@@ -1,0 +1,213 @@
+"""Planning shards of stream datasets from polled end positions.
+
+A stream partition's shards are cut as records arrive: a full shard once
+``records_per_shard`` positions are available past the planned end, and a
+partial one once records have waited ``sr.max_delay_ms`` (so a slow stream is
+still trained promptly). No more shards are planned while ``sr.max_pending_shards``
+wait unleased (backpressure). Partitions that appear while the job runs are
+added with the position they start at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from streamrover.cursor import PartitionKey
+from streamrover.shard_service.api import PartitionPlan, ShardState
+from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.cuts import CutBook
+from streamrover.shard_service.master.planner import PlannedShard
+from streamrover.shard_service.master.state import CoreState
+from streamrover.shard_service.master.upstream import Upstream
+from streamrover.sources.api import Partition, SourceKind
+from streamrover.sources.options import StreamPlanning, planning_options
+from streamrover.sources.positions import RecordRuns
+
+
+def stream_planning(ds: DatasetRecord) -> StreamPlanning:
+    """The dataset's planning options (``sr.max_delay_ms``...), typed; raises OptionError when they are bad."""
+    return planning_options(ds.spec.options)
+
+
+def full_shards(
+    end: int, avail: int, size: int, segments: Iterable[tuple[int, int]] | None, limit: int
+) -> tuple[list[tuple[int, int]], int]:
+    """Up to ``limit`` shards from ``end``, each spanning ``size`` positions that can hold records.
+
+    ``segments`` are the runs of positions a sparse source says hold records (None:
+    every position does). Gaps between runs hold nothing and are folded into the
+    shard that follows them, so a gap never becomes a stream of empty shards.
+    Returns the shards and where the next shard starts.
+    """
+    if segments is None:
+        runs = [(end, avail)]
+    else:
+        runs = [(max(a, end), min(b, avail)) for a, b in sorted(segments) if b > end and a < avail]
+    shards: list[tuple[int, int]] = []
+    start, need = end, size
+    for a, b in runs:
+        while a < b and len(shards) < limit:
+            if b - a < need:
+                need -= b - a
+                break
+            cut = a + need
+            shards.append((start, cut))
+            start, a, need = cut, cut, size
+    return shards, start
+
+
+class StreamPlanner:
+    """Stream planning, a part of the core (``ShardCore.streams``): shards planned from polls, a dataset failed
+    and resumed, lag, what to commit upstream, and (``upstream``) what polls say about deleted data.
+
+    Its own state: the ends of the last polls, since when records wait unplanned, the last source errors
+    (memory only), and the upstream part's. It plans through the shard table (``add_planned``) and reads the
+    committed and durable cursors from the cut book.
+    """
+
+    def __init__(self, table: CoreState, cut_book: CutBook) -> None:
+        self.table = table
+        self.cut_book = cut_book
+        self.available: dict[tuple[str, int], int] = {}  # (dataset, partition index) -> end at last poll
+        self.pending_since: dict[tuple[str, int], float] = {}  # since when unplanned records wait
+        self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)
+        self.upstream = Upstream(table, cut_book, self.available)
+
+    def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
+        """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
+        ds = self.table.dataset(name)
+        if ds.kind is not SourceKind.STREAM or ds.failed:
+            return 0
+        now = self.table.clock()
+        size = ds.shard_size
+        planning = stream_planning(ds)
+        max_delay, max_pending = planning.max_delay_ms / 1000.0, planning.max_pending_shards
+        known = ds.partition_by_id()
+        changed = False
+        for p in polled:
+            if p.id not in known:
+                plan = PartitionPlan(len(ds.partitions), p.id, p.start, p.start)
+                ds.partitions.append(plan)
+                known[p.id] = plan
+                changed = True
+            self.available[(name, known[p.id].index)] = p.end
+            if p.segments is not None:  # a sparse partition: where its records are (sources/positions.py)
+                seen = ds.runs.setdefault(known[p.id].index, RecordRuns())
+                before = len(seen)
+                # A new run (a ledger rollover) is journalled now; a run that grew rides with the next write
+                # (the source reports its newest run at every poll, after a master restart too).
+                if seen.add(p.segments) and len(seen) != before:
+                    changed = True
+        changed = self._compact_runs(ds) or changed
+        pending = self.table.state_counts[name][ShardState.TODO]
+        planned: list[PlannedShard] = []
+        for plan in list(ds.partitions):
+            key = (name, plan.index)
+            avail = self.available.get(key, plan.end)
+            runs = ds.runs.get(plan.index)
+            segments = None if runs is None else runs.between(plan.end, avail)
+            full, end = full_shards(plan.end, avail, size, segments, max_pending - pending)
+            planned.extend(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)) for a, b in full)
+            pending += len(full)
+            if avail > end:
+                since = self.pending_since.setdefault(key, now)
+                if pending < max_pending and (force or now - since >= max_delay):
+                    planned.append(PlannedShard(0, plan, end, avail, ds.records_in(plan.index, end, avail)))
+                    end = avail
+                    pending += 1
+                    self.pending_since.pop(key, None)
+            else:
+                self.pending_since.pop(key, None)
+            if end != plan.end:
+                ds.partitions[plan.index] = replace(plan, end=end)
+                changed = True
+        if planned or changed:
+            with self.table.journal.transaction():
+                self.table.add_planned(ds, [replace(p, partition=ds.partitions[p.partition.index]) for p in planned])
+                self.table.journal.put_dataset(ds)
+                self.table.save_counters()
+        return len(planned)
+
+    def _compact_runs(self, ds: DatasetRecord) -> bool:
+        """Fold the runs of sparse partitions below what is committed upstream (one run per ledger is unbounded).
+
+        Below that position nothing is planned, read or restored again (a restore never goes behind the
+        broker's commit) and no count looks there but the whole prefix's, which folding keeps exact;
+        positions accounted as lost keep their runs. Returns whether any partition's runs changed.
+        """
+        if not any(len(runs) > 2 for runs in ds.runs.values()):
+            return False
+        upto = self.committed_positions(ds)
+        lost = self.upstream.lost.only(ds.name).lost_items()
+        lost_from = {k.partition: ivs.to_list()[0][0] for k, ivs in lost if ivs}
+        changed = False
+        for plan in ds.partitions:
+            runs = ds.runs.get(plan.index)
+            if runs is not None and len(runs) > 2:
+                changed = runs.compact(min(upto[plan.id], lost_from.get(plan.id, upto[plan.id]))) or changed
+        return changed
+
+    def fail_dataset(self, name: str, reason: str) -> None:
+        """The dataset cannot go on (its topic was deleted...): refuse leases with ``reason`` from now on."""
+        ds = self.table.dataset(name)
+        ds.failed = reason
+        with self.table.journal.transaction():
+            self.table.journal.put_dataset(ds)
+
+    def resume_dataset(self, name: str, skip_lost: bool = False) -> bool:
+        """Clear a dataset's failure (its cause was fixed): leases are granted again. False if it had not failed.
+
+        ``skip_lost``: records deleted upstream so far are accounted as lost, as ``sr.on_data_loss=skip`` does.
+        """
+        ds = self.table.dataset(name)
+        if not ds.failed:
+            return False
+        self.upstream.end_warnings.pop(name, None)
+        if skip_lost:
+            self.upstream.skip_lost_once.add(name)
+        ds.failed = ""
+        with self.table.journal.transaction():
+            self.table.journal.put_dataset(ds)
+        self.source_errors.pop(name, None)
+        return True
+
+    def lag(self, ds: DatasetRecord) -> list[tuple[int, int, int]]:
+        """Per partition: (available end, committed end, lag in records between them)."""
+        out = []
+        for plan in ds.partitions:
+            committed_end = self.upstream.done_positions(ds, plan).prefix_end(plan.start)
+            avail = self.available.get((ds.name, plan.index), plan.end)
+            out.append((avail, committed_end, ds.records_in(plan.index, committed_end, avail)))
+        return out
+
+    def committed_positions(self, ds: DatasetRecord) -> dict[str, int]:
+        """Per partition id: the end of the committed run from the partition's start (what to commit upstream),
+        never beyond the *previous* durable checkpoint's cursor: upstream commits lag durable storage by one
+        checkpoint, for every broker. When cut K commits, the broker is committed up to checkpoint K-1's cursor
+        (which retention keeps), so a fallback from a corrupt K to K-1 never needs records the broker may have
+        deleted (Pulsar's commit is a cumulative ack that cannot be undone). A restore from shared memory does
+        not move the limit; a restore from storage sets it to the loaded cursor (just read whole). The broker
+        reaches a run's final cursor once two durable checkpoints hold it (a second checkpoint taken after the
+        last record's, with nothing new acked in between).
+
+        Positions accounted as lost count as done: they were deleted upstream and are never read.
+        """
+        out: dict[str, int] = {}
+        for plan in ds.partitions:
+            key = PartitionKey(ds.name, 0, plan.id)
+            lost = self.upstream.lost.get_lost(key)
+            ends = []
+            for cursor in (self.cut_book.committed, self.cut_book.durable, self.cut_book.upstream):
+                done = cursor.get(key)
+                done.update(lost)
+                ends.append(done.prefix_end(plan.start))
+            out[plan.id] = min(ends)
+        return out
+
+    def forget_dataset(self, name: str) -> None:
+        """Forget what the polls of dataset ``name`` said (it was removed)."""
+        for keyed in (self.available, self.pending_since):
+            for pkey in [k for k in keyed if k[0] == name]:
+                del keyed[pkey]
+        self.source_errors.pop(name, None)

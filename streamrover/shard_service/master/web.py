@@ -1,0 +1,143 @@
+"""The master's HTTP endpoint beside its gRPC port: Prometheus ``/metrics``, a JSON view and the live dashboard.
+
+Served by the standard library's WSGI server (one thread per request), bound to 127.0.0.1 by default.
+Every data path needs the job token as ``Authorization: Bearer <token>`` (the same token as the gRPC
+calls); without it the answer is 401. The page itself (``/``) is static and holds no data: it takes the
+token from the URL fragment (``/#token=...``, which a browser never sends to the server, so it is never
+in a log) or from its login form, keeps it in the tab's session storage, and sends it as that header.
+The token is never logged; request lines are not logged at all.
+
+Paths: ``/`` the dashboard, ``/metrics`` Prometheus text (prometheus-client's exposition, so
+``Accept: application/openmetrics-text`` and gzip work as in any client), ``/api/v1/metrics`` the same
+families as JSON plus the trainer metrics' history (what the page draws), ``/healthz`` (no token).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable
+from importlib import resources
+from pathlib import Path
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
+
+from streamrover.shard_service.master.metrics import job_registry
+
+if TYPE_CHECKING:
+    from streamrover.shard_service.master.server import ShardServicer
+
+log = logging.getLogger(__name__)
+StartResponse = Callable[..., Any]
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Request lines are not logged (a query string could carry anything)."""
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class Dashboard:
+    """The HTTP endpoint of one master: started on construction, stopped by :meth:`stop`."""
+
+    def __init__(
+        self, servicer: ShardServicer, token: str, host: str = "127.0.0.1", port: int = 0, durability: str = "normal"
+    ) -> None:
+        self._servicer = servicer
+        self._expected = f"Bearer {token}".encode()
+        self.registry = job_registry(servicer, durability)
+        self._metrics_app = make_wsgi_app(self.registry)
+        self._page = resources.files("streamrover.shard_service.master").joinpath("dashboard.html").read_bytes()
+        self._server = make_server(host, port, self._app, server_class=_Server, handler_class=_QuietHandler)
+        self.port = self._server.server_port
+        self.address = f"{host}:{self.port}"
+        self.url = f"http://{self.address}/"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="dashboard", daemon=True)
+        self._thread.start()
+        log.info("dashboard and /metrics on %s", self.url)
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ WSGI
+    def _authorized(self, environ: dict[str, Any]) -> bool:
+        got = environ.get("HTTP_AUTHORIZATION", "").encode()
+        return hmac.compare_digest(got, self._expected)
+
+    def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
+            return _answer(start_response, "405 Method Not Allowed", b"only GET\n", [("Allow", "GET, HEAD")])
+        if path in ("/", "/index.html"):
+            return _answer(start_response, "200 OK", self._page, [("Content-Type", "text/html; charset=utf-8")])
+        if path == "/healthz":
+            return _answer(start_response, "200 OK", b"ok\n")
+        if path not in ("/metrics", "/api/v1/metrics"):
+            return _answer(start_response, "404 Not Found", f"no such path: {path}\n".encode())
+        if not self._authorized(environ):
+            return _answer(
+                start_response,
+                "401 Unauthorized",
+                b"missing or wrong token: send Authorization: Bearer <the job token> (STATE_DIR/token)\n",
+                [("WWW-Authenticate", 'Bearer realm="streamrover"')],
+            )
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)
+        since = parse_qs(environ.get("QUERY_STRING", "")).get("since", ["0"])[0]
+        try:
+            since_t = float(since)
+        except ValueError:
+            return _answer(start_response, "400 Bad Request", f"since={since!r}: give unix seconds\n".encode())
+        body = json.dumps(self.snapshot(since_t), allow_nan=False).encode()
+        return _answer(start_response, "200 OK", body, [("Content-Type", "application/json")])
+
+    def snapshot(self, since: float = 0.0) -> dict[str, Any]:
+        """The metric families now (as JSON-able dicts) and the trainer metrics reported after ``since``."""
+        families = []
+        for family in self.registry.collect():
+            samples = [
+                {"name": s.name, "labels": s.labels, "value": _finite(s.value)} for s in family.samples
+            ]
+            families.append({"name": family.name, "type": family.type, "help": family.documentation,
+                             "samples": samples})  # fmt: skip
+        history = {
+            reporter: {name: [[p.time, p.step, _finite(p.value)] for p in points] for name, points in series.items()}
+            for reporter, series in self._servicer.reported.history(since).items()
+        }
+        return {"families": families, "trainer_history": history}
+
+
+def _answer(
+    start_response: StartResponse, status: str, body: bytes, headers: list[tuple[str, str]] | None = None
+) -> list[bytes]:
+    merged = {"Content-Type": "text/plain; charset=utf-8", "Cache-Control": "no-store", **dict(headers or [])}
+    start_response(status, list(merged.items()))
+    return [body]
+
+
+def write_address(path: Path, url: str) -> None:
+    """Write the dashboard's URL to ``path`` atomically (for tools that start a master)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(url + "\n")
+    tmp.rename(path)
+
+
+__all__ = ["Dashboard", "write_address"]

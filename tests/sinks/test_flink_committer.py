@@ -1,0 +1,139 @@
+"""The Flink sink's Java committer against a real job master whose connection is cut mid-``CommitStaged``.
+
+The committer runs outside Flink (tests/sinks/CommitterHarness.java, as Flink's committer operator drives
+it) and reaches the master through :class:`CutProxy`, which forwards a commit's request whole and then
+
+- ``kill``: SIGKILLs the master before its answer (the master restarts on its state dir and port): grpc-java
+  reports UNAVAILABLE;
+- ``reset``: lets the master answer and resets the committer's connection instead (the commit landed,
+  unknown to the committer): UNAVAILABLE;
+- ``garble``: the same with a garbled HTTP/2 frame in place of the answer's trailers: INTERNAL, which the
+  committer of before issue 26 counted as failed and dropped (``outcome ... failed`` here).
+
+The committer logs the status with the commit's key, retries, and each commit lands exactly once
+(``already_committed`` when the lost answer was a success). About 5 s per case.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from streamrover.shard_service import DatasetSpec, ShardClient
+from streamrover.sources.staged import encode_schema
+from streamrover.testing.procs import MasterProcess
+from tests.sinks.flink import FLINK_VENV, build_sink
+from tests.sinks.flink_proxy import CutProxy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+HERE = Path(__file__).resolve().parent
+SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("y", pa.float64())])
+PRODUCER = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(scope="session")
+def flink_sink_jar() -> Path:
+    return build_sink()
+
+
+def stage(staging: Path, part: str, epoch: int, first: int, rows: int, producer: str = PRODUCER) -> str:
+    """A staged Parquet file as the sink writes it: ``<staging>/<producer>/<part>/<epoch>/<file>``."""
+    folder = staging / producer / part / str(epoch)
+    folder.mkdir(parents=True)
+    x = [float(i) for i in range(rows)]
+    table = pa.table([list(range(first, first + rows)), x, [3.0 * v + 1.0 for v in x]], schema=SCHEMA)
+    pq.write_table(table, folder / "a0-test-0.parquet")
+    return str(folder / "a0-test-0.parquet")
+
+
+def flink_jars() -> list[Path]:
+    """Flink's own classes and its logging, from the PyFlink venv."""
+    lib = next(FLINK_VENV.glob("lib/python*/site-packages/pyflink/lib"))
+    return [*sorted(lib.glob("flink-dist-*.jar")), *sorted(lib.glob("log4j-*.jar"))]
+
+
+def run_committer(jar: Path, master: str, token: str, staging: Path, commits: list[tuple[str, int, str, int]]) -> str:
+    jars = [jar, *flink_jars()]
+    cmd = ["java", "-Dorg.apache.logging.log4j.level=INFO", "-cp", ":".join(map(str, jars)),
+           str(HERE / "CommitterHarness.java"), master, token, "stream", str(staging), "60"]  # fmt: skip
+    for part, epoch, uri, records in commits:
+        cmd += [PRODUCER, part, str(epoch), uri, str(records)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return out.stdout + out.stderr + f"\nexit {out.returncode}"
+
+
+@pytest.mark.parametrize("cut", ["kill", "reset", "garble"])
+def test_a_commit_cut_mid_call_is_retried_and_lands_once(tmp_path: Path, flink_sink_jar: Path, cut: str) -> None:
+    staging = tmp_path / "staging"
+    master = MasterProcess(tmp_path / "master")
+    master.start()
+    proxy = CutProxy(lambda: master.address)
+    restarted = threading.Event()
+    rows = [300, 500, 700]
+
+    def restart() -> None:
+        master.start()
+        restarted.set()
+
+    def kill_and_restart() -> None:  # the proxy kills the master mid-call; it comes back on its state dir
+        master.kill()
+        threading.Thread(target=restart, daemon=True).start()
+
+    try:
+        with ShardClient(master.address, token=master.token, heartbeat=False) as admin:
+            options = {"sr.staging_dir": str(staging), "sr.schema": encode_schema(SCHEMA)}
+            admin.register_dataset(DatasetSpec("stream", "staged://stream", options=options, records_per_shard=1000))
+        commits = [(str(i), i + 1, stage(staging, str(i), i + 1, 10_000 * i, n), n) for i, n in enumerate(rows)]
+        fired = proxy.arm(cut, kill_and_restart)  # the first commit's call is cut
+        out = run_committer(flink_sink_jar, proxy.address, master.token, staging, commits)
+        assert fired.is_set(), f"the proxy never cut a call\n{out}"
+        if cut == "kill":
+            assert restarted.wait(60), f"the master did not come back\n{master.log_tail()}"
+        statuses = re.findall(r"CommitStaged of \S+ failed with (\w+)", out)
+        print(f"{cut}: committer retried after {statuses}\n{out[-3000:]}")
+        assert statuses and set(statuses) <= {"UNKNOWN", "UNAVAILABLE", "INTERNAL"}, out
+        outcomes = re.findall(r"^outcome (\S+) (\w+)$", out, re.M)
+        first = "already" if cut != "kill" else outcomes[0][1]  # a killed master may have committed, or not
+        assert [o for _, o in outcomes] == [first, "committed", "committed"], out
+        assert first in ("committed", "already") and out.rstrip().endswith("exit 0"), out
+        with ShardClient(master.address, token=master.token, heartbeat=False) as admin:
+            info = admin.describe_dataset("stream")
+        assert info.total_records == sum(rows), f"{info.total_records} records committed, not {sum(rows)}\n{out}"
+    finally:
+        proxy.close()
+        master.stop()
+
+
+def test_a_restored_writer_deletes_only_its_epochs_after_the_restored_checkpoint(
+    tmp_path: Path, flink_sink_jar: Path
+) -> None:
+    """Epoch folders above the restored checkpoint K of the writer's own (producer, part) go; nothing else."""
+    staging = tmp_path / "staging"
+    for producer, part, epoch in [(PRODUCER, "0", e) for e in (3, 4, 5, 12)] + [(PRODUCER, "1", 9), ("other", "0", 9)]:
+        stage(staging, part, epoch, 0, 10, producer)
+    classes = tmp_path / "classes"
+    cp = ":".join(map(str, [flink_sink_jar, *flink_jars()]))
+    javac = subprocess.run(["javac", "-d", str(classes), "-cp", cp, str(HERE / "WriterHarness.java")],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert javac.returncode == 0, javac.stderr
+
+    logs: list[str] = []
+
+    def left(restored: str) -> list[str]:
+        out = subprocess.run(["java", "-Dorg.apache.logging.log4j.level=INFO", "-cp", f"{classes}:{cp}",
+                              "streamrover.flink.WriterHarness", str(staging), PRODUCER, "0", restored],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        logs.append(out.stdout + out.stderr)
+        return re.findall(r"^left (\S+)$", out.stdout, re.M)
+
+    assert left("none") == ["12", "3", "4", "5", "_inprogress"], "a writer that was not restored deletes no epoch"
+    assert left("4") == ["3", "4", "_inprogress"], "restored from checkpoint 4: epochs 5 and 12 are garbage"
+    assert "deleted 2 epoch folder(s) (2 files)" in logs[-1], logs[-1]
+    assert (staging / PRODUCER / "1" / "9").is_dir() and (staging / "other" / "0" / "9").is_dir(), "not its own"
