@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from streamrover.ckpt import namespace_for, purge_shared_memory
 from streamrover.serving import ExportConfig, ModelRepository, RowTracker, TorchExporter, read_tables
 from streamrover.testing.procs import MasterProcess
 from streamrover.trainers.torch import StreamSession
@@ -43,6 +44,13 @@ def test_session_exports_durable_checkpoints_with_reports_and_deltas(
     tmp_path: Path, master: MasterProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STREAMROVER_CKPT_SAVER", "thread")
+    try:
+        check_session_exports(tmp_path, master)
+    finally:
+        purge_shared_memory(namespace_for(str(tmp_path / "ckpt")))
+
+
+def check_session_exports(tmp_path: Path, master: MasterProcess) -> None:
     first = session_run(tmp_path, master, 10)
     repo = ModelRepository(str(tmp_path / "repo"), "tiny")
     # checkpoints 5 (durable unless superseded by 10 before its persist began), 10, then close()'s confirming
