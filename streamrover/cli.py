@@ -338,6 +338,15 @@ def main(argv: list[str] | None = None) -> int:
                             str(p.available_end) if stream else "", str(p.committed_end), str(p.lag) if stream else "",
                         )  # fmt: skip
                     console.print(parts)
+                    if info.commit_gaps:
+                        gaps = Table(title="commit gaps (a later commit names this one as its previous; see "
+                                     "sr.commit_gap_ms)")  # fmt: skip
+                        for col in ("producer", "part", "missing epoch", "named by epoch", "open for", "state"):
+                            gaps.add_column(col)
+                        for g in info.commit_gaps:
+                            gaps.add_row(g.producer, g.part, str(g.epoch), str(g.next_epoch), f"{g.age_seconds:.0f} s",
+                                         "skipped" if g.skipped else "open")  # fmt: skip
+                        console.print(gaps)
         return 0
     except (ShardServiceError, SourceError, ValueError) as exc:  # ValueError: a token file that cannot be read
         console.print(f"[red]error:[/red] {exc}")

@@ -154,8 +154,9 @@ class ShardCore(CoreState):
         return count
 
     def next_deadline(self) -> float | None:
-        """The earliest moment a lease or a worker can expire (for the reaper's timer)."""
-        times = [t for t in (self.lease_due.earliest(), self.worker_due.earliest()) if t is not None]
+        """The earliest moment a lease, a worker or a staged commit gap can expire (for the reaper's timer)."""
+        due = (self.lease_due.earliest(), self.worker_due.earliest(), self.staged.next_gap_deadline())
+        times = [t for t in due if t is not None]
         return min(times) if times else None
 
     def heartbeat(self, worker_id: str) -> tuple[float, list[tuple[str, int]]]:
