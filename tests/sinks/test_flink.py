@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import sys
 import threading
 from collections import Counter
@@ -58,6 +59,25 @@ SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("y", pa.float64())
 @pytest.fixture(scope="session")
 def flink_sink_jar() -> Path:
     return build_sink()
+
+
+def previous_epochs(journal: Path) -> tuple[int, int]:
+    """Check the chain of commits per (producer, part) in the master's journal: each previous_epoch the sink sent
+    names the (producer, part)'s commit right before it. Returns (commits naming one, commits naming none)."""
+    db = sqlite3.connect(f"file:{journal}?mode=ro", uri=True)
+    try:
+        epochs: dict[tuple[str, str], list[int]] = {}
+        for producer, part, epoch in db.execute("SELECT producer, part, epoch FROM staged ORDER BY epoch"):
+            epochs.setdefault((producer, part), []).append(epoch)
+        named = {(p, k, e): prev for p, k, e, prev in db.execute("SELECT producer, part, epoch, previous "
+                                                                  "FROM staged_previous")}  # fmt: skip
+    finally:
+        db.close()
+    for (producer, part), chain in epochs.items():
+        for before, epoch in zip([None, *chain], chain):
+            prev = named.get((producer, part, epoch))
+            assert prev is None or prev == before, f"{producer}/{part}/{epoch} names {prev}, the one before: {before}"
+    return len(named), sum(len(chain) for chain in epochs.values()) - len(named)
 
 
 def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker: object, flink_sink_jar: Path) -> None:
@@ -150,6 +170,12 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
             assert "an earlier attempt landed" in log, "a commit whose answer was cut was not retried to its end"
         losses = job.losses()
         assert np.mean(losses[-20:]) < np.mean(losses[:20]) / 5, "the loss decreases"
+        with job.admin() as admin:
+            assert list(admin.describe_dataset("stream").commit_gaps) == [], "a subtask's checkpoint was skipped"
+        job.master.stop()  # the journal is the master's alone while it runs
+        chained, first = previous_epochs(job.master.state_dir / "journal.db")
+        print(f"commits naming their previous epoch: {chained} (first of a producer/part: {first})", file=sys.stderr)
+        assert chained >= 10, "the sink's EpochAssigner sets previous_epoch from its operator state"
     finally:
         chaos.stop.set()
         flink.kill()

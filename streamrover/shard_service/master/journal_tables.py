@@ -96,12 +96,17 @@ class JournalTables:
         return [(str(k), bytes(v)) for k, v in rows]
 
     # -- staged commits (sinks) ------------------------------------------------
-    def put_staged(self, dataset: str, producer: str, part: str, epoch: int, records: int, files: list[str]) -> None:
-        """Record a staged commit: its key (dataset, producer, part, epoch), records and files."""
+    def put_staged(self, dataset: str, producer: str, part: str, epoch: int, records: int, files: list[str],
+                   previous: int | None = None) -> None:  # fmt: skip
+        """Record a staged commit: its key (dataset, producer, part, epoch), records, files, and the previous epoch
+        of (producer, part) its sink named (kept apart, as a record of the chain: the gaps are derived from it)."""
         self._db.execute(
             "INSERT INTO staged VALUES (?, ?, ?, ?, ?, ?)",
             (dataset, producer, part, epoch, records, json.dumps(files)),
         )
+        if previous is not None:
+            self._db.execute("INSERT INTO staged_previous VALUES (?, ?, ?, ?, ?)",
+                             (dataset, producer, part, epoch, previous))  # fmt: skip
 
     def load_staged(self) -> list[tuple[str, str, str, int, int, list[str]]]:
         """Every staged commit, by key."""
@@ -113,6 +118,7 @@ class JournalTables:
     def delete_staged_of(self, dataset: str) -> None:
         """Delete the staged commits of ``dataset``, and its commit gaps."""
         self._db.execute("DELETE FROM staged WHERE dataset = ?", (dataset,))
+        self._db.execute("DELETE FROM staged_previous WHERE dataset = ?", (dataset,))
         self._db.execute("DELETE FROM staged_gaps WHERE dataset = ?", (dataset,))
 
     # -- commit gaps of staged datasets (gaps.py) ----------------------------------

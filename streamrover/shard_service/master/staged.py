@@ -150,7 +150,7 @@ class StagedCommits:
         with self.table.journal.transaction():
             self.table.add_planned(ds, plan_epoch(plans, 0, ds.shard_size, False, 0))
             self.table.journal.put_dataset(ds)
-            self.table.journal.put_staged(name, producer, part, epoch, records, uris)
+            self.table.journal.put_staged(name, producer, part, epoch, records, uris, previous)
             self.gaps.committed(name, producer, part, epoch, previous, self.staged_commits.__contains__)
             self.table.save_counters()
         return StagedOutcome(False, records, *self._garbage_scope(ds, producer, part, epoch))
