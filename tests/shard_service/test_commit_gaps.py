@@ -90,9 +90,10 @@ def test_a_gap_past_its_bound_fails_the_dataset_naming_it(tmp_path: Path) -> Non
     opened = clock.now
     assert core.next_deadline() == opened + 60.0, "the reaper's timer wakes for the gap's bound"
     clock.now += 59.9
-    assert core.staged.expire_gaps() == [] and not core.dataset("s").failed
+    assert core.expire() == 0 and not core.dataset("s").failed
     clock.now += 0.2
-    assert [(g.producer, g.part, g.epoch) for g in core.staged.expire_gaps()] == [("job", "2", 8)]
+    assert core.expire() == 1, "the reaper's expiry acts on the gap"
+    assert [(g.producer, g.part, g.epoch, g.skipped) for g in core.staged.gaps.of("s")] == [("job", "2", 8, False)]
     reason = core.dataset("s").failed
     assert "producer 'job', part '2', epoch 8 never arrived" in reason and "epoch 9" in reason
     assert "sr.commit_gap_ms=60000" in reason and "streamrover dataset resume s" in reason

@@ -132,16 +132,17 @@ class ShardCore(CoreState):
         self.journal.put_shard(s)
 
     def expire(self) -> int:
-        """Declare dead the workers that missed their heartbeats, returning their leases. Returns how many.
+        """Declare dead the workers that missed their heartbeats, returning their leases, and act on staged commit
+        gaps past their bound (``staged.expire_gaps``). Returns how many leases and gaps changed.
 
         Looks only at the leases and workers whose deadline may have passed (``lease_due``, ``worker_due``).
         """
         now = self.clock()
         dead = [self.workers[wid] for wid in self.worker_due.due(now)]
         late = [self.shards[sid] for sid in self.lease_due.due(now)]
+        count = len(self.staged.expire_gaps())  # a failed dataset refuses the lease calls waiting for it
         if not dead and not late:
-            return 0
-        count = 0
+            return count
         self.events["workers_lost"] += len(dead)
         with self.journal.transaction():
             for s in late:

@@ -133,10 +133,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                     deadline = self.core.next_deadline()
                     timeout = None if deadline is None else max(deadline - self.core.clock(), 0.0) + 0.01
                     self.cond.wait(timeout)  # (it commits the open group first: a commit can fail here)
-                    if self._closed:
-                        break
-                    expired = self.core.expire()
-                    if self.core.staged.expire_gaps() or expired:  # a failed dataset refuses waiting leases
+                    if not self._closed and self.core.expire():
                         self.cond.notify_all()
         except JournalWriteError as exc:
             self.fail_stop(str(exc))
