@@ -206,6 +206,9 @@ def _state(info: Any) -> str:
         return f"[red]failed: {info.error}[/red]"
     if info.error:
         return f"[yellow]{info.error}[/yellow]"
+    waiting = [g for g in info.commit_gaps if not g.skipped]
+    if waiting:  # a sink's commit named as the previous of a later one has not arrived (dataset describe lists them)
+        return f"[yellow]running, {len(waiting)} commit(s) missing for up to {waiting[0].age_seconds:.0f} s[/yellow]"
     return "finished" if info.finished else "running"
 
 

@@ -1463,7 +1463,8 @@ class StagedFile(google.protobuf.message.Message):
 
     A key (producer, part, epoch) is committed once: a retried or replayed commit of a committed key
     answers OK with already_committed=true and adds nothing (whatever files it names). Commits of one
-    (producer, part) come in epoch order. Every file is validated before anything is journalled:
+    (producer, part) come in epoch order but for retries and replays (an earlier epoch may land after a later
+    one: see previous_epoch). Every file is validated before anything is journalled:
     INVALID_ARGUMENT names a file that is missing, unreadable, not Parquet, whose row count differs from
     `records`, whose schema differs from the dataset's, that is named twice, or that is already a
     partition of the dataset; NOT_FOUND: no such dataset; FAILED_PRECONDITION: the dataset is not staged.
