@@ -172,7 +172,11 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         statuses = Counter(re.findall(r"CommitStaged of \S+ failed with (\w+)", log))
         print(f"committer retries by status: {dict(statuses)}; retriedCommittables up to "
               f"{chaos.retried_committables}", file=sys.stderr)  # fmt: skip
-        assert "INTERNAL" in statuses and set(statuses) <= {"UNAVAILABLE", "UNKNOWN", "INTERNAL"}, statuses
+        assert set(statuses) <= {"UNAVAILABLE", "UNKNOWN", "INTERNAL"}, statuses
+        if proxy.cuts:  # a cut call was seen failing, by its status (a garbled frame: grpc-java says INTERNAL)
+            assert statuses, f"the committer logged no failed call, though the proxy cut {proxy.cuts}"
+        if any("garble" in cut for cut in proxy.cuts):
+            assert "INTERNAL" in statuses, (statuses, proxy.cuts)
         if {"reset", "garble"} & set(proxy.cuts):
             assert "an earlier attempt landed" in log, "a commit whose answer was cut was not retried to its end"
         losses = job.losses()
