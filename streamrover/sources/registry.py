@@ -18,3 +18,5 @@ BUILTIN_SCHEMES: dict[str, str] = {
 #: The module of the file source (``file://``, fsspec URLs, plain paths): the fallback of every URI.
 FILES_MODULE = "streamrover.sources.files"
 
+#: The option that makes a dataset a chain: its history's files, then its URI's stream (``sources/history.py``).
+HISTORY_OPTION = "sr.history"

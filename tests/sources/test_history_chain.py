@@ -1,0 +1,173 @@
+"""History, then live (sources/history.py): a topic's Kafka-Connect-style Parquet export followed by the topic.
+
+Against real Apache Kafka (KRaft). The seam is by offsets: one cursor over the topic's partitions, a record
+applied once whether a worker read it from a file or from the broker.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamrover.cursor import IntervalSet, PartitionKey
+from streamrover.shard_service import DatasetSpec, InvalidArgumentError, ShardClient
+from streamrover.sources.api import Partition
+from streamrover.sources.history import HistorySource
+from streamrover.sources.history_index import HistoryError
+from streamrover.testing.ledger import Ledger
+from tests.helpers import wait_until
+from tests.sources.history_export import create_topic, export, produce, read_topic, write_piece
+from tests.sources.stream_job import StreamJob
+
+pytestmark = pytest.mark.slow
+
+JSON = {"sr.format": "json", "sr.schema": "id:int64"}
+
+
+def _delete_records(broker: Any, topic: str, before: dict[int, int]) -> None:
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    for f in admin.delete_records([TopicPartition(topic, p, o) for p, o in before.items()]).values():
+        f.result(30)
+
+
+def _group_offsets(broker: Any, topic: str, partitions: int) -> dict[str, int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": f"streamrover-{topic}"})
+    try:
+        got = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
+        return {f"{topic}-{tp.partition}": tp.offset for tp in got}
+    finally:
+        consumer.close()
+
+
+def _source(broker: Any, topic: str, history: Path, **extra: str) -> HistorySource:
+    return HistorySource(f"kafka://{broker.bootstrap}/{topic}", "", {**JSON, "sr.history": str(history), **extra})
+
+
+def test_reads_cross_the_seam_by_offsets(tmp_path: Path, kafka_broker: Any) -> None:
+    """Below the boundary a read comes from the files (the broker no longer holds those offsets), at and past it
+    from the broker; batches are contiguous and the positions are the topic's offsets."""
+    topic = create_topic(kafka_broker, 2)
+    produce(kafka_broker, topic, range(400), 2)
+    export(kafka_broker, topic, tmp_path / "lake", {0: 150, 1: 120}, per_file=60, row_group=25)
+    _delete_records(kafka_broker, topic, {0: 100, 1: 120})  # retention ate part of the history's range
+    source = _source(kafka_broker, topic, tmp_path / "lake")
+    try:
+        parts = {p.id: p for p in source.partitions()}
+        assert parts[f"{topic}-0"] == Partition(f"{topic}-0", 0, 200, earliest=0, hold=150)
+        assert parts[f"{topic}-1"] == Partition(f"{topic}-1", 0, 200, earliest=0, hold=120)
+        batches = list(source.read(parts[f"{topic}-0"], 90, 170, 40))
+        spans = [(b.start, b.end) for b in batches]
+        assert spans[0][0] == 90 and spans[-1][1] == 170 and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+        assert (150, 170) in spans and all(b.num_records <= 40 for b in batches)  # the seam: files, then broker
+        ids = [i for b in batches for i in b.records.column("id").to_pylist()]
+        assert ids == [2 * o for o in range(90, 170)]  # partition 0 holds the even ids, id = 2 * offset
+        assert [o for b in batches for o in b.positions.to_pylist()] == list(range(90, 170))  # type: ignore[union-attr]
+    finally:
+        source.close()
+
+
+def test_a_history_that_does_not_fit_the_topic_is_refused(tmp_path: Path, kafka_broker: Any, master: Any) -> None:
+    """Overlap, gaps (between files, before and after the topic's earliest), offsets the topic never produced,
+    partitions it lacks: each refused at registration, naming the partition and the offsets."""
+    topic = create_topic(kafka_broker, 2)
+    produce(kafka_broker, topic, range(200), 2)
+    rows = {p: read_topic(kafka_broker, topic, p, 100) for p in (0, 1)}
+
+    def lake(name: str, pieces: list[tuple[int, int, int]]) -> Path:  # (partition, first offset, end offset)
+        root = tmp_path / name
+        root.mkdir()
+        for p, a, b in pieces:
+            write_piece(root / f"{topic}+{p}+{a:010d}.parquet", p, rows[p][a:b])
+        return root
+
+    def refused(root: Path, match: str) -> None:
+        with pytest.raises(HistoryError, match=match):
+            _source(kafka_broker, topic, root).partitions()
+
+    refused(lake("overlap", [(0, 0, 60), (0, 50, 100)]), rf"{topic}-0: offsets \[50, 60\) are in two files")
+    refused(lake("hole", [(0, 0, 40), (0, 50, 100)]), rf"{topic}-0: offsets \[40, 50\) are in no file")
+    refused(lake("late", [(1, 10, 100)]), rf"history of {topic}-1 starts at offset 10 .* \[0, 10\) would be skipped")
+    beyond = tmp_path / "beyond"
+    beyond.mkdir()
+    write_piece(beyond / f"{topic}+0+0000000000.parquet", 0, [(o, 0, 0) for o in range(120)])
+    refused(beyond, rf"history of {topic}-0 holds offsets \[100, 120\) that the topic has not produced")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    write_piece(foreign / f"{topic}+7+0000000000.parquet", 7, [(0, 0, 0)])
+    refused(foreign, rf"partition\(s\) {topic}-7 that topic")
+    # Gaps between files are accepted when the user says the topic holds nothing there.
+    assert _source(kafka_broker, topic, lake("allowed", [(0, 0, 40), (0, 50, 100)]), **{"sr.history.gaps": "allow"})
+
+    # Retention passed the boundary: [60, 80) is neither exported nor in the topic. Refused over RPC too.
+    short = lake("short", [(0, 0, 60), (1, 0, 100)])
+    _delete_records(kafka_broker, topic, {0: 80})
+    admin = ShardClient(master.address, token=master.token, heartbeat=False, timeout=30)
+    try:
+        spec = DatasetSpec("chain", f"kafka://{kafka_broker.bootstrap}/{topic}", options={**JSON, "sr.history": str(short)})
+        with pytest.raises(InvalidArgumentError, match=rf"history of {topic}-0 ends at offset 60 .* \[60, 80\) are in neither"):
+            admin.register_dataset(spec)
+        with pytest.raises(InvalidArgumentError, match="sr.start"):
+            admin.register_dataset(DatasetSpec("c2", spec.uri, options={**spec.options, "sr.start": "earliest"}))
+    finally:
+        admin.close()
+
+
+def test_history_then_live_exact_under_kills_at_the_seam(tmp_path: Path, kafka_broker: Any) -> None:
+    """The acceptance test: history = the topic's first records exported (offsets in the files), live = the topic.
+
+    Workers are SIGKILLed just before, at and just after the boundary, the master once during the handoff; a
+    checkpoint is taken every 0.3 s throughout. Every record is applied exactly once, the history entirely
+    before anything live, and the consumer group ends at the end offsets.
+    """
+    rng = random.Random()
+    partitions, first, total = 2, 3_000, 6_000
+    topic = create_topic(kafka_broker, partitions)
+    produce(kafka_broker, topic, range(first), partitions)
+    boundary = {0: 1_100, 1: 900}  # offsets per partition in the history
+    export(kafka_broker, topic, tmp_path / "lake", boundary, per_file=250, row_group=100)
+    _delete_records(kafka_broker, topic, {0: 700, 1: 500})  # retention: the broker lost part of the history
+    history = sum(boundary.values())
+    options = {**JSON, "sr.history": str(tmp_path / "lake" / "topics"), "sr.max_delay_ms": "200"}
+    job = StreamJob(tmp_path, f"kafka://{kafka_broker.bootstrap}/{topic}", options, records_per_shard=150)
+    try:
+        job.start()
+        later = threading.Thread(target=produce, args=(kafka_broker, topic, range(first, total), partitions))
+        later.start()
+        for at, action in [
+            (history - 400, lambda: job.kill_worker(rng)),  # just before the boundary
+            (history - 150, job.kill_master),  # the handoff: the last history shards acked, live planned
+            (history, lambda: job.kill_worker(rng)),  # at it
+            (history + 300, lambda: job.kill_worker(rng)),  # just after it
+        ]:
+            wait_until(lambda a=at: job.applied() >= a, 120, f"{at} records applied")
+            action()
+        later.join()
+        report, cursor, info = job.finish(total)
+        assert report.exact, f"{job.events}: {report}\n{job.logs()}"
+        assert report.conflicts == 0
+        ends = {p.id: p.available_end for p in info.partitions}
+        assert ends == {f"{topic}-0": total // 2, f"{topic}-1": total // 2}
+        for pid, end in ends.items():
+            assert cursor.get(PartitionKey("stream", 0, pid)) == IntervalSet([(0, end)])
+        wait_until(lambda: _group_offsets(kafka_broker, topic, partitions) == ends, 30, f"group offsets {ends}")
+        # The history was learned before anything live: every ledger write below a partition's boundary
+        # precedes every write at or past it.
+        led = Ledger(job.ledger_path)
+        rows = led._db.execute("SELECT rowid, shard_id, start FROM chunks").fetchall()
+        led.close()
+        index = {p.id: p.index for p in info.partitions}
+        bound = {index[f"{topic}-{n}"]: b for n, b in boundary.items()}
+        past = [r for r, sid, start in rows if start < bound[int(sid.split("/")[2])]]
+        live = [r for r, sid, start in rows if start >= bound[int(sid.split("/")[2])]]
+        assert past and live and max(past) < min(live)
+    finally:
+        job.stop()
