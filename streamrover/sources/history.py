@@ -87,9 +87,7 @@ class HistorySource(Source):
                 "each partition starts (drop sr.start)"
             )
         if not uri.startswith("kafka://"):
-            raise SourceError(
-                f"sr.history joins a history to a Kafka topic by offsets; {uri!r} is not a kafka:// URI"
-            )
+            raise SourceError(f"sr.history joins a history to a Kafka topic by offsets; {uri!r} is not a kafka:// URI")
         self.uri = uri
         self.live = open_source(uri, format, live)
         if self.live.kind is not SourceKind.STREAM:
@@ -170,7 +168,8 @@ class HistorySource(Source):
 
 
 def _check_fit(pid: str, start: int, boundary: int, earliest: int, end: int) -> None:
-    """Refuse a history ``[start, boundary)`` of partition ``pid`` that does not meet the topic's ``[earliest, end)``."""
+    """Refuse a history ``[start, boundary)`` of partition ``pid`` that does not meet the topic's
+    ``[earliest, end)``."""
     if boundary > end:
         raise HistoryError(
             f"history of {pid} holds offsets [{max(start, end)}, {boundary}) that the topic has not produced (its "

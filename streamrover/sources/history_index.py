@@ -15,6 +15,7 @@ partitions or whose offsets do not increase, two pieces of one partition whose o
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections import OrderedDict
@@ -77,9 +78,7 @@ class HistoryIndex:
         return [p for p in self.pieces.get(partition, []) if p.last >= start and p.first < end]
 
 
-def build_index(
-    uri: str, topic: str, offset_column: str, partition_column: str, allow_gaps: bool
-) -> HistoryIndex:
+def build_index(uri: str, topic: str, offset_column: str, partition_column: str, allow_gaps: bool) -> HistoryIndex:
     """Scan the Parquet files ``uri`` names (a directory, a glob, one file; any fsspec URL) into an index."""
     fs, paths = _resolve(uri)
     pieces: dict[int, list[Piece]] = {}
@@ -88,7 +87,7 @@ def build_index(
             pieces.setdefault(piece.partition, []).append(piece)
     for number, found in pieces.items():
         found.sort(key=lambda p: (p.first, p.last))
-        for before, after in zip(found, found[1:]):
+        for before, after in itertools.pairwise(found):
             if after.first <= before.last:
                 raise HistoryError(
                     f"history of {topic}-{number}: offsets [{after.first}, {min(before.last, after.last) + 1}) "
@@ -156,7 +155,9 @@ def _piece(
 ) -> Piece:
     offsets = table.column(offset_column).to_numpy().astype(np.int64)
     if offsets.size > 1 and not bool(np.all(offsets[1:] > offsets[:-1])):
-        raise HistoryError(f"history file {path!r} row group {rg}: offsets do not increase (write files in offset order)")
+        raise HistoryError(
+            f"history file {path!r} row group {rg}: offsets do not increase (write files in offset order)"
+        )
     if partition_column:
         bounds = pc.min_max(table.column(partition_column))
         low, high = bounds["min"].as_py(), bounds["max"].as_py()
@@ -164,7 +165,9 @@ def _piece(
             raise HistoryError(f"history file {path!r} row group {rg} mixes partitions {low} to {high}: one per file")
         number = int(low)
         if named is not None and int(named["partition"]) != number:
-            raise HistoryError(f"history file {path!r}: its name says partition {named['partition']}, its rows {number}")
+            raise HistoryError(
+                f"history file {path!r}: its name says partition {named['partition']}, its rows {number}"
+            )
     else:
         assert named is not None
         number = int(named["partition"])
@@ -189,7 +192,8 @@ class HistoryReader:
         last ends at ``end``. A batch holds at most ``batch_size`` records.
         """
         at = start
-        held: tuple[pa.RecordBatch, pa.Array, int, int] | None = None  # one batch behind: the last one is stretched to end
+        # one batch behind: the last one is stretched to the range's end
+        held: tuple[pa.RecordBatch, pa.Array, int, int] | None = None
         for piece in self.index.between(partition, start, end):
             table, offsets = self._piece(piece)
             lo, hi = (int(x) for x in np.searchsorted(offsets, [max(start, piece.first), end]))
@@ -226,7 +230,9 @@ class HistoryReader:
         try:
             table = raw.select(self.schema.names).cast(self.schema)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise SourceUnreadableError(f"history {piece.where()}: its columns do not cast to the records' schema: {exc}") from exc
+            raise SourceUnreadableError(
+                f"history {piece.where()}: its columns do not cast to the records' schema: {exc}"
+            ) from exc
         self._cache[key] = (table, offsets)
         while len(self._cache) > _CACHE_PIECES:
             self._cache.popitem(last=False)

@@ -31,8 +31,11 @@ def produce(broker: Any, topic: str, ids: range, partitions: int, timestamp: int
 
     producer = Producer(broker.client_config(**{"acks": "all", "enable.idempotence": True}))
     for i in ids:
-        extra = {} if timestamp is None else {"timestamp": timestamp}
-        producer.produce(topic, value=json.dumps({"id": i}).encode(), partition=i % partitions, **extra)
+        value = json.dumps({"id": i}).encode()
+        if timestamp is None:
+            producer.produce(topic, value=value, partition=i % partitions)
+        else:
+            producer.produce(topic, value=value, partition=i % partitions, timestamp=timestamp)
         if i % 1000 == 0:
             producer.poll(0)
     assert producer.flush(60) == 0
@@ -42,16 +45,16 @@ def read_topic(broker: Any, topic: str, partition: int, upto: int) -> list[tuple
     """(offset, id, timestamp) of the records at offsets below ``upto`` of one partition."""
     from confluent_kafka import Consumer, TopicPartition
 
-    consumer = Consumer(
-        {"bootstrap.servers": broker.bootstrap, "group.id": f"export-{uuid.uuid4().hex[:6]}", "enable.auto.commit": False}
-    )
+    group = f"export-{uuid.uuid4().hex[:6]}"
+    consumer = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": group, "enable.auto.commit": False})
     out: list[tuple[int, int, int]] = []
     try:
         consumer.assign([TopicPartition(topic, partition, 0)])
         while len(out) < upto:
             for msg in consumer.consume(500, timeout=5):
-                if msg.error() is None and msg.offset() < upto:
-                    out.append((msg.offset(), int(json.loads(msg.value())["id"]), msg.timestamp()[1]))
+                offset, value = msg.offset(), msg.value()
+                if msg.error() is None and offset is not None and value is not None and offset < upto:
+                    out.append((offset, int(json.loads(value)["id"]), msg.timestamp()[1]))
     finally:
         consumer.close()
     return out

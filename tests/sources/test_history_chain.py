@@ -6,7 +6,10 @@ applied once whether a worker read it from a file or from the broker.
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,20 @@ def _group_offsets(broker: Any, topic: str, partitions: int) -> dict[str, int]:
         consumer.close()
 
 
+def _frozen_at(job: StreamJob, at: int) -> int:
+    """Once ``at`` records are applied, stop every worker (SIGSTOP) so an action lands there; returns how many are."""
+    wait_until(lambda: job.applied() >= at, 120, f"{at} records applied", interval=0.01)
+    for proc in job.procs.values():
+        os.kill(proc.pid, signal.SIGSTOP)
+    return job.applied()
+
+
+def _thaw(job: StreamJob) -> None:
+    for proc in job.procs.values():
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+
+
 def _source(broker: Any, topic: str, history: Path, **extra: str) -> HistorySource:
     return HistorySource(f"kafka://{broker.bootstrap}/{topic}", "", {**JSON, "sr.history": str(history), **extra})
 
@@ -66,7 +83,7 @@ def test_reads_cross_the_seam_by_offsets(tmp_path: Path, kafka_broker: Any) -> N
         assert parts[f"{topic}-1"] == Partition(f"{topic}-1", 0, 200, earliest=0, hold=120)
         batches = list(source.read(parts[f"{topic}-0"], 90, 170, 40))
         spans = [(b.start, b.end) for b in batches]
-        assert spans[0][0] == 90 and spans[-1][1] == 170 and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+        assert spans[0][0] == 90 and spans[-1][1] == 170 and all(x[1] == y[0] for x, y in itertools.pairwise(spans))
         assert (150, 170) in spans and all(b.num_records <= 40 for b in batches)  # the seam: files, then broker
         ids = [i for b in batches for i in b.records.column("id").to_pylist()]
         assert ids == [2 * o for o in range(90, 170)]  # partition 0 holds the even ids, id = 2 * offset
@@ -112,8 +129,10 @@ def test_a_history_that_does_not_fit_the_topic_is_refused(tmp_path: Path, kafka_
     _delete_records(kafka_broker, topic, {0: 80})
     admin = ShardClient(master.address, token=master.token, heartbeat=False, timeout=30)
     try:
-        spec = DatasetSpec("chain", f"kafka://{kafka_broker.bootstrap}/{topic}", options={**JSON, "sr.history": str(short)})
-        with pytest.raises(InvalidArgumentError, match=rf"history of {topic}-0 ends at offset 60 .* \[60, 80\) are in neither"):
+        uri = f"kafka://{kafka_broker.bootstrap}/{topic}"
+        spec = DatasetSpec("chain", uri, options={**JSON, "sr.history": str(short)})
+        gap = rf"history of {topic}-0 ends at offset 60 .* \[60, 80\) are in neither"
+        with pytest.raises(InvalidArgumentError, match=gap):
             admin.register_dataset(spec)
         with pytest.raises(InvalidArgumentError, match="sr.start"):
             admin.register_dataset(DatasetSpec("c2", spec.uri, options={**spec.options, "sr.start": "earliest"}))
@@ -129,29 +148,35 @@ def test_history_then_live_exact_under_kills_at_the_seam(tmp_path: Path, kafka_b
     before anything live, and the consumer group ends at the end offsets.
     """
     rng = random.Random()
-    partitions, first, total = 2, 3_000, 6_000
+    partitions, first, total = 2, 6_000, 10_000
     topic = create_topic(kafka_broker, partitions)
     produce(kafka_broker, topic, range(first), partitions)
-    boundary = {0: 1_100, 1: 900}  # offsets per partition in the history
-    export(kafka_broker, topic, tmp_path / "lake", boundary, per_file=250, row_group=100)
-    _delete_records(kafka_broker, topic, {0: 700, 1: 500})  # retention: the broker lost part of the history
+    boundary = {0: 2_600, 1: 2_400}  # offsets per partition in the history
+    export(kafka_broker, topic, tmp_path / "lake", boundary, per_file=500, row_group=100)
+    _delete_records(kafka_broker, topic, {0: 1_500, 1: 1_000})  # retention: the broker lost part of the history
     history = sum(boundary.values())
     options = {**JSON, "sr.history": str(tmp_path / "lake" / "topics"), "sr.max_delay_ms": "200"}
-    job = StreamJob(tmp_path, f"kafka://{kafka_broker.bootstrap}/{topic}", options, records_per_shard=150)
+    job = StreamJob(tmp_path, f"kafka://{kafka_broker.bootstrap}/{topic}", options, records_per_shard=250)
+    job.batch_size = 50
     try:
         job.start()
         later = threading.Thread(target=produce, args=(kafka_broker, topic, range(first, total), partitions))
         later.start()
+        moments = []
         for at, action in [
-            (history - 400, lambda: job.kill_worker(rng)),  # just before the boundary
-            (history - 150, job.kill_master),  # the handoff: the last history shards acked, live planned
-            (history, lambda: job.kill_worker(rng)),  # at it
+            (history - 700, lambda: job.kill_worker(rng)),  # just before the boundary
+            (history - 100, job.kill_master),  # the handoff: the last history shards acked, live planned
+            (history, lambda: job.kill_worker(rng)),  # at it: the history applied, nothing live yet
             (history + 300, lambda: job.kill_worker(rng)),  # just after it
         ]:
-            wait_until(lambda a=at: job.applied() >= a, 120, f"{at} records applied")
+            moments.append(_frozen_at(job, at))
+            job.events.append(f"{moments[-1]} applied (history {history}):")
             action()
+            _thaw(job)
         later.join()
-        report, cursor, info = job.finish(total)
+        report, cursor, finished = job.finish(total)
+        info: Any = finished
+        print(job.events, report)
         assert report.exact, f"{job.events}: {report}\n{job.logs()}"
         assert report.conflicts == 0
         ends = {p.id: p.available_end for p in info.partitions}
@@ -169,5 +194,6 @@ def test_history_then_live_exact_under_kills_at_the_seam(tmp_path: Path, kafka_b
         past = [r for r, sid, start in rows if start < bound[int(sid.split("/")[2])]]
         live = [r for r, sid, start in rows if start >= bound[int(sid.split("/")[2])]]
         assert past and live and max(past) < min(live)
+        assert moments[0] < history == moments[2] < moments[3], f"the kills missed the seam: {job.events}"
     finally:
         job.stop()

@@ -141,7 +141,9 @@ class StreamPlanner:
         (``Partition.hold``, sources/history.py.) The committed cursor is looked at first, the acks only while
         it does not cover the holds, so a dataset past its history costs one interval lookup per partition.
         """
-        holds = [(plan, self.holds[(ds.name, plan.index)]) for plan in ds.partitions if (ds.name, plan.index) in self.holds]
+        holds = [
+            (plan, self.holds[(ds.name, plan.index)]) for plan in ds.partitions if (ds.name, plan.index) in self.holds
+        ]
         if not holds:
             return False
 
