@@ -22,6 +22,7 @@ from streamrover.sources.api import Partition
 from streamrover.sources.history import HistorySource
 from streamrover.sources.history_index import HistoryError
 from streamrover.testing.ledger import Ledger
+from streamrover.testing.procs import start_ledger_worker
 from tests.helpers import wait_until
 from tests.sources.history_export import create_topic, export, produce, read_topic, write_piece
 from tests.sources.stream_job import StreamJob
@@ -57,6 +58,11 @@ def _frozen_at(job: StreamJob, at: int) -> int:
     for proc in job.procs.values():
         os.kill(proc.pid, signal.SIGSTOP)
     return job.applied()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP): its state in /proc is T."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def _thaw(job: StreamJob) -> None:
@@ -156,22 +162,35 @@ def test_history_then_live_exact_under_kills_at_the_seam(tmp_path: Path, kafka_b
     _delete_records(kafka_broker, topic, {0: 1_500, 1: 1_000})  # retention: the broker lost part of the history
     history = sum(boundary.values())
     options = {**JSON, "sr.history": str(tmp_path / "lake" / "topics"), "sr.max_delay_ms": "200"}
-    job = StreamJob(tmp_path, f"kafka://{kafka_broker.bootstrap}/{topic}", options, records_per_shard=250)
+    job = StreamJob(tmp_path, f"kafka://{kafka_broker.bootstrap}/{topic}", options, records_per_shard=250, workers=0)
     job.batch_size = 50
     try:
         job.start()
+        # w1 reads alone and stops itself (SIGSTOP) after writing its 90th batch, before acking it: records
+        # 4,451-4,500 of the 5,000 of the history (nothing live is planned before the history is acked), applied
+        # and not acked when it is SIGKILLed: just before the boundary.
+        with open(tmp_path / "w1.log", "ab") as log:
+            job.procs["w1"] = start_ledger_worker(
+                job.master, "stream", job.ledger_path, name="w1", batch_size=50, extra=["--pause-at-batch", "90"],
+                stdout=log,
+            )  # fmt: skip
         later = threading.Thread(target=produce, args=(kafka_broker, topic, range(first, total), partitions))
         later.start()
-        moments = []
+        wait_until(lambda: _stopped(job.procs["w1"].pid), 90, "w1 to stop itself after its 90th batch")
+        moments = [job.applied()]
+        job.procs["w1"].kill()
+        job.procs["w1"].wait()
+        job.events.append(f"{moments[0]} applied (history {history}): SIGKILL w1 with a written, unacked batch")
+        for name in ("w0", "w1"):
+            job.start_worker(name)
         for at, action in [
-            (history - 700, lambda: job.kill_worker(rng)),  # just before the boundary
             (history - 100, job.kill_master),  # the handoff: the last history shards acked, live planned
             (history, lambda: job.kill_worker(rng)),  # at it: the history applied, nothing live yet
             (history + 300, lambda: job.kill_worker(rng)),  # just after it
         ]:
             moments.append(_frozen_at(job, at))
-            job.events.append(f"{moments[-1]} applied (history {history}):")
             action()
+            job.events.append(f"  at {moments[-1]} applied (history {history})")
             _thaw(job)
         later.join()
         report, cursor, finished = job.finish(total)
