@@ -216,3 +216,53 @@ def test_history_then_live_exact_under_kills_at_the_seam(tmp_path: Path, kafka_b
         assert moments[0] < history == moments[2] < moments[3], f"the kills missed the seam: {job.events}"
     finally:
         job.stop()
+
+
+def _consume(client: ShardClient, shards: int) -> list[int]:
+    """Lease, read and ack ``shards`` whole shards one at a time (each one batch); returns the ids, in order."""
+    ids: list[int] = []
+    done = 0
+    while done < shards:
+        _, got = client.lease("chain", max_shards=1, wait=2.0)
+        for shard in got:
+            for batch in shard.batches(10_000):
+                ids += batch.records.column("id").to_pylist()
+                shard.ack(batch.end)
+            done += 1
+    return ids
+
+
+def test_a_checkpoint_mid_history_or_mid_live_restores_exactly(tmp_path: Path, kafka_broker: Any, master: Any) -> None:
+    """Cuts taken mid-history and mid-live are restored: exactly the records outside each cut's cursor are read
+    again, once, and after the mid-history restore the live part waits for the history again."""
+    topic = create_topic(kafka_broker, 2)
+    produce(kafka_broker, topic, range(1_200), 2)
+    export(kafka_broker, topic, tmp_path / "lake", {0: 400, 1: 400}, per_file=150, row_group=50)
+    _delete_records(kafka_broker, topic, {0: 300, 1: 300})
+    uri = f"kafka://{kafka_broker.bootstrap}/{topic}"
+    options = {**JSON, "sr.history": str(tmp_path / "lake"), "sr.max_delay_ms": "100"}
+    client = ShardClient(master.address, token=master.token, name="reader", timeout=60)
+    try:
+        client.register_dataset(DatasetSpec("chain", uri, options=options, records_per_shard=100))
+        everything = set(range(1_200))
+        first = _consume(client, 3)  # 300 history records
+        cut, mid_history = client.prepare_cut()
+        client.commit_cut(cut)
+        second = _consume(client, 7)  # the rest of the history (500) and 200 live records
+        cut, mid_live = client.prepare_cut()
+        client.commit_cut(cut)
+        third = _consume(client, 2)  # the last 200
+        assert sorted(first + second + third) == sorted(everything)
+        history = {2 * o + p for p in (0, 1) for o in range(400)}  # partition p holds ids 2*offset + p
+        assert set(first + second[:500]) == history  # nothing live before the history was acked
+
+        client.restore_cursor(mid_live)
+        again = _consume(client, 2)
+        assert sorted(again) == sorted(third)
+
+        client.restore_cursor(mid_history)
+        replay = _consume(client, 9)
+        assert sorted(replay) == sorted(everything - set(first))
+        assert set(replay[:500]) == history - set(first)  # the history first again, then live
+    finally:
+        client.close()

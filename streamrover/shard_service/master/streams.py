@@ -156,6 +156,27 @@ class StreamPlanner:
         self.table.add_acks(acked)
         return not covered(acked)
 
+    def rewind_to_holds(self, ds: DatasetRecord, cursor: DataCursor) -> DatasetRecord:
+        """Before a restore re-plans ``ds``: if ``cursor`` lacks part of a chained dataset's history, its planned
+        extents go back to the holds (never below what ``cursor`` holds), so the live part waits for the history
+        again instead of being re-planned beside it. Returns ``ds``."""
+        holds = {
+            plan.index: self.holds[(ds.name, plan.index)]
+            for plan in ds.partitions
+            if (ds.name, plan.index) in self.holds
+        }
+        if not holds:
+            return ds
+        done = {plan.index: cursor.get(PartitionKey(ds.name, 0, plan.id)) for plan in ds.partitions}
+        if all(done[i].covers(ds.partitions[i].start, hold) for i, hold in holds.items()):
+            return ds
+        for i, hold in holds.items():
+            plan = ds.partitions[i]
+            kept = max([hold, *(b for _, b in done[i])])
+            if plan.end > kept:
+                ds.partitions[i] = replace(plan, end=kept)
+        return ds
+
     def _compact_runs(self, ds: DatasetRecord) -> bool:
         """Fold the runs of sparse partitions below what is committed upstream (one run per ledger is unbounded).
 
