@@ -51,6 +51,7 @@ from streamrover.sources.api import (
     SourceError,
     SourceKind,
     open_source,
+    register_chain,
 )
 from streamrover.sources.history_index import HistoryError, HistoryIndex, HistoryReader, build_index
 from streamrover.sources.options import PREFIX, OptionError, _Options
@@ -185,3 +186,10 @@ def _check_fit(pid: str, start: int, boundary: int, earliest: int, end: int) -> 
             f"history of {pid} ends at offset {boundary} but the topic's earliest offset is {earliest}: offsets "
             f"[{boundary}, {earliest}) are in neither (deleted by retention before they were exported)"
         )
+
+
+def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:
+    return HistorySource(uri, format, options)
+
+
+register_chain(_factory)

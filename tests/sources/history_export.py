@@ -51,7 +51,7 @@ def read_topic(broker: Any, topic: str, partition: int, upto: int) -> list[tuple
     try:
         consumer.assign([TopicPartition(topic, partition, 0)])
         while len(out) < upto:
-            for msg in consumer.consume(500, timeout=5):
+            for msg in consumer.consume(min(500, upto - len(out)), timeout=5):
                 offset, value = msg.offset(), msg.value()
                 if msg.error() is None and offset is not None and value is not None and offset < upto:
                     out.append((offset, int(json.loads(value)["id"]), msg.timestamp()[1]))
