@@ -29,10 +29,14 @@ contract, in the order the service relies on it:
    the history's start as long as the broker still holds the boundary; once retention passes the
    boundary, the broker's earliest is reported and what was deleted there is lost as for any stream.
 
+When the files carry no offsets, the boundary is an instant instead (``sr.history.boundary=timestamp:T``):
+``history_time.py`` states how records at ``T`` are handled so that none is trained twice or skipped.
+
 Options (besides the live source's own, passed through): ``sr.history`` (a directory, glob or file;
 any fsspec URL), ``sr.history.offset_column`` (default ``offset``), ``sr.history.partition_column``
 (default ``partition``; without it the file name says the partition), ``sr.history.gaps``
-(``refuse``, the default, or ``allow``). The live part's ``sr.start`` is refused: the history says
+(``refuse``, the default, or ``allow``), ``sr.history.boundary`` (``offsets``, the default, or
+``timestamp:MILLIS``), ``sr.history.timestamp_column`` (default ``timestamp``: by time). The live part's ``sr.start`` is refused: the history says
 where each partition starts.
 """
 
@@ -54,6 +58,7 @@ from streamrover.sources.api import (
     register_chain,
 )
 from streamrover.sources.history_index import HistoryError, HistoryIndex, HistoryReader, build_index
+from streamrover.sources.history_time import TimeChain
 from streamrover.sources.options import PREFIX, OptionError, _Options
 
 #: Options whose names start with this belong to the chain (the others to the live source).
@@ -69,6 +74,13 @@ class HistoryOptions(_Options):
     gaps: Literal["refuse", "allow"] = Field(
         "refuse", alias="sr.history.gaps", description="refuse or allow (offsets missing between history files)"
     )
+    boundary: str = Field(
+        "offsets",
+        alias="sr.history.boundary",
+        pattern=r"^(offsets|timestamp:[0-9]+)$",
+        description="offsets (the files carry them) or timestamp:MILLIS (they carry only time: history_time.py)",
+    )
+    timestamp_column: str = Field("timestamp", alias="sr.history.timestamp_column", description="a column name")
 
 
 class HistorySource(Source):
@@ -90,12 +102,20 @@ class HistorySource(Source):
         if not uri.startswith("kafka://"):
             raise SourceError(f"sr.history joins a history to a Kafka topic by offsets; {uri!r} is not a kafka:// URI")
         self.uri = uri
+        by_time = self.options.boundary.startswith("timestamp:")
+        if by_time:
+            live[f"{PREFIX}start"] = self.options.boundary  # the topic from offsets_for_times(T)
         self.live = open_source(uri, format, live)
         if self.live.kind is not SourceKind.STREAM:
             raise SourceError(f"sr.history needs a stream to go on with; {uri!r} is a batch source")
         self.topic = uri.rstrip("/").rsplit("/", 1)[-1]
         self._index: HistoryIndex | None = None
         self._reader: HistoryReader | None = None
+        self.by_time: TimeChain | None = None
+        if by_time:
+            instant = int(self.options.boundary.split(":", 1)[1])
+            self.live.not_before = instant  # type: ignore[attr-defined]  # a KafkaSource (checked above)
+            self.by_time = TimeChain(self.options.files, self.options.timestamp_column, instant, self.live)
 
     # -- the history ----------------------------------------------------------
     def index(self) -> HistoryIndex:
@@ -137,19 +157,29 @@ class HistorySource(Source):
 
     # -- master side ------------------------------------------------------------
     def partitions(self) -> list[Partition]:
+        if self.by_time is not None:
+            return self.by_time.partitions()
         return self._chain(self.live.poll(), check=True)
 
     def poll(self) -> list[Partition]:
+        if self.by_time is not None:
+            return self.by_time.poll()
         return self._chain(self.live.poll(), check=False)
 
     def schema(self) -> pa.Schema:
         return self.live.schema()
 
     def commit(self, positions: Mapping[str, int]) -> None:
-        self.live.commit(positions)
+        if self.by_time is not None:
+            self.by_time.commit(positions)
+        else:
+            self.live.commit(positions)
 
     # -- worker side ------------------------------------------------------------
     def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
+        if self.by_time is not None:
+            yield from self.by_time.read(partition, start, end, batch_size)
+            return
         n = self._number(partition.id)
         index = self.index()
         boundary = index.boundary(n)
@@ -164,6 +194,8 @@ class HistorySource(Source):
             yield from self.live.read(partition, start, end, batch_size)
 
     def close(self) -> None:
+        if self.by_time is not None:
+            self.by_time.close()
         self.live.close()
         self._reader = None
 

@@ -25,17 +25,17 @@ def create_topic(broker: Any, partitions: int) -> str:
     return topic
 
 
-def produce(broker: Any, topic: str, ids: range, partitions: int, timestamp: int | None = None) -> None:
-    """Records ``{"id": i}`` to partition ``i % partitions`` (with ``timestamp`` in ms when given)."""
+def produce(broker: Any, topic: str, ids: range | dict[int, int], partitions: int) -> None:
+    """Records ``{"id": i}`` to partition ``i % partitions``, in order; ``ids`` a dict: id -> timestamp (ms)."""
     from confluent_kafka import Producer
 
     producer = Producer(broker.client_config(**{"acks": "all", "enable.idempotence": True}))
     for i in ids:
         value = json.dumps({"id": i}).encode()
-        if timestamp is None:
-            producer.produce(topic, value=value, partition=i % partitions)
+        if isinstance(ids, dict):
+            producer.produce(topic, value=value, partition=i % partitions, timestamp=ids[i])
         else:
-            producer.produce(topic, value=value, partition=i % partitions, timestamp=timestamp)
+            producer.produce(topic, value=value, partition=i % partitions)
         if i % 1000 == 0:
             producer.poll(0)
     assert producer.flush(60) == 0

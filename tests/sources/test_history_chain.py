@@ -11,9 +11,12 @@ import os
 import random
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from streamrover.cursor import IntervalSet, PartitionKey
@@ -266,3 +269,58 @@ def test_a_checkpoint_mid_history_or_mid_live_restores_exactly(tmp_path: Path, k
         assert set(replay[:500]) == history - set(first)  # the history first again, then live
     finally:
         client.close()
+
+
+def _consume_ids(client: ShardClient, want: int, timeout: float = 60) -> list[tuple[str, int]]:
+    """Lease, read and ack shards until ``want`` records are read; returns (partition id, id) in order."""
+    got: list[tuple[str, int]] = []
+    give_up = time.monotonic() + timeout
+    while len(got) < want:
+        assert time.monotonic() < give_up, f"only {len(got)} of {want} records read in {timeout}s"
+        _, shards = client.lease("chain", max_shards=1, wait=1.0)
+        for shard in shards:
+            for batch in shard.batches(10_000):
+                got += [(shard.lease.partition.id, i) for i in batch.records.column("id").to_pylist()]
+                shard.ack(batch.end)
+    return got
+
+
+def test_by_time_records_sharing_the_boundary_millisecond_are_trained_once(
+    tmp_path: Path, kafka_broker: Any, master: Any
+) -> None:
+    """Boundary T: the history's records before T, the topic's at or after T. The history was exported a little
+    late (it holds records of T and after) and a producer's late records (timestamped before T) sit in the topic
+    past offsets_for_times(T): each record is still trained once, those of the boundary millisecond from the
+    topic, the late ones from the history, and nothing live before the history is acked."""
+    t0 = (int(time.time()) - 3_600) * 1_000
+    boundary = t0 + 100
+    stamp = {i: t0 + i // 8 for i in range(1_600)}  # 8 records per millisecond: ids 800-807 share T
+    late = {i: boundary - 5 for i in range(1_600, 1_604)}  # produced after T's records, timestamped before
+    topic = create_topic(kafka_broker, 2)
+    produce(kafka_broker, topic, {**stamp, **late}, 2)
+    exported = {i: ts for i, ts in {**stamp, **late}.items() if ts < boundary + 3}  # exported 3 ms late
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    items = sorted(exported.items())
+    for n, half in enumerate((items[: len(items) // 2], items[len(items) // 2 :])):
+        table = pa.table({"id": [i for i, _ in half], "timestamp": [ts for _, ts in half]})
+        pq.write_table(table, lake / f"part-{n}.parquet", row_group_size=150)
+    options = {**JSON, "sr.history": str(lake), "sr.history.boundary": f"timestamp:{boundary}"}
+    options["sr.max_delay_ms"] = "100"
+    uri = f"kafka://{kafka_broker.bootstrap}/{topic}"
+    client = ShardClient(master.address, token=master.token, name="reader", timeout=60)
+    try:
+        client.register_dataset(DatasetSpec("chain", uri, options=options, records_per_shard=100))
+        got = _consume_ids(client, 1_604)
+        produce(kafka_broker, topic, dict.fromkeys(range(1_604, 1_700), t0 + 500), 2)  # live goes on
+        got += _consume_ids(client, 96)
+    finally:
+        client.close()
+    ids = [i for _, i in got]
+    assert sorted(ids) == list(range(1_700)), "a record trained twice or skipped"
+    source = {i: "history" if pid.startswith("history:") else "live" for pid, i in got}
+    assert {i for i in range(800, 808)} <= {i for i, s in source.items() if s == "live"}  # the boundary ms: topic
+    assert all(source[i] == "history" for i in late)  # timestamped before T: history, skipped in the topic
+    assert all(source[i] == ("history" if ts < boundary else "live") for i, ts in stamp.items())
+    first_live = min(n for n, (pid, _) in enumerate(got) if not pid.startswith("history:"))
+    assert all(pid.startswith("history:") for pid, _ in got[:first_live]) and first_live == 800 + 4

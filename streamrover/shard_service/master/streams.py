@@ -172,7 +172,7 @@ class StreamPlanner:
             return ds
         for i, hold in holds.items():
             plan = ds.partitions[i]
-            kept = max([hold, *(b for _, b in done[i])])
+            kept = max([plan.start, hold, *(b for _, b in done[i])])
             if plan.end > kept:
                 ds.partitions[i] = replace(plan, end=kept)
         return ds
