@@ -36,8 +36,8 @@ Options (besides the live source's own, passed through): ``sr.history`` (a direc
 any fsspec URL), ``sr.history.offset_column`` (default ``offset``), ``sr.history.partition_column``
 (default ``partition``; without it the file name says the partition), ``sr.history.gaps``
 (``refuse``, the default, or ``allow``), ``sr.history.boundary`` (``offsets``, the default, or
-``timestamp:MILLIS``), ``sr.history.timestamp_column`` (default ``timestamp``: by time). The live part's ``sr.start`` is refused: the history says
-where each partition starts.
+``timestamp:MILLIS``), ``sr.history.timestamp_column`` (default ``timestamp``: by time). The live
+part's ``sr.start`` is refused: the history says where each partition starts.
 """
 
 from __future__ import annotations
