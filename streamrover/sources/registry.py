@@ -14,6 +14,7 @@ BUILTIN_SCHEMES: dict[str, str] = {
     "pulsar": "streamrover.sources.pulsar",
     "rocketmq": "streamrover.sources.rocketmq",
     "staged": "streamrover.sources.staged",
+    "delta": "streamrover.sources.delta",
 }
 #: The module of the file source (``file://``, fsspec URLs, plain paths): the fallback of every URI.
 FILES_MODULE = "streamrover.sources.files"
