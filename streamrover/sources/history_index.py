@@ -142,25 +142,53 @@ def _scan_file(fs: Any, path: str, topic: str, offset_column: str, partition_col
                 )
             columns = [offset_column, partition_column] if has_partition else [offset_column]
             for rg in range(pf.metadata.num_row_groups):
-                if pf.metadata.row_group(rg).num_rows == 0:
+                meta = pf.metadata.row_group(rg)
+                if meta.num_rows == 0:
                     continue
-                table = pf.read_row_group(rg, columns=columns)
-                yield _piece(path, rg, table, offset_column, partition_column if has_partition else "", named)
+                # From the row group's statistics when it has them (no data read: workers build the index too);
+                # the offsets' order is then checked when a worker reads the row group (HistoryReader).
+                stats = [_min_max(meta, names.index(c)) for c in columns]
+                if any(s is None for s in stats):
+                    stats = _read_min_max(path, rg, pf.read_row_group(rg, columns=columns), columns)
+                offsets, partitions = stats[0], (stats[1] if has_partition else None)
+                assert offsets is not None
+                yield _piece(path, rg, offsets, meta.num_rows, partitions, named)
     except (pa.ArrowInvalid, OSError) as exc:
         raise SourceUnreadableError(f"cannot read history file {path!r}: {exc}") from exc
 
 
-def _piece(
-    path: str, rg: int, table: pa.Table, offset_column: str, partition_column: str, named: re.Match[str] | None
-) -> Piece:
-    offsets = table.column(offset_column).to_numpy().astype(np.int64)
+def _min_max(meta: Any, column: int) -> tuple[int, int] | None:
+    """A row group's (min, max) of an integer column from its statistics; None when it has none."""
+    stats = meta.column(column).statistics
+    if stats is None or not stats.has_min_max or meta.column(column).physical_type not in ("INT32", "INT64"):
+        return None
+    return int(stats.min), int(stats.max)
+
+
+def _read_min_max(path: str, rg: int, table: pa.Table, columns: list[str]) -> list[tuple[int, int] | None]:
+    """(min, max) of each column, read from the data (no statistics); the offsets (first) must increase."""
+    offsets = table.column(columns[0]).to_numpy().astype(np.int64)
     if offsets.size > 1 and not bool(np.all(offsets[1:] > offsets[:-1])):
         raise HistoryError(
             f"history file {path!r} row group {rg}: offsets do not increase (write files in offset order)"
         )
-    if partition_column:
-        bounds = pc.min_max(table.column(partition_column))
-        low, high = bounds["min"].as_py(), bounds["max"].as_py()
+    out: list[tuple[int, int] | None] = [(int(offsets[0]), int(offsets[-1]))]
+    for name in columns[1:]:
+        bounds = pc.min_max(table.column(name))
+        out.append((int(bounds["min"].as_py()), int(bounds["max"].as_py())))
+    return out
+
+
+def _piece(
+    path: str,
+    rg: int,
+    offsets: tuple[int, int],
+    rows: int,
+    partitions: tuple[int, int] | None,
+    named: re.Match[str] | None,
+) -> Piece:
+    if partitions is not None:
+        low, high = partitions
         if low != high:
             raise HistoryError(f"history file {path!r} row group {rg} mixes partitions {low} to {high}: one per file")
         number = int(low)
@@ -171,7 +199,7 @@ def _piece(
     else:
         assert named is not None
         number = int(named["partition"])
-    return Piece(number, int(offsets[0]), int(offsets[-1]), int(offsets.size), path, rg)
+    return Piece(number, offsets[0], offsets[1], rows, path, rg)
 
 
 class HistoryReader:
@@ -224,6 +252,10 @@ class HistoryReader:
         except (pa.ArrowInvalid, OSError) as exc:
             raise SourceUnreadableError(f"cannot read history {piece.where()}: {exc}") from exc
         offsets = raw.column(self.index.offset_column).to_numpy().astype(np.int64)
+        if offsets.size > 1 and not bool(np.all(offsets[1:] > offsets[:-1])):
+            raise SourceUnreadableError(
+                f"history {piece.where()}: offsets do not increase (write them in offset order)"
+            )
         missing = [f.name for f in self.schema if f.name not in raw.column_names]
         if missing:
             raise SourceUnreadableError(f"history {piece.where()} lacks the record column(s) {', '.join(missing)}")

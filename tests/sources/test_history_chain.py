@@ -346,3 +346,20 @@ def test_by_time_records_sharing_the_boundary_millisecond_are_trained_once(
     assert all(source[i] == ("history" if ts < boundary else "live") for i, ts in stamp.items())
     first_live = min(n for n, (pid, _) in enumerate(got) if not pid.startswith("history:"))
     assert all(pid.startswith("history:") for pid, _ in got[:first_live]) and first_live == 800 + 4
+
+
+def test_the_index_comes_from_statistics_and_a_row_group_out_of_order_is_refused_when_read(tmp_path: Path) -> None:
+    """Pieces come from the row groups' statistics (no data read to build the index); a row group whose offsets
+    do not increase is refused when a worker reads it, naming the file and the offsets."""
+    from streamrover.sources.api import SourceUnreadableError
+    from streamrover.sources.history_index import HistoryReader, build_index
+
+    write_piece(tmp_path / "t+0+0000000000.parquet", 0, [(o, o, 0) for o in range(100)], row_group=40)
+    write_piece(tmp_path / "t+0+0000000100.parquet", 0, [(o, o, 0) for o in (100, 102, 101, 103)])
+    index = build_index(str(tmp_path), "t", "offset", "partition", allow_gaps=False)
+    pieces = [(p.first, p.last, p.rows) for p in index.pieces[0]]
+    assert pieces == [(0, 39, 40), (40, 79, 40), (80, 99, 20), (100, 103, 4)]
+    reader = HistoryReader(str(tmp_path), index, pa.schema([("id", pa.int64())]))
+    assert [b[0].num_rows for b in reader.read(0, 10, 90, 1_000)] == [30, 40, 10]
+    with pytest.raises(SourceUnreadableError, match=r"offsets \[100, 104\)\): offsets do not increase"):
+        list(reader.read(0, 95, 104, 1_000))
