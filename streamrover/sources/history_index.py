@@ -7,10 +7,13 @@ reads that layout into a :class:`HistoryIndex`: per partition, its *pieces* (one
 first and last offset it holds), sorted and checked; :func:`read_offsets` reads the records of an
 offset range back.
 
-What is refused when the index is built (:class:`~streamrover.sources.api.SourceError` naming the
+The index comes from the row groups' statistics (min/max of the offset and partition columns), so
+building it reads no data (the master and every worker build it); a row group without statistics is
+read. What is refused when the index is built (:class:`~streamrover.sources.api.SourceError` naming the
 file, the partition and the offsets): a file without the offset column, a row group that mixes
-partitions or whose offsets do not increase, two pieces of one partition whose offsets overlap, and
-(unless ``allow_gaps``) offsets missing between two pieces of a partition.
+partitions, two pieces of one partition whose offsets overlap, and (unless ``allow_gaps``) offsets
+missing between two pieces of a partition. A row group whose offsets do not increase is refused when
+it is read (:class:`HistoryReader`; when the index is built too if it had no statistics).
 """
 
 from __future__ import annotations
