@@ -428,7 +428,8 @@ class ShardCore(CoreState):
         lost = self.streams.upstream.restore_lost(cursor)
         with self.journal.transaction():
             revoked = self.revoke_leases()
-            requeued = sum(self.replan(ds, cursor.only(ds.name), lost) for ds in list(self.datasets.values()))
+            rewound = [self.streams.rewind_to_holds(ds, cursor) for ds in list(self.datasets.values())]  # history.py
+            requeued = sum(self.replan(ds, cursor.only(ds.name), lost) for ds in rewound)
             self.cut_book.reset(cursor, from_memory)
             self.streams.upstream.save_lost()
             self.save_counters()
