@@ -433,9 +433,9 @@ class ShardCore(CoreState):
         return revoked, requeued
 
     # ------------------------------------------------------------------ streams (streams.py, upstream.py)
-    def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
-        """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
-        return self.streams.extend_stream(name, polled, force)
+    def extend_stream(self, name: str, polled: list[Partition], force: bool = False, hold: bool = False) -> int:
+        """Plan new shards from a poll of the source's partitions and ends (:meth:`StreamPlanner.extend_stream`)."""
+        return self.streams.extend_stream(name, polled, force, hold)
 
     def lag(self, ds: DatasetRecord) -> list[tuple[int, int, int]]:
         """Per partition: (available end, committed end, lag in records between them)."""
