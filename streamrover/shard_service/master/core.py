@@ -363,10 +363,10 @@ class ShardCore(CoreState):
 
     # ------------------------------------------------------------------ datasets (datasets.py)
     def register_dataset(
-        self, spec: DatasetSpec, kind: SourceKind, partitions: list[Partition], schema_json: str
+        self, spec: DatasetSpec, kind: SourceKind, partitions: list[Partition], schema_json: str, hold: bool = False
     ) -> tuple[DatasetRecord, bool]:
         """Register a dataset; returns (its record, whether it was created) (:func:`datasets.register`)."""
-        return datasets.register(self, self.streams, spec, kind, partitions, schema_json)
+        return datasets.register(self, self.streams, spec, kind, partitions, schema_json, hold)
 
     def remove_dataset(self, name: str) -> tuple[int, int]:
         """Forget dataset ``name``; returns (leases revoked, shards removed) (:func:`datasets.remove`)."""

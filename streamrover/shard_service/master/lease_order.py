@@ -119,15 +119,17 @@ def pop_todo(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None = None)
     oldest = table.stream_time.oldest(ds.name) if bound is not None else None
     limit = float("inf") if bound is None or oldest is None else oldest + bound
 
-    def within(s: ShardRecord) -> bool:
-        return s.time is None or s.time <= limit
+    def within(s: ShardRecord, bound: float = limit) -> bool:
+        return s.time is None or s.time <= bound
 
     while True:
         head = _queue_head(table, queue)
+        # a stream's affinity picks among its readers' count of oldest shards waiting (at most that far out of order)
+        near = _horizon(table, ds, w, queue) if prefer and ds.kind is SourceKind.STREAM else limit
         if prefer and w is not None and (head is None or head[0] >= 0):  # (front priorities are < 0)
             tail = table.tails.get((w.id, ds.name))
             sid = table.todo_at.get((ds.name, *tail)) if tail is not None else None
-            if sid is not None and within(table.shards[sid]):
+            if sid is not None and within(table.shards[sid], min(limit, near)):
                 return table.shards[sid]  # its queue entry is now stale and skipped later
         skipped: list[tuple[float, str]] = []
         found: ShardRecord | None = None
@@ -144,6 +146,9 @@ def pop_todo(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None = None)
                     continue
                 heapq.heappush(queue, (prio, sid))
                 break  # beyond the bound: so is every shard after it (the queue is in stream-time order)
+            if skipped and prio >= 0 and not within(s, near):  # past the readers' horizon: take what was looked past
+                heapq.heappush(queue, (prio, sid))
+                break
             if prefer and prio >= 0 and len(skipped) < AFFINITY_SCAN and _read_by_others(table, s, w, mine):
                 skipped.append((prio, sid))
                 continue
@@ -162,13 +167,24 @@ def pop_todo(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None = None)
         return None
 
 
+def _horizon(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None, queue: list[tuple[float, str]]) -> float:
+    """The time of the n-th oldest shard waiting (n: the workers reading ``ds``, ``w`` included; inf if fewer wait)."""
+    me = w.id if w is not None else ""
+    n = 1 + sum(1 for wid, name in table.tails if name == ds.name and wid != me)
+    live = heapq.nsmallest(n, (e for e in queue if e[0] >= 0 and _live(table, e)))
+    return live[-1][0] if len(live) == n else float("inf")
+
+
+def _live(table: CoreState, entry: tuple[float, str]) -> bool:
+    s = table.shards.get(entry[1])
+    return s is not None and s.state is ShardState.TODO and s.priority == entry[0]
+
+
 def _queue_head(table: CoreState, queue: list[tuple[float, str]]) -> tuple[float, str] | None:
     """The first live entry of a queue (stale entries in front of it are dropped)."""
     while queue:
-        prio, sid = queue[0]
-        s = table.shards.get(sid)
-        if s is not None and s.state is ShardState.TODO and s.priority == prio:
-            return prio, sid
+        if _live(table, queue[0]):
+            return queue[0]
         heapq.heappop(queue)
     return None
 

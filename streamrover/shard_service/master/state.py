@@ -29,6 +29,7 @@ from streamrover.shard_service.master.lease_order import TimeMarks
 from streamrover.shard_service.master.planner import PlannedShard, plan_epoch
 from streamrover.shard_service.master.tallies import AckRates, BoundedSet
 from streamrover.sources.api import SourceKind
+from streamrover.sources.staged import is_staged
 
 # shard ids discarded by restores that an ack is told about precisely ("revoked by a restore"); older
 # ones get the generic refusal. Memory only (a restarted master remembers none): refusals either way.
@@ -93,7 +94,11 @@ class CoreState:
         for w in self.journal.load_workers():
             w.last_seen = now
             self.workers[w.id] = w
-        for s in self.journal.load_shards():
+        shards = self.journal.load_shards()
+        staged = [s for s in shards if s.time is None and is_staged(self.datasets[s.dataset].spec.uri)]
+        for i, s in enumerate(sorted(staged, key=lambda s: s.priority)):  # from a journal before stream times: no
+            s.time = s.priority = now * 1000.0 + i / 1000.0  # poller reads a staged dataset's (a stream's are read)
+        for s in shards:
             self._index(s)
             if s.state is ShardState.LEASED:
                 s.deadline = now + self.lease_ttl
