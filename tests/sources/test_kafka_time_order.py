@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from streamrover.shard_service import DatasetSpec, LeaseStatus, ShardClient
+from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.testing.procs import MasterProcess
 
 pytestmark = pytest.mark.slow
