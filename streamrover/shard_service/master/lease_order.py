@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # how many queued shards a lease looks past for one of a partition no other worker reads
 AFFINITY_SCAN = 64
+# shards whose times are this close count as equally old (shards planned in one poll, timed by planning, are a
+# microsecond apart): affinity chooses among them freely
+SAME_TIME_MS = 1.0
 TimeMarks = dict[int, list[tuple[int, float]]]  # per partition index: (shard start, its time), in position order
 
 
@@ -172,7 +175,7 @@ def _horizon(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None, queue:
     me = w.id if w is not None else ""
     n = 1 + sum(1 for wid, name in table.tails if name == ds.name and wid != me)
     live = heapq.nsmallest(n, (e for e in queue if e[0] >= 0 and _live(table, e)))
-    return live[-1][0] if len(live) == n else float("inf")
+    return live[-1][0] + SAME_TIME_MS if len(live) == n else float("inf")
 
 
 def _live(table: CoreState, entry: tuple[float, str]) -> bool:
