@@ -53,6 +53,9 @@ class JobCollector(Collector):
         failed = _gauge("dataset_failed", "1 when the dataset cannot go on (see its error)", ["dataset"])
         lost = _gauge("dataset_lost_records", "records accounted as lost (deleted before they were trained; "
                       "sr.on_data_loss=skip)", ["dataset"])  # fmt: skip
+        skew = _gauge("dataset_time_skew_ms", "stream time the leased shards span: the newest leased shard's "
+                      "first record less the oldest shard not yet acked (at most sr.max_skew_ms)",
+                      ["dataset"])  # fmt: skip
         finished = _gauge("dataset_finished", "1 when a batch dataset has every shard of every epoch acked",
                           ["dataset"])  # fmt: skip
         workers = _gauge("workers", "workers joined and alive")
@@ -85,6 +88,7 @@ class JobCollector(Collector):
                         lag.add_metric([name, plan.id], part_lag)
                         total += part_lag
                     ds_lag.add_metric([name], total)
+                    skew.add_metric([name], core.stream_time.skew_ms(core, name))
             workers.add_metric([], len(core.workers))
             for wid, w in sorted(core.workers.items()):
                 w_leases.add_metric([wid, w.name], len(w.leases))
@@ -104,8 +108,8 @@ class JobCollector(Collector):
             commit_time = core.cut_book.last_commit_time
             uptime = now - core.started
             nodes = core.kv.scan(NODES_PREFIX)
-        yield from (lag, ds_lag, shards, records, planned, dead, failed, lost, finished, workers, w_leases, w_records,
-                    w_seen, events, acks, acked)  # fmt: skip
+        yield from (lag, ds_lag, skew, shards, records, planned, dead, failed, lost, finished, workers, w_leases,
+                    w_records, w_seen, events, acks, acked)  # fmt: skip
         yield GaugeMetricFamily(f"{PREFIX}_records_acked_per_second", "records acked per second, last few seconds",
                                 value=rps)  # fmt: skip
         yield GaugeMetricFamily(f"{PREFIX}_acks_per_second", "acks per second, last few seconds", value=aps)
