@@ -206,6 +206,9 @@ def _state(info: Any) -> str:
         return f"[red]failed: {info.error}[/red]"
     if info.error:
         return f"[yellow]{info.error}[/yellow]"
+    waiting = [g for g in info.commit_gaps if not g.skipped]
+    if waiting:  # a sink's commit named as the previous of a later one has not arrived (dataset describe lists them)
+        return f"[yellow]running, {len(waiting)} commit(s) missing for up to {waiting[0].age_seconds:.0f} s[/yellow]"
     return "finished" if info.finished else "running"
 
 
@@ -338,6 +341,15 @@ def main(argv: list[str] | None = None) -> int:
                             str(p.available_end) if stream else "", str(p.committed_end), str(p.lag) if stream else "",
                         )  # fmt: skip
                     console.print(parts)
+                    if info.commit_gaps:
+                        gaps = Table(title="commit gaps (a later commit names this one as its previous; see "
+                                     "sr.commit_gap_ms)")  # fmt: skip
+                        for col in ("producer", "part", "missing epoch", "named by epoch", "open for", "state"):
+                            gaps.add_column(col)
+                        for g in info.commit_gaps:
+                            gaps.add_row(g.producer, g.part, str(g.epoch), str(g.next_epoch), f"{g.age_seconds:.0f} s",
+                                         "skipped" if g.skipped else "open")  # fmt: skip
+                        console.print(gaps)
         return 0
     except (ShardServiceError, SourceError, ValueError) as exc:  # ValueError: a token file that cannot be read
         console.print(f"[red]error:[/red] {exc}")

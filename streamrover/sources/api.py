@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from streamrover.sources.registry import BUILTIN_SCHEMES, FILES_MODULE
+from streamrover.sources.registry import BUILTIN_SCHEMES, FILES_MODULE, HISTORY_MODULE, HISTORY_OPTION
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow as pa
@@ -112,6 +112,10 @@ class Partition:
     #: Stream sources that can say so: the first position the source still holds (records before it were
     #: deleted upstream: retention, ``delete_records``). None: the source does not say.
     earliest: int | None = None
+    #: A chained stream (history, then live: ``sources/history.py``): the first live position. The master
+    #: plans no position at or past it until every position below every partition's hold is acked, so
+    #: the history is learned before the live part. None: no hold.
+    hold: int | None = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ SourceFactory = Callable[[str, str, Mapping[str, str]], Source]
 
 _SCHEMES: dict[str, SourceFactory] = {}
 _FORMATS: dict[str, SourceFactory] = {}
+_CHAIN: list[SourceFactory] = []  # what opens a dataset with a history (sources/history.py), once imported
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -240,9 +245,18 @@ def register_source(factory: SourceFactory, *, schemes: tuple[str, ...] = (), fo
         _FORMATS[fmt] = factory
 
 
+def register_chain(factory: SourceFactory) -> None:
+    """Make ``factory`` open the datasets whose options name a history (``sr.history``: sources/history.py)."""
+    _CHAIN[:] = [factory]
+
+
 def open_source(uri: str, format: str = "", options: Mapping[str, str] | None = None) -> Source:
     """Open the source a dataset names. Raises :class:`SourceError` with the reason when it cannot."""
     opts = dict(options or {})
+    if HISTORY_OPTION in opts:  # a chained dataset: the history's files, then the live source (sources/history.py)
+        if not _CHAIN:
+            importlib.import_module(HISTORY_MODULE)
+        return _CHAIN[0](uri, format, opts)
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     load_builtin_backends(scheme)
     factory = _SCHEMES.get(scheme)

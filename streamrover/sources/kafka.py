@@ -138,6 +138,13 @@ class _Columns:
         self.timestamps += map(_second, map(_timestamp, msgs))
         self.offsets += map(_offset, msgs)  # type: ignore[arg-type]  # a record always has one
 
+    def since(self, millis: int) -> _Columns:
+        """The records timestamped ``millis`` or later (a chained dataset's live part: sources/history.py)."""
+        kept, keep = _Columns(), [i for i, ts in enumerate(self.timestamps) if ts >= millis]
+        for name in self.__slots__:
+            setattr(kept, name, [getattr(self, name)[i] for i in keep])
+        return kept
+
 
 class _Resume(NamedTuple):
     """A consumer after a finished read: assigned ``partition``, everything before ``position``
@@ -181,6 +188,7 @@ class KafkaSource(Source):
         self._consumer: Consumer | None = None
         self._resume: _Resume | None = None  # where the consumer is after a finished read
         self._times: RecordTimes | None = None  # the master's reader of record timestamps
+        self.not_before: int | None = None  # ms: records timestamped before are skipped (history.py holds them)
 
     # -- clients ------------------------------------------------------------
     def _admin_client(self) -> AdminClient:
@@ -397,6 +405,8 @@ class KafkaSource(Source):
             yield self._batch(partition.id, cols, batch_start, end)
 
     def _batch(self, partition_id: str, cols: _Columns, start: int, end: int) -> ReadBatch:
+        if self.not_before is not None:
+            cols = cols.since(self.not_before)
         n = len(cols.offsets)
         offsets = pa.array(np.fromiter(cols.offsets, np.int64, n))
         if self.format == "raw":

@@ -14,7 +14,12 @@ BUILTIN_SCHEMES: dict[str, str] = {
     "pulsar": "streamrover.sources.pulsar",
     "rocketmq": "streamrover.sources.rocketmq",
     "staged": "streamrover.sources.staged",
+    "delta": "streamrover.sources.delta",
 }
 #: The module of the file source (``file://``, fsspec URLs, plain paths): the fallback of every URI.
 FILES_MODULE = "streamrover.sources.files"
 
+#: The module that opens chained datasets (it registers itself with ``register_chain``).
+HISTORY_MODULE = "streamrover.sources.history"
+#: The option that makes a dataset a chain: its history's files, then its URI's stream (``sources/history.py``).
+HISTORY_OPTION = "sr.history"

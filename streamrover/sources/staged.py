@@ -17,6 +17,9 @@ Options:
   to the one before never needs it), with the folders that emptied. A restore to an older cursor than
   that then finds the file gone (as with a broker's retention); ``keep`` leaves every file to you.
   Files outside ``sr.staging_dir`` are never deleted.
+- ``sr.commit_gap_ms``: how long a commit that a later commit of the same (producer, part) names as its
+  previous may be missing before it counts as lost (15 minutes by default; see
+  ``streamrover.shard_service.master.gaps``). ``sr.on_data_loss`` (``fail`` or ``skip``) says what then.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ STAGING_DIR = "sr.staging_dir"
 SCHEMA = "sr.schema"
 RETENTION = "sr.staged_retention"
 RETENTIONS = ("delete", "keep")
+COMMIT_GAP_MS = "sr.commit_gap_ms"
+DEFAULT_GAP_MS = 15 * 60 * 1000  # Flink: a commit retries, then 10 retryLater rounds, then a job restart replays it
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _OPEN_FILES = 4  # parquet files a worker keeps open
 
@@ -172,6 +177,15 @@ def delete_files(urls: Iterable[str]) -> int:
             continue
     return deleted
 
+def gap_bound_ms(options: Mapping[str, str]) -> int:
+    """The ``sr.commit_gap_ms`` option (:data:`DEFAULT_GAP_MS` when absent); SourceError unless a positive integer."""
+    text = options.get(COMMIT_GAP_MS, "")
+    if not text:
+        return DEFAULT_GAP_MS
+    if not text.isdigit() or int(text) <= 0:
+        raise SourceError(f"option {COMMIT_GAP_MS} must be a positive integer of milliseconds, not {text!r}")
+    return int(text)
+
 
 class StagedSource(Source):
     """The files committed to a staged dataset: the master plans from commits, workers read files by URI."""
@@ -187,6 +201,9 @@ class StagedSource(Source):
         self.uri = uri
         self.options = dict(options or {})
         retention(self.options)
+        gap_bound_ms(self.options)
+        if self.options.get("sr.on_data_loss", "fail") not in ("fail", "skip"):
+            raise SourceError(f"option sr.on_data_loss must be fail or skip, not {self.options['sr.on_data_loss']!r}")
         declared = self.options.get(SCHEMA)
         self._schema: pa.Schema | None = decode_schema(declared) if declared else None
         self._files: OrderedDict[str, pq.ParquetFile] = OrderedDict()

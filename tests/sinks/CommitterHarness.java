@@ -13,7 +13,8 @@ import streamrover.flink.TrainingSink;
  * prints one line per committable: {@code outcome <producer>/<part>/<epoch> <committed|already|failed|retry>}.
  * A commit that throws (the job would fail) prints {@code threw <message>} and exits 3.
  *
- * <p>Arguments: master token dataset staging_dir retry_seconds (producer part epoch uri records)...
+ * <p>Arguments: master token dataset staging_dir retry_seconds (producer part epoch uri records)...; an epoch
+ * written {@code E:P} is epoch E whose previous epoch is P (as {@code EpochAssigner} sets it), else -1 (unknown).
  */
 public final class CommitterHarness {
     static final class Request implements Committer.CommitRequest<Staged> {
@@ -39,7 +40,9 @@ public final class CommitterHarness {
         List<Request> requests = new ArrayList<>();
         for (int i = 5; i + 4 < args.length; i += 5) {
             List<Staged.File> files = List.of(new Staged.File(args[i + 3], Long.parseLong(args[i + 4])));
-            requests.add(new Request(new Staged(args[i], args[i + 1], Long.parseLong(args[i + 2]), files)));
+            String[] epoch = args[i + 2].split(":");
+            long previous = epoch.length > 1 ? Long.parseLong(epoch[1]) : -1;
+            requests.add(new Request(new Staged(args[i], args[i + 1], Long.parseLong(epoch[0]), files, previous)));
         }
         try (Committer<Staged> committer = sink.createCommitter(null)) {
             for (Request r : requests) {

@@ -57,8 +57,9 @@ class FlinkJob:
         env["PATH"] = f"{FLINK_VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # its Python workers run `python`
         env["PYTHONPATH"] = str(ROOT)
         env["STREAMROVER_FLINK_SINK_JAR"] = str(self.jar)
-        env["FLINK_LOG_DIR"] = str(self.workdir / "flink-logs")  # the mini cluster's log (not the venv's)
         self.runs += 1
+        # the mini cluster's log (not the venv's), one folder per run: a run would overwrite the one before's
+        env["FLINK_LOG_DIR"] = str(self.workdir / "flink-logs" / f"run-{self.runs}")
         log = open(self.workdir / f"flink-{self.runs}.log", "ab")
         self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -113,13 +114,13 @@ class FlinkJob:
 
     def cluster_log(self) -> str:
         """The mini cluster's own log (where the sink's Java classes log), all runs."""
-        return "\n".join(p.read_text(errors="replace") for p in sorted((self.workdir / "flink-logs").glob("*.log")))
+        return "\n".join(p.read_text(errors="replace") for p in sorted((self.workdir / "flink-logs").glob("*/*.log")))
 
     def logs(self) -> str:
         """The driver's output and the lines of the mini cluster's log that tell of failures."""
         drivers = sorted(self.workdir.glob("flink-*.log"))
         out = [f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in drivers]
-        for p in sorted((self.workdir / "flink-logs").glob("*.log")):
+        for p in sorted((self.workdir / "flink-logs").glob("*/*.log")):
             lines = [ln for ln in p.read_text(errors="replace").splitlines() if "ERROR" in ln or "Exception" in ln]
             out.append(f"--- {p.name} (ERROR/Exception lines)\n" + "\n".join(lines[-40:]))
         return "\n".join(out)

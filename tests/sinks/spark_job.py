@@ -100,10 +100,10 @@ def main() -> None:
     )
     commit = sink.client.commit_staged
 
-    def commit_or_die(dataset: str, producer: str, part: str, epoch: int, files: Any) -> Any:
+    def commit_or_die(dataset: str, producer: str, part: str, epoch: int, files: Any, **how: Any) -> Any:
         if epoch == args.die_after_staging:
             _die()
-        answer = commit(dataset, producer, part, epoch, files)
+        answer = commit(dataset, producer, part, epoch, files, **how)  # settled, previous_epoch
         if epoch == args.die_after_commit:
             _die()
         return answer

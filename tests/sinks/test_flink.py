@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import sys
 import threading
 from collections import Counter
@@ -58,6 +59,25 @@ SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float64()), ("y", pa.float64())
 @pytest.fixture(scope="session")
 def flink_sink_jar() -> Path:
     return build_sink()
+
+
+def previous_epochs(journal: Path) -> tuple[int, int, int]:
+    """Check the chain of commits per (producer, part) in the master's journal: each previous_epoch the sink sent
+    names the (producer, part)'s commit right before it. Returns (commits naming one, commits naming none, chains)."""
+    db = sqlite3.connect(f"file:{journal}?mode=ro", uri=True)
+    try:
+        epochs: dict[tuple[str, str], list[int]] = {}
+        for producer, part, epoch in db.execute("SELECT producer, part, epoch FROM staged ORDER BY epoch"):
+            epochs.setdefault((producer, part), []).append(epoch)
+        named = {(p, k, e): prev for p, k, e, prev in db.execute("SELECT producer, part, epoch, previous "
+                                                                  "FROM staged_previous")}  # fmt: skip
+    finally:
+        db.close()
+    for (producer, part), chain in epochs.items():
+        for before, epoch in zip([None, *chain], chain):
+            prev = named.get((producer, part, epoch))
+            assert prev is None or prev == before, f"{producer}/{part}/{epoch} names {prev}, the one before: {before}"
+    return len(named), sum(len(chain) for chain in epochs.values()) - len(named), len(epochs)
 
 
 def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker: object, flink_sink_jar: Path) -> None:
@@ -140,12 +160,23 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         )
         assert committed() == RECORDS, "the dataset holds every record once"
         assert chaos.failed_committables == 0 == (flink.committer_metric("failedCommittables") or 0)
+        with chaos.quiet, job.admin() as admin:
+            assert list(admin.describe_dataset("stream").commit_gaps) == [], "a subtask's checkpoint was skipped"
+        job.master.stop()  # the journal is the master's alone while it runs
+        named, unnamed, chains = previous_epochs(job.master.state_dir / "journal.db")
+        print(f"commits naming their previous epoch: {named}, naming none: {unnamed} ({chains} producer/parts)",
+              file=sys.stderr)  # fmt: skip
+        assert named > 0 and unnamed == chains, "each commit but a producer/part's first names its previous epoch"
         # the committer named the status of each call the cuts broke, retried it, and a reset call landed once
         log = flink.cluster_log()
         statuses = Counter(re.findall(r"CommitStaged of \S+ failed with (\w+)", log))
         print(f"committer retries by status: {dict(statuses)}; retriedCommittables up to "
               f"{chaos.retried_committables}", file=sys.stderr)  # fmt: skip
-        assert "INTERNAL" in statuses and set(statuses) <= {"UNAVAILABLE", "UNKNOWN", "INTERNAL"}, statuses
+        assert set(statuses) <= {"UNAVAILABLE", "UNKNOWN", "INTERNAL"}, statuses
+        if proxy.cuts:  # a cut call was seen failing, by its status (a garbled frame: grpc-java says INTERNAL)
+            assert statuses, f"the committer logged no failed call, though the proxy cut {proxy.cuts}"
+        if any("garble" in cut for cut in proxy.cuts):
+            assert "INTERNAL" in statuses, (statuses, proxy.cuts)
         if {"reset", "garble"} & set(proxy.cuts):
             assert "an earlier attempt landed" in log, "a commit whose answer was cut was not retried to its end"
         losses = job.losses()

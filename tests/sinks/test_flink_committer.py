@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -58,7 +59,9 @@ def flink_jars() -> list[Path]:
     return [*sorted(lib.glob("flink-dist-*.jar")), *sorted(lib.glob("log4j-*.jar"))]
 
 
-def run_committer(jar: Path, master: str, token: str, staging: Path, commits: list[tuple[str, int, str, int]]) -> str:
+def run_committer(jar: Path, master: str, token: str, staging: Path,
+                  commits: Sequence[tuple[str, int | str, str, int]]) -> str:  # fmt: skip
+    """Run the harness over ``commits``: (part, epoch or "epoch:previous", uri, records)."""
     jars = [jar, *flink_jars()]
     cmd = ["java", "-Dorg.apache.logging.log4j.level=INFO", "-cp", ":".join(map(str, jars)),
            str(HERE / "CommitterHarness.java"), master, token, "stream", str(staging), "60"]  # fmt: skip
@@ -137,3 +140,27 @@ def test_a_restored_writer_deletes_only_its_epochs_after_the_restored_checkpoint
     assert left("4") == ["3", "4", "_inprogress"], "restored from checkpoint 4: epochs 5 and 12 are garbage"
     assert "deleted 2 epoch folder(s) (2 files)" in logs[-1], logs[-1]
     assert (staging / PRODUCER / "1" / "9").is_dir() and (staging / "other" / "0" / "9").is_dir(), "not its own"
+
+
+def test_the_committer_sends_previous_epoch_and_the_master_shows_the_gap(tmp_path: Path, flink_sink_jar: Path) -> None:
+    """Checkpoint 5 of subtask 0 commits before 4 (whose commit Flink retries later): the master shows the gap
+    the committer's previous_epoch names, and 4's late commit closes it. About 5 s."""
+    staging = tmp_path / "staging"
+    master = MasterProcess(tmp_path / "master")
+    master.start()
+    try:
+        with ShardClient(master.address, token=master.token, heartbeat=False) as admin:
+            options = {"sr.staging_dir": str(staging), "sr.schema": encode_schema(SCHEMA)}
+            admin.register_dataset(DatasetSpec("stream", "staged://stream", options=options, records_per_shard=1000))
+            three, four, five = (stage(staging, "0", e, 100 * e, 10) for e in (3, 4, 5))
+            out = run_committer(flink_sink_jar, master.address, master.token, staging,
+                                [("0", 3, three, 10), ("0", "5:4", five, 10)])  # fmt: skip
+            assert out.rstrip().endswith("exit 0"), out
+            gaps = [(g.producer, g.part, g.epoch, g.next_epoch) for g in admin.describe_dataset("stream").commit_gaps]
+            assert gaps == [(PRODUCER, "0", 4, 5)], out
+            out = run_committer(flink_sink_jar, master.address, master.token, staging, [("0", "4:3", four, 10)])
+            assert out.rstrip().endswith("exit 0"), out
+            info = admin.describe_dataset("stream")
+            assert list(info.commit_gaps) == [] and info.total_records == 30, out
+    finally:
+        master.stop()

@@ -76,6 +76,7 @@ def test_spark_query_trains_exactly_once_across_driver_kills(tmp_path: Path, kaf
         with job.admin() as admin:
             info = admin.describe_dataset("stream")
             assert info.total_records == RECORDS and info.records_committed == RECORDS and info.lag == 0
+            assert list(info.commit_gaps) == [], "every batch id's commit arrived (the sink names batch id - 1)"
             committed = {p.id for p in info.partitions}
         staged = {str(p) for p in (tmp_path / "staging").rglob("*.parquet")}
         assert staged <= committed, f"uncommitted staging left: {sorted(staged - committed)[:5]}"

@@ -145,7 +145,9 @@ def test_batches_span_consumer_calls_and_keep_every_column(kafka_broker: Any) ->
 
     topic = f"chunks-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
-    for f in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+    # records timestamped in 2023: older than the broker's 7-day retention, which deletes them at its first check
+    # (30 s after the broker starts, then every 5 min) unless the topic keeps them
+    for f in admin.create_topics([NewTopic(topic, 1, 1, config={"retention.ms": "-1"})]).values():
         f.result(30)
     n = 3 * CHUNK + 301
     producer = Producer(kafka_broker.client_config(acks="all"))

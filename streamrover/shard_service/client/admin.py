@@ -99,17 +99,23 @@ class AdminClient:
         epoch: int,
         files: Sequence[tuple[str, int]],
         settled: bool = False,
+        previous_epoch: int | None = None,
     ) -> pb.CommitStagedResponse:
         """Commit staged Parquet files ``(uri, records)`` to a staged dataset, once per (producer, part, epoch).
 
         A repeat of a committed key answers ``already_committed`` and adds nothing (safe to retry).
         ``settled``: every epoch <= ``epoch`` of (producer, part) is committed or never will be, so the master
         may delete their uncommitted staging (a producer that commits in order, as Spark does; see the .proto).
+        ``previous_epoch``: the epoch of (producer, part)'s commit before this one, when known; the master shows
+        it as a gap while that commit has not arrived, and fails the dataset once it is missing for longer than
+        ``sr.commit_gap_ms`` (unless ``sr.on_data_loss=skip``).
         """
         staged = [pb.StagedFile(uri=uri, records=records) for uri, records in files]
         request = pb.CommitStagedRequest(
             dataset=dataset, producer=producer, part=part, epoch=epoch, files=staged, settled=settled
         )
+        if previous_epoch is not None:
+            request.previous_epoch = previous_epoch
         return self._call(self._stub.CommitStaged, request)
 
     def status(self) -> pb.StatusResponse:

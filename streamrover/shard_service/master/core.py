@@ -132,16 +132,17 @@ class ShardCore(CoreState):
         self.journal.put_shard(s)
 
     def expire(self) -> int:
-        """Declare dead the workers that missed their heartbeats, returning their leases. Returns how many.
+        """Declare dead the workers that missed their heartbeats, returning their leases, and act on staged commit
+        gaps past their bound (``staged.expire_gaps``). Returns how many leases and gaps changed.
 
         Looks only at the leases and workers whose deadline may have passed (``lease_due``, ``worker_due``).
         """
         now = self.clock()
         dead = [self.workers[wid] for wid in self.worker_due.due(now)]
         late = [self.shards[sid] for sid in self.lease_due.due(now)]
+        count = len(self.staged.expire_gaps())  # a failed dataset refuses the lease calls waiting for it
         if not dead and not late:
-            return 0
-        count = 0
+            return count
         self.events["workers_lost"] += len(dead)
         with self.journal.transaction():
             for s in late:
@@ -154,8 +155,9 @@ class ShardCore(CoreState):
         return count
 
     def next_deadline(self) -> float | None:
-        """The earliest moment a lease or a worker can expire (for the reaper's timer)."""
-        times = [t for t in (self.lease_due.earliest(), self.worker_due.earliest()) if t is not None]
+        """The earliest moment a lease, a worker or a staged commit gap can expire (for the reaper's timer)."""
+        due = (self.lease_due.earliest(), self.worker_due.earliest(), self.staged.next_gap_deadline())
+        times = [t for t in due if t is not None]
         return min(times) if times else None
 
     def heartbeat(self, worker_id: str) -> tuple[float, list[tuple[str, int]]]:
@@ -426,7 +428,8 @@ class ShardCore(CoreState):
         lost = self.streams.upstream.restore_lost(cursor)
         with self.journal.transaction():
             revoked = self.revoke_leases()
-            requeued = sum(self.replan(ds, cursor.only(ds.name), lost) for ds in list(self.datasets.values()))
+            rewound = [self.streams.rewind_to_holds(ds, cursor) for ds in list(self.datasets.values())]  # history.py
+            requeued = sum(self.replan(ds, cursor.only(ds.name), lost) for ds in rewound)
             self.cut_book.reset(cursor, from_memory)
             self.streams.upstream.save_lost()
             self.save_counters()

@@ -64,6 +64,13 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS staged (
     dataset TEXT NOT NULL, producer TEXT NOT NULL, part TEXT NOT NULL, epoch INTEGER NOT NULL,
     records INTEGER NOT NULL, files TEXT NOT NULL, PRIMARY KEY (dataset, producer, part, epoch)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS staged_previous (
+    dataset TEXT NOT NULL, producer TEXT NOT NULL, part TEXT NOT NULL, epoch INTEGER NOT NULL,
+    previous INTEGER NOT NULL, PRIMARY KEY (dataset, producer, part, epoch)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS staged_gaps (
+    dataset TEXT NOT NULL, producer TEXT NOT NULL, part TEXT NOT NULL, epoch INTEGER NOT NULL,
+    next_epoch INTEGER NOT NULL, opened_at REAL NOT NULL, skipped INTEGER NOT NULL,
+    PRIMARY KEY (dataset, producer, part, epoch)) WITHOUT ROWID;
 """
 
 # the columns a lease, an ack and a lease request change (an UPDATE, not a delete and re-insert of the whole row)

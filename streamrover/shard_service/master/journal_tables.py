@@ -96,12 +96,17 @@ class JournalTables:
         return [(str(k), bytes(v)) for k, v in rows]
 
     # -- staged commits (sinks) ------------------------------------------------
-    def put_staged(self, dataset: str, producer: str, part: str, epoch: int, records: int, files: list[str]) -> None:
-        """Record a staged commit: its key (dataset, producer, part, epoch), records and files."""
+    def put_staged(self, dataset: str, producer: str, part: str, epoch: int, records: int, files: list[str],
+                   previous: int | None = None) -> None:  # fmt: skip
+        """Record a staged commit: its key (dataset, producer, part, epoch), records, files, and the previous epoch
+        of (producer, part) its sink named (kept apart, as a record of the chain: the gaps are derived from it)."""
         self._db.execute(
             "INSERT INTO staged VALUES (?, ?, ?, ?, ?, ?)",
             (dataset, producer, part, epoch, records, json.dumps(files)),
         )
+        if previous is not None:
+            self._db.execute("INSERT INTO staged_previous VALUES (?, ?, ?, ?, ?)",
+                             (dataset, producer, part, epoch, previous))  # fmt: skip
 
     def load_staged(self) -> list[tuple[str, str, str, int, int, list[str]]]:
         """Every staged commit, by key."""
@@ -111,8 +116,31 @@ class JournalTables:
         ]
 
     def delete_staged_of(self, dataset: str) -> None:
-        """Delete the staged commits of ``dataset``."""
+        """Delete the staged commits of ``dataset``, and its commit gaps."""
         self._db.execute("DELETE FROM staged WHERE dataset = ?", (dataset,))
+        self._db.execute("DELETE FROM staged_previous WHERE dataset = ?", (dataset,))
+        self._db.execute("DELETE FROM staged_gaps WHERE dataset = ?", (dataset,))
+
+    # -- commit gaps of staged datasets (gaps.py) ----------------------------------
+    def put_gap(self, dataset: str, producer: str, part: str, epoch: int, next_epoch: int, opened_at: float,
+                skipped: bool) -> None:  # fmt: skip
+        """Record (or update) the open gap at (dataset, producer, part, epoch)."""
+        self._db.execute(
+            "INSERT OR REPLACE INTO staged_gaps VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (dataset, producer, part, epoch, next_epoch, opened_at, 1 if skipped else 0),
+        )
+
+    def delete_gap(self, dataset: str, producer: str, part: str, epoch: int) -> None:
+        """The gap at (dataset, producer, part, epoch) closed."""
+        self._db.execute("DELETE FROM staged_gaps WHERE dataset = ? AND producer = ? AND part = ? AND epoch = ?",
+                         (dataset, producer, part, epoch))  # fmt: skip
+
+    def load_gaps(self) -> list[tuple[str, str, str, int, int, float, bool]]:
+        """Every open gap: (dataset, producer, part, epoch, next epoch, opened at, skipped)."""
+        return [
+            (str(d), str(p), str(k), int(e), int(n), float(t), bool(s))
+            for d, p, k, e, n, t, s in self._db.execute("SELECT * FROM staged_gaps ORDER BY dataset, opened_at")
+        ]
 
 
 __all__ = ["JournalTables"]

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from streamrover.sources.api import SourceKind
+from streamrover.sources.staged import is_staged
 
 if TYPE_CHECKING:
     from streamrover.shard_service.master.server import ShardServicer
@@ -56,6 +57,11 @@ class JobCollector(Collector):
         skew = _gauge("dataset_time_skew_ms", "stream time the leased shards span: the newest leased shard's "
                       "first record less the oldest shard not yet acked (at most sr.max_skew_ms)",
                       ["dataset"])  # fmt: skip
+        gaps = _gauge("dataset_commit_gaps", "staged commits a later commit of the same producer and part names as "
+                      "its previous, not arrived (skipped: past sr.commit_gap_ms with sr.on_data_loss=skip)",
+                      ["dataset", "state"])  # fmt: skip
+        gap_age = _gauge("commit_gap_age_seconds", "seconds since a staged commit gap opened (a missing commit)",
+                         ["dataset", "producer", "part", "epoch", "state"])  # fmt: skip
         finished = _gauge("dataset_finished", "1 when a batch dataset has every shard of every epoch acked",
                           ["dataset"])  # fmt: skip
         workers = _gauge("workers", "workers joined and alive")
@@ -82,6 +88,14 @@ class JobCollector(Collector):
                 failed.add_metric([name], 1 if ds.failed else 0)
                 lost.add_metric([name], core.streams.upstream.lost_records(ds))
                 finished.add_metric([name], 1 if counts.finished else 0)
+                open_gaps = core.staged.gaps.of(name)
+                if open_gaps or is_staged(ds.spec.uri):
+                    skipped = sum(1 for g in open_gaps if g.skipped)
+                    gaps.add_metric([name, "open"], len(open_gaps) - skipped)
+                    gaps.add_metric([name, "skipped"], skipped)
+                for g in open_gaps:
+                    labels = [name, g.producer, g.part, str(g.epoch), "skipped" if g.skipped else "open"]
+                    gap_age.add_metric(labels, max(now - g.opened_at, 0.0))
                 if ds.kind is SourceKind.STREAM:
                     total = 0
                     for plan, (_, _, part_lag) in zip(ds.partitions, core.lag(ds)):
@@ -108,8 +122,8 @@ class JobCollector(Collector):
             commit_time = core.cut_book.last_commit_time
             uptime = now - core.started
             nodes = core.kv.scan(NODES_PREFIX)
-        yield from (lag, ds_lag, skew, shards, records, planned, dead, failed, lost, finished, workers, w_leases,
-                    w_records, w_seen, events, acks, acked)  # fmt: skip
+        yield from (lag, ds_lag, skew, shards, records, planned, dead, failed, lost, gaps, gap_age, finished, workers,
+                    w_leases, w_records, w_seen, events, acks, acked)  # fmt: skip
         yield GaugeMetricFamily(f"{PREFIX}_records_acked_per_second", "records acked per second, last few seconds",
                                 value=rps)  # fmt: skip
         yield GaugeMetricFamily(f"{PREFIX}_acks_per_second", "acks per second, last few seconds", value=aps)

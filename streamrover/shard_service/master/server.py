@@ -23,6 +23,7 @@ from streamrover.shard_service.api import (
 )
 from streamrover.shard_service.master.bookkeeping import DatasetRecord
 from streamrover.shard_service.master.core import AckItem, ShardCore
+from streamrover.shard_service.master.gaps import gaps_to_pb
 from streamrover.shard_service.master.group_commit import CommitLock
 from streamrover.shard_service.master.journal import JournalWriteError
 from streamrover.shard_service.master.kv_rpc import kv_delete_range, kv_get, kv_set
@@ -167,6 +168,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             records_acked=counts.records_acked,
             records_committed=counts.records_committed,
             lost_records=self.core.streams.upstream.lost_records(ds),
+            commit_gaps=gaps_to_pb(self.core.staged.gaps.of(ds.name), self.core.clock()),
         )
 
     @_rpc
@@ -198,6 +200,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         """RPC: clear a dataset's failure (``skip_lost``: deleted records count as lost); a stream's poller restarts."""
         with self.cond:
             resumed = self.core.streams.resume_dataset(request.name, skip_lost=request.skip_lost)
+            if resumed:
+                self.core.staged.resume_gaps(request.name, skip=request.skip_lost)
             ds = self.core.dataset(request.name)
             old = self.pollers.get(ds.name) if resumed and ds.kind is SourceKind.STREAM else None
         if old is not None:

@@ -10,14 +10,19 @@ outside the service lock; the checks that need the dataset's state are made here
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from streamrover.shard_service.api import FailedPreconditionError, InvalidArgumentError, PartitionPlan
 from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.gaps import CommitGaps, Gap
 from streamrover.shard_service.master.planner import plan_epoch
 from streamrover.shard_service.master.state import CoreState
 from streamrover.shard_service.master.streams import StreamPlanner
-from streamrover.sources.staged import STAGING_DIR, FileFacts, in_staging, is_staged, retention
+from streamrover.sources.api import SourceError
+from streamrover.sources.staged import STAGING_DIR, FileFacts, gap_bound_ms, in_staging, is_staged, retention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,14 @@ class StagedCommits:
         self.staged_commits: dict[tuple[str, str, str, int], tuple[int, list[str]]] = {}
         for dataset, producer, part, epoch, records, files in table.journal.load_staged():
             self.staged_commits[(dataset, producer, part, epoch)] = (records, files)
+        self.gaps = CommitGaps(table.journal, table.clock)  # commits a later one names, not arrived (gaps.py)
 
     def forget_dataset(self, name: str) -> None:
         """Forget the commits of dataset ``name`` (it was removed; its journal rows with it)."""
         for staged in [k for k in self.staged_commits if k[0] == name]:
             del self.staged_commits[staged]
         self.retired_staged = {k for k in self.retired_staged if k[0] != name}
+        self.gaps.forget_dataset(name)
 
     def staged_dataset(self, name: str) -> DatasetRecord:
         """The dataset ``name``, which must be a staged one (NOT_FOUND, else FAILED_PRECONDITION)."""
@@ -104,8 +111,13 @@ class StagedCommits:
                         out.setdefault(staging, []).append(plan.id)
         return out
 
-    def commit_staged(self, name: str, producer: str, part: str, epoch: int, files: list[FileFacts]) -> StagedOutcome:
-        """Commit the checked ``files`` under the key, or answer that the key was committed before."""
+    def commit_staged(self, name: str, producer: str, part: str, epoch: int, files: list[FileFacts],
+                      previous: int | None = None) -> StagedOutcome:  # fmt: skip
+        """Commit the checked ``files`` under the key, or answer that the key was committed before.
+
+        ``previous``: the epoch of the (producer, part)'s commit before this one, when the sink knows it; a gap
+        opens when it is not committed (:mod:`.gaps`).
+        """
         earlier = self.staged_commit(name, producer, part, epoch)
         if earlier is not None:
             return earlier
@@ -138,6 +150,51 @@ class StagedCommits:
         with self.table.journal.transaction():
             self.table.add_planned(ds, plan_epoch(plans, 0, ds.shard_size, False, 0))
             self.table.journal.put_dataset(ds)
-            self.table.journal.put_staged(name, producer, part, epoch, records, uris)
+            self.table.journal.put_staged(name, producer, part, epoch, records, uris, previous)
+            self.gaps.committed(name, producer, part, epoch, previous, self.staged_commits.__contains__)
             self.table.save_counters()
         return StagedOutcome(False, records, *self._garbage_scope(ds, producer, part, epoch))
+
+    # ------------------------------------------------------------ commit gaps (gaps.py)
+    def gap_bound(self, name: str) -> float | None:
+        """Seconds a gap of dataset ``name`` may stay open; None when its gaps are not checked now (failed)."""
+        ds = self.table.datasets.get(name)
+        if ds is None or ds.failed:
+            return None
+        try:
+            return gap_bound_ms(ds.spec.options) / 1000.0
+        except SourceError:  # refused at registration; a journal from before then: the default
+            return gap_bound_ms({}) / 1000.0
+
+    def next_gap_deadline(self) -> float | None:
+        """When the next open gap passes its bound (for the reaper's timer)."""
+        return self.gaps.next_deadline(self.gap_bound)
+
+    def expire_gaps(self) -> list[Gap]:
+        """Gaps past their bound fail their dataset (``sr.on_data_loss=fail``) or are skipped; returns them."""
+        due = self.gaps.due(self.gap_bound)
+        for gap in due:
+            ds = self.table.dataset(gap.dataset)
+            if ds.failed:
+                continue  # an earlier gap of this check failed it
+            bound_ms = int((self.gap_bound(ds.name) or 0) * 1000)
+            if ds.spec.options.get("sr.on_data_loss", "fail") == "skip":
+                with self.table.journal.transaction():
+                    self.gaps.skip(gap)
+                log.error("dataset %s: %s for %d ms (sr.commit_gap_ms): skipped, its records are not trained "
+                          "(sr.on_data_loss=skip)", ds.name, gap.describe(), bound_ms)  # fmt: skip
+                continue
+            reason = (
+                f"{gap.describe()}, for longer than sr.commit_gap_ms={bound_ms}: its records are lost unless the "
+                f"sink commits it. Commit it (restart the Flink job from a checkpoint that holds it) and run "
+                f"'streamrover dataset resume {ds.name}' (one more sr.commit_gap_ms to arrive), or resume with "
+                "--skip-lost to account the missing commit as skipped (or register with sr.on_data_loss=skip)"
+            )
+            log.error("dataset %s failed: %s", ds.name, reason)
+            self.streams.fail_dataset(ds.name, reason)
+        return due
+
+    def resume_gaps(self, name: str, skip: bool) -> int:
+        """Dataset ``name`` was resumed: its open gaps get one more bound, or are skipped (``skip``)."""
+        with self.table.journal.transaction():
+            return self.gaps.restart(name, skip)

@@ -80,13 +80,19 @@ def commit_staged(self: ShardServicer, request: pb.CommitStagedRequest, context:
         raise InvalidArgumentError(f"commit of {request.dataset!r}: {exc}") from exc
     if request.epoch < 0:
         raise InvalidArgumentError(f"commit of {request.dataset!r}: epoch must be >= 0, got {request.epoch}")
+    previous = request.previous_epoch if request.HasField("previous_epoch") else None
+    if previous is not None and not 0 <= previous < request.epoch:
+        raise InvalidArgumentError(
+            f"commit of {request.dataset!r}: previous_epoch must be >= 0 and below epoch {request.epoch}, "
+            f"got {previous} (leave it unset when the previous epoch is not known)"
+        )
     key = (request.dataset, request.producer, request.part, request.epoch)
     with self.cond:
         outcome = self.core.staged.staged_commit(*key)
     if outcome is None:
         facts = check_files(request)  # I/O outside the lock
         with self.cond:
-            outcome = self.core.staged.commit_staged(*key, facts)
+            outcome = self.core.staged.commit_staged(*key, facts, previous)
             if not outcome.already:
                 self.cond.notify_all()  # lease calls waiting for shards
     if request.settled:  # else a commit of an earlier epoch may still come (Flink): nothing is garbage yet

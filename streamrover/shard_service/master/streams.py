@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from streamrover.cursor import PartitionKey
+from streamrover.cursor import DataCursor, PartitionKey
 from streamrover.shard_service.api import PartitionPlan, ShardState
 from streamrover.shard_service.master.bookkeeping import DatasetRecord
 from streamrover.shard_service.master.cuts import CutBook
@@ -85,7 +85,16 @@ class StreamPlanner:
         self.available: dict[tuple[str, int], int] = {}  # (dataset, partition index) -> end at last poll
         self.pending_since: dict[tuple[str, int], float] = {}  # since when unplanned records wait
         self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)
+        self.holds: dict[tuple[str, int], int] = {}  # (dataset, partition index) -> its hold (sources/history.py)
         self.upstream = Upstream(table, cut_book, self.available)
+
+    def _available(self, name: str, plan: PartitionPlan, holding: bool) -> int:
+        """Where a partition's records end for planning: at its hold while the history comes first."""
+        key = (name, plan.index)
+        avail = self.available.get(key, plan.end)
+        if holding and key in self.holds:  # the history first: nothing live is planned yet
+            avail = max(min(avail, self.holds[key]), plan.end)
+        return avail
 
     def extend_stream(self, name: str, polled: list[Partition], force: bool = False, hold: bool = False) -> int:
         """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned.
@@ -111,6 +120,8 @@ class StreamPlanner:
                 known[p.id] = plan
                 changed = True
             self.available[(name, known[p.id].index)] = p.end
+            if p.hold is not None:
+                self.holds[(name, known[p.id].index)] = p.hold
             if p.segments is not None:  # a sparse partition: where its records are (sources/positions.py)
                 seen = ds.runs.setdefault(known[p.id].index, RecordRuns())
                 before = len(seen)
@@ -121,9 +132,10 @@ class StreamPlanner:
         changed = self._compact_runs(ds) or changed
         pending = self.table.state_counts[name][ShardState.TODO]
         cells: dict[int, list[tuple[int, int]]] = {}  # per partition: the full shards it has room for
+        holding = self.holding(ds)
         for plan in ds.partitions:
             runs = ds.runs.get(plan.index)
-            avail = self.available.get((name, plan.index), plan.end)
+            avail = self._available(name, plan, holding)
             segments = None if runs is None else runs.between(plan.end, avail)
             cells[plan.index] = full_shards(plan.end, avail, size, segments, max_pending - pending)[0]
         taken = _round_robin(cells, max_pending - pending)
@@ -136,7 +148,7 @@ class StreamPlanner:
         pending += len(planned)
         for plan in list(ds.partitions):
             key = (name, plan.index)
-            avail = self.available.get(key, plan.end)
+            avail = self._available(name, plan, holding)
             n = taken[plan.index]
             end = cells[plan.index][n - 1][1] if n else plan.end
             if avail > end:
@@ -159,6 +171,48 @@ class StreamPlanner:
                 self.table.journal.put_dataset(ds)
                 self.table.save_counters()
         return len(planned)
+
+    def holding(self, ds: DatasetRecord) -> bool:
+        """Whether a chained dataset's live part waits: some partition has positions below its hold not acked.
+
+        (``Partition.hold``, sources/history.py.) The committed cursor is looked at first, the acks only while
+        it does not cover the holds, so a dataset past its history costs one interval lookup per partition.
+        """
+        holds = [
+            (plan, self.holds[(ds.name, plan.index)]) for plan in ds.partitions if (ds.name, plan.index) in self.holds
+        ]
+        if not holds:
+            return False
+
+        def covered(cursor: DataCursor) -> bool:
+            return all(cursor.get(PartitionKey(ds.name, 0, plan.id)).covers(plan.start, hold) for plan, hold in holds)
+
+        if covered(self.cut_book.committed):
+            return False
+        acked = self.cut_book.committed.copy()
+        self.table.add_acks(acked)
+        return not covered(acked)
+
+    def rewind_to_holds(self, ds: DatasetRecord, cursor: DataCursor) -> DatasetRecord:
+        """Before a restore re-plans ``ds``: if ``cursor`` lacks part of a chained dataset's history, its planned
+        extents go back to the holds (never below what ``cursor`` holds), so the live part waits for the history
+        again instead of being re-planned beside it. Returns ``ds``."""
+        holds = {
+            plan.index: self.holds[(ds.name, plan.index)]
+            for plan in ds.partitions
+            if (ds.name, plan.index) in self.holds
+        }
+        if not holds:
+            return ds
+        done = {plan.index: cursor.get(PartitionKey(ds.name, 0, plan.id)) for plan in ds.partitions}
+        if all(done[i].covers(ds.partitions[i].start, hold) for i, hold in holds.items()):
+            return ds
+        for i, hold in holds.items():
+            plan = ds.partitions[i]
+            kept = max([plan.start, hold, *(b for _, b in done[i])])
+            if plan.end > kept:
+                ds.partitions[i] = replace(plan, end=kept)
+        return ds
 
     def _compact_runs(self, ds: DatasetRecord) -> bool:
         """Fold the runs of sparse partitions below what is committed upstream (one run per ledger is unbounded).
@@ -238,7 +292,7 @@ class StreamPlanner:
 
     def forget_dataset(self, name: str) -> None:
         """Forget what the polls of dataset ``name`` said (it was removed)."""
-        for keyed in (self.available, self.pending_since):
+        for keyed in (self.available, self.pending_since, self.holds):
             for pkey in [k for k in keyed if k[0] == name]:
                 del keyed[pkey]
         self.source_errors.pop(name, None)

@@ -223,6 +223,7 @@ class DatasetInfo(google.protobuf.message.Message):
     FAILED_FIELD_NUMBER: builtins.int
     DEAD_LETTERS_FIELD_NUMBER: builtins.int
     LOST_RECORDS_FIELD_NUMBER: builtins.int
+    COMMIT_GAPS_FIELD_NUMBER: builtins.int
     kind: global___DatasetKind.ValueType
     total_records: builtins.int
     """batch: records per epoch; stream: records planned so far"""
@@ -254,6 +255,13 @@ class DatasetInfo(google.protobuf.message.Message):
     def partitions(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___PartitionInfo]: ...
     @property
     def shards(self) -> global___ShardCounts: ...
+    @property
+    def commit_gaps(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___CommitGap]:
+        """staged datasets: commits that a later commit of the same (producer, part) names as its previous epoch, and
+        that have not arrived (see CommitStagedRequest.previous_epoch), oldest first. Open ones past the dataset's
+        sr.commit_gap_ms fail it (sr.on_data_loss=fail) or are shown here with skipped=true (skip).
+        """
+
     def __init__(
         self,
         *,
@@ -272,11 +280,48 @@ class DatasetInfo(google.protobuf.message.Message):
         failed: builtins.bool = ...,
         dead_letters: builtins.int = ...,
         lost_records: builtins.int = ...,
+        commit_gaps: collections.abc.Iterable[global___CommitGap] | None = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["shards", b"shards", "spec", b"spec"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "lost_records", b"lost_records", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "total_records", b"total_records"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["commit_gaps", b"commit_gaps", "dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "lost_records", b"lost_records", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "total_records", b"total_records"]) -> None: ...
 
 global___DatasetInfo = DatasetInfo
+
+@typing.final
+class CommitGap(google.protobuf.message.Message):
+    """A commit that has not arrived though a later one of the same (producer, part) says it came before."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    PRODUCER_FIELD_NUMBER: builtins.int
+    PART_FIELD_NUMBER: builtins.int
+    EPOCH_FIELD_NUMBER: builtins.int
+    NEXT_EPOCH_FIELD_NUMBER: builtins.int
+    AGE_SECONDS_FIELD_NUMBER: builtins.int
+    SKIPPED_FIELD_NUMBER: builtins.int
+    producer: builtins.str
+    part: builtins.str
+    epoch: builtins.int
+    """the missing epoch"""
+    next_epoch: builtins.int
+    """the committed epoch that names it as its previous"""
+    age_seconds: builtins.float
+    """since next_epoch's commit opened the gap"""
+    skipped: builtins.bool
+    """past sr.commit_gap_ms with sr.on_data_loss=skip: counted as lost, not failed"""
+    def __init__(
+        self,
+        *,
+        producer: builtins.str = ...,
+        part: builtins.str = ...,
+        epoch: builtins.int = ...,
+        next_epoch: builtins.int = ...,
+        age_seconds: builtins.float = ...,
+        skipped: builtins.bool = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["age_seconds", b"age_seconds", "epoch", b"epoch", "next_epoch", b"next_epoch", "part", b"part", "producer", b"producer", "skipped", b"skipped"]) -> None: ...
+
+global___CommitGap = CommitGap
 
 @typing.final
 class RegisterDatasetRequest(google.protobuf.message.Message):
@@ -1418,7 +1463,8 @@ class StagedFile(google.protobuf.message.Message):
 
     A key (producer, part, epoch) is committed once: a retried or replayed commit of a committed key
     answers OK with already_committed=true and adds nothing (whatever files it names). Commits of one
-    (producer, part) come in epoch order. Every file is validated before anything is journalled:
+    (producer, part) come in epoch order but for retries and replays (an earlier epoch may land after a later
+    one: see previous_epoch). Every file is validated before anything is journalled:
     INVALID_ARGUMENT names a file that is missing, unreadable, not Parquet, whose row count differs from
     `records`, whose schema differs from the dataset's, that is named twice, or that is already a
     partition of the dataset; NOT_FOUND: no such dataset; FAILED_PRECONDITION: the dataset is not staged.
@@ -1461,6 +1507,7 @@ class CommitStagedRequest(google.protobuf.message.Message):
     EPOCH_FIELD_NUMBER: builtins.int
     FILES_FIELD_NUMBER: builtins.int
     SETTLED_FIELD_NUMBER: builtins.int
+    PREVIOUS_EPOCH_FIELD_NUMBER: builtins.int
     dataset: builtins.str
     """a dataset registered with uri "staged://<anything>", format parquet"""
     producer: builtins.str
@@ -1471,6 +1518,14 @@ class CommitStagedRequest(google.protobuf.message.Message):
     """Flink checkpoint id / Spark batch id (>= 0)"""
     settled: builtins.bool
     """every epoch <= this one of (producer, part) is committed or never will be (see above)"""
+    previous_epoch: builtins.int
+    """The epoch of this (producer, part)'s commit right before this one (Flink: the subtask's previous checkpoint
+    that staged files, from the sink's operator state; Spark: batch id - 1). Unset: unknown, or this is the first.
+    When that epoch is not committed, the master holds a *gap*: shown in status (DatasetInfo.commit_gaps) and
+    /metrics with its age, closed when that commit arrives (a Flink retry of an earlier checkpoint's commit, a
+    restore replaying it). A gap open longer than the dataset's sr.commit_gap_ms (default 15 minutes) fails the
+    dataset naming the producer, part and epoch, unless sr.on_data_loss=skip (then counted and shown). Journalled.
+    """
     @property
     def files(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___StagedFile]:
         """may be empty (an empty checkpoint/batch: the key is committed all the same)"""
@@ -1484,8 +1539,11 @@ class CommitStagedRequest(google.protobuf.message.Message):
         epoch: builtins.int = ...,
         files: collections.abc.Iterable[global___StagedFile] | None = ...,
         settled: builtins.bool = ...,
+        previous_epoch: builtins.int | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["dataset", b"dataset", "epoch", b"epoch", "files", b"files", "part", b"part", "producer", b"producer", "settled", b"settled"]) -> None: ...
+    def HasField(self, field_name: typing.Literal["_previous_epoch", b"_previous_epoch", "previous_epoch", b"previous_epoch"]) -> builtins.bool: ...
+    def ClearField(self, field_name: typing.Literal["_previous_epoch", b"_previous_epoch", "dataset", b"dataset", "epoch", b"epoch", "files", b"files", "part", b"part", "previous_epoch", b"previous_epoch", "producer", b"producer", "settled", b"settled"]) -> None: ...
+    def WhichOneof(self, oneof_group: typing.Literal["_previous_epoch", b"_previous_epoch"]) -> typing.Literal["previous_epoch"] | None: ...
 
 global___CommitStagedRequest = CommitStagedRequest
 

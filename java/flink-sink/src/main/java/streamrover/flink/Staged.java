@@ -13,7 +13,9 @@ import org.apache.flink.core.memory.DataOutputSerializer;
 /**
  * Files one writer subtask staged for one checkpoint: the writer's result (epoch -1, the files still in
  * the subtask's in-progress folder) and, once {@link EpochAssigner} gave it the checkpoint id, the
- * committable (key: producer = Flink job id, part = subtask index, epoch = checkpoint id).
+ * committable (key: producer = Flink job id, part = subtask index, epoch = checkpoint id), with the epoch of
+ * the same (producer, part)'s committable before it ({@code previousEpoch}, -1 when unknown or none: see
+ * {@link EpochAssigner}).
  */
 public final class Staged implements Serializable {
     private static final long serialVersionUID = 1L;
@@ -34,12 +36,19 @@ public final class Staged implements Serializable {
     public final String part;
     public final long epoch;
     public final List<File> files;
+    /** The epoch of this (producer, part)'s committable before this one; -1: unknown, or this is the first. */
+    public final long previousEpoch;
 
     public Staged(String producer, String part, long epoch, List<File> files) {
+        this(producer, part, epoch, files, -1);
+    }
+
+    public Staged(String producer, String part, long epoch, List<File> files, long previousEpoch) {
         this.producer = producer;
         this.part = part;
         this.epoch = epoch;
         this.files = Collections.unmodifiableList(new ArrayList<>(files));
+        this.previousEpoch = previousEpoch;
     }
 
     /** Records in all files. */
@@ -58,7 +67,7 @@ public final class Staged implements Serializable {
     public static final class Serializer implements SimpleVersionedSerializer<Staged> {
         @Override
         public int getVersion() {
-            return 1;
+            return 2; // 2 added previousEpoch; 1 (without it) is still read, as previousEpoch -1
         }
 
         @Override
@@ -72,12 +81,13 @@ public final class Staged implements Serializable {
                 out.writeUTF(f.uri);
                 out.writeLong(f.records);
             }
+            out.writeLong(s.previousEpoch);
             return out.getCopyOfBuffer();
         }
 
         @Override
         public Staged deserialize(int version, byte[] bytes) throws IOException {
-            if (version != 1) {
+            if (version != 1 && version != 2) {
                 throw new IOException("streamrover Staged: unknown serialization version " + version);
             }
             DataInputDeserializer in = new DataInputDeserializer(bytes);
@@ -89,7 +99,8 @@ public final class Staged implements Serializable {
             for (int i = 0; i < n; i++) {
                 files.add(new File(in.readUTF(), in.readLong()));
             }
-            return new Staged(producer, part, epoch, files);
+            long previous = version >= 2 ? in.readLong() : -1;
+            return new Staged(producer, part, epoch, files, previous);
         }
     }
 }

@@ -64,6 +64,9 @@ final class StagedCommitter implements Committer<Staged> {
             Staged s = request.getCommittable();
             CommitStagedRequest.Builder rpc = CommitStagedRequest.newBuilder()
                     .setDataset(dataset).setProducer(s.producer).setPart(s.part).setEpoch(s.epoch);
+            if (s.previousEpoch >= 0) { // the master shows a gap while that epoch is not committed (EpochAssigner)
+                rpc.setPreviousEpoch(s.previousEpoch);
+            }
             for (Staged.File f : s.files) {
                 rpc.addFiles(StagedFile.newBuilder().setUri(f.uri).setRecords(f.records));
             }

@@ -1,0 +1,152 @@
+"""A Delta Lake table as a batch dataset, pinned to one version (``deltalake``).
+
+URI: ``delta://PATH`` (a local path: ``delta:///lake/clicks``; any URL ``deltalake`` opens after
+``delta://``). Option ``sr.version``: the table version (snapshot) to train; default the newest one
+when the dataset is registered.
+
+- **Pinned.** The data files of that version are listed once, at registration; a Delta data file is
+  never rewritten (an update writes new files, a vacuum deletes old ones), so the dataset is fixed
+  whatever is appended, updated or compacted later.
+- **Sharded by data file and row group.** Each row group of each data file is a partition
+  ``v{version}:{file}#rg{n}``, its positions row indexes (dense, as ``files.py``). The version is in
+  every partition id, so it is in every cursor (and checkpoint manifest) that holds the table's records.
+- **Refused** at registration, with what to do: a version that does not exist, a partitioned table
+  (partition values live in the log, not the files: not read yet), deletion vectors and column mapping
+  (rows and names the Parquet files alone do not give).
+- A data file deleted (vacuumed) before its records were trained cannot be read: the worker's read
+  raises :class:`~streamrover.sources.api.SourceNotFoundError`, and the dataset fails (or, with
+  ``sr.on_data_loss=skip``, its records are counted lost), as for files.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError, TableNotFoundError
+from pydantic import Field
+
+from streamrover.sources.api import (
+    Partition,
+    ReadBatch,
+    Source,
+    SourceError,
+    SourceKind,
+    SourceNotFoundError,
+    SourceSchemaError,
+    register_source,
+)
+from streamrover.sources.files import FileSource
+from streamrover.sources.options import _Options
+
+_PART_ID = re.compile(r"^v(?P<version>\d+):(?P<path>.+)#rg(?P<rg>\d+)$")
+_UNSUPPORTED = {"deletionVectors": "deletion vectors", "columnMapping": "column mapping"}
+_OPEN_FILES = 4
+
+
+class DeltaOptions(_Options):
+    """``delta://`` datasets."""
+
+    version: int | None = Field(None, ge=0, alias="sr.version", description="a table version (default: the newest)")
+    on_data_loss: str = Field(
+        "fail", alias="sr.on_data_loss", pattern="^(fail|skip)$", description="fail or skip (as for batch files)"
+    )
+
+
+class DeltaSource(Source):
+    """One version of a Delta table; partitions are its data files' row groups (module docstring)."""
+
+    kind = SourceKind.BATCH
+    dense_positions = True
+
+    def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
+        self.uri = uri
+        self.path = uri.removeprefix("delta://")
+        self.options = DeltaOptions.parse(dict(options or {}), "Delta")
+        self._files: OrderedDict[str, FileSource] = OrderedDict()
+        self._parts: list[Partition] | None = None
+        self._schema: pa.Schema | None = None
+
+    def _table(self) -> DeltaTable:
+        try:
+            table = DeltaTable(self.path, version=self.options.version)
+        except TableNotFoundError as exc:
+            raise SourceNotFoundError(f"no Delta table at {self.path!r}: {exc}") from exc
+        except DeltaError as exc:  # a version the log does not hold
+            raise SourceNotFoundError(
+                f"cannot open version {self.options.version} of the Delta table {self.path!r}: {exc}"
+            ) from exc
+        if table.metadata().partition_columns:
+            raise SourceError(
+                f"Delta table {self.path!r} is partitioned by {', '.join(table.metadata().partition_columns)}: "
+                "partitioned tables are not read yet (their partition values are not in the data files)"
+            )
+        features = set(table.protocol().reader_features or ())
+        refused = sorted(name for key, name in _UNSUPPORTED.items() if key in features)
+        if refused:
+            raise SourceError(
+                f"Delta table {self.path!r} uses {', '.join(refused)}: not read yet (the Parquet files alone do "
+                "not give its rows); rewrite it without (OPTIMIZE with purge) or train another version"
+            )
+        return table
+
+    def partitions(self) -> list[Partition]:
+        if self._parts is None:
+            table = self._table()
+            version = table.version()
+            parts: list[Partition] = []
+            for path in sorted(table.file_uris()):
+                meta = pq.read_metadata(path)
+                schema = meta.schema.to_arrow_schema()
+                if self._schema is None:
+                    self._schema = schema
+                elif not schema.equals(self._schema, check_metadata=False):
+                    raise SourceSchemaError(f"Delta table {self.path!r} version {version}: {path!r} has another schema")
+                parts += [
+                    Partition(f"v{version}:{path}#rg{i}", 0, meta.row_group(i).num_rows)
+                    for i in range(meta.num_row_groups)
+                    if meta.row_group(i).num_rows
+                ]
+            if self._schema is None:
+                self._schema = pa.schema(table.schema().to_arrow())
+            self._parts = parts
+        return self._parts
+
+    def schema(self) -> pa.Schema:
+        if self._schema is None:
+            self.partitions()
+        assert self._schema is not None
+        return self._schema
+
+    def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
+        found = _PART_ID.match(partition.id)
+        if found is None:
+            raise SourceError(
+                f"partition {partition.id!r} is not a Delta data file's row group (v<version>:<file>#rg<n>)"
+            )
+        path = found["path"]
+        files = self._files.get(path)
+        if files is None:
+            files = FileSource(path, "parquet")  # SourceNotFoundError when the file was vacuumed
+            self._files[path] = files
+            while len(self._files) > _OPEN_FILES:
+                self._files.popitem(last=False)[1].close()
+        yield from files.read(
+            Partition(f"{path}#rg{found['rg']}", partition.start, partition.end), start, end, batch_size
+        )
+
+    def close(self) -> None:
+        for files in self._files.values():
+            files.close()
+        self._files.clear()
+
+
+def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:
+    return DeltaSource(uri, format, options)
+
+
+register_source(_factory, schemes=("delta",))

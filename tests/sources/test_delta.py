@@ -1,0 +1,93 @@
+"""A Delta table as a batch dataset (sources/delta.py): pinned to a version, sharded by data file and row group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from deltalake import WriterProperties, write_deltalake
+
+from streamrover.shard_service import DatasetSpec, InvalidArgumentError, NotFoundError, ShardClient
+from streamrover.testing.ledger import Ledger
+from streamrover.testing.procs import MasterProcess, start_ledger_worker
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _append(path: Path, ids: range, partition_by: list[str] | None = None) -> None:
+    table = pa.table({"id": pa.array(ids, pa.int64()), "day": pa.array([i % 3 for i in ids], pa.int64())})
+    props = WriterProperties(max_row_group_size=2_000)
+    write_deltalake(str(path), table, mode="append", writer_properties=props, partition_by=partition_by)
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _applied(ledger: Path) -> int:
+    led = Ledger(ledger)
+    try:
+        return int(led._db.execute("SELECT COALESCE(SUM(count), 0) FROM chunks").fetchone()[0])
+    finally:
+        led.close()
+
+
+def test_a_pinned_version_trains_exactly_once_under_a_worker_kill(tmp_path: Path, master: MasterProcess) -> None:
+    """Three versions are written; the dataset is pinned to the second. Two ledger workers, one SIGKILLed mid-run:
+    the ledger holds exactly the rows of version 1 (versions 0 and 1's appends), and the cursor names the version."""
+    table = tmp_path / "clicks"
+    _append(table, range(0, 12_000))  # version 0
+    _append(table, range(12_000, 20_000))  # version 1
+    _append(table, range(20_000, 26_000))  # version 2: after the pin, never trained
+    ledger = tmp_path / "ledger.db"
+    Ledger(ledger).close()
+    admin = ShardClient(master.address, token=master.token, heartbeat=False, timeout=60)
+    try:
+        spec = DatasetSpec("table", f"delta://{table}", options={"sr.version": "1"}, records_per_shard=1_000)
+        info = admin.register_dataset(spec).dataset
+        assert {p.id.split(":", 1)[0] for p in info.partitions} == {"v1"}
+        assert sum(p.end - p.start for p in info.partitions) == 20_000
+        # w0 reads alone and stops itself (SIGSTOP) after writing its 30th batch, before acking it; SIGKILLed there.
+        lone = start_ledger_worker(master, "table", ledger, name="w0", batch_size=250, extra=["--pause-at-batch", "30"])
+        wait_until(lambda: _stopped(lone.pid), 120, "w0 to stop itself after its 30th batch")
+        lone.kill()
+        lone.wait()
+        at = _applied(ledger)
+        assert at == 30 * 250
+        workers = {
+            name: start_ledger_worker(master, "table", ledger, name=name, batch_size=250) for name in ("w0", "w1")
+        }
+        for proc in workers.values():
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out.decode(errors="replace")
+        cut, cursor = admin.prepare_cut()
+        admin.commit_cut(cut)
+        assert admin.describe_dataset("table").finished
+    finally:
+        admin.close()
+    report = Ledger(ledger).verify(np.arange(20_000))
+    assert report.exact, f"{report} (a worker killed at {at} rows applied)"
+    assert report.catchups >= 1  # the killed batch was written, not acked: its next lease caught up
+    print(f"killed w0 at {at} rows applied: {report}")
+    keys = list(cursor.only("table").keys())
+    assert keys and all(k.partition.startswith("v1:") for k in keys)  # the snapshot is in the cursor
+
+
+def test_a_table_that_cannot_be_read_as_pinned_is_refused(tmp_path: Path, master: MasterProcess) -> None:
+    """A version the table does not have, a missing table and a partitioned table are refused at registration."""
+    table, parted = tmp_path / "t", tmp_path / "p"
+    _append(table, range(100))
+    _append(parted, range(100), partition_by=["day"])
+    admin = ShardClient(master.address, token=master.token, heartbeat=False, timeout=60)
+    try:
+        with pytest.raises(NotFoundError, match="cannot open version 4 of the Delta table"):
+            admin.register_dataset(DatasetSpec("a", f"delta://{table}", options={"sr.version": "4"}))
+        with pytest.raises(NotFoundError, match="no Delta table at"):
+            admin.register_dataset(DatasetSpec("b", f"delta://{tmp_path / 'none'}"))
+        with pytest.raises(InvalidArgumentError, match="partitioned by day"):
+            admin.register_dataset(DatasetSpec("c", f"delta://{parted}"))
+    finally:
+        admin.close()
