@@ -50,7 +50,8 @@ def test_the_kubernetes_page_runs_command_by_command(k8s: ControlPlane, node_age
     custom = client.CustomObjectsApi(k8s.api())
 
     def status() -> dict[str, Any]:
-        return dict(custom.get_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "clicks").get("status") or {})
+        job = custom.get_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "clicks")
+        return dict(job.get("status") or {})
 
     operator = Operator(k8s, "default", "streamrover.io/agent=true")
     operator.start()

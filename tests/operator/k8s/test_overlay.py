@@ -28,7 +28,8 @@ def test_the_plain_cluster_overlay_is_applied_with_the_settings_the_operator_rea
     from kubernetes import client
 
     overlay = _kustomize(k8s, str(OVERLAY))
-    base_kinds = sorted(o["kind"] for p in sorted(DEPLOY.glob("*.yaml")) for o in yaml.safe_load_all(p.read_text()) if o)
+    base = [o for p in sorted(DEPLOY.glob("*.yaml")) for o in yaml.safe_load_all(p.read_text()) if o]
+    base_kinds = sorted(o["kind"] for o in base)
     assert sorted(o["kind"] for o in overlay) == base_kinds, "the overlay keeps every object of the base"
     assert k8s.guide_blocks_run, "the guide's install commands did not run"
     live = client.AppsV1Api(k8s.api()).read_namespaced_deployment("streamrover-operator", "streamrover-system")
