@@ -112,7 +112,7 @@ image:
 	@$(CONTAINER_TOOL) info >/dev/null 2>&1 || { echo "make image: $(CONTAINER_TOOL) cannot reach a container engine here ($(CONTAINER_TOOL) info fails): build on a machine that has one"; exit 1; }
 	DOCKER_BUILDKIT=1 $(CONTAINER_TOOL) build -f deploy/docker/Dockerfile -t $(IMAGE) .
 	@echo "built $(IMAGE): push it where the cluster pulls from, e.g. docker tag $(IMAGE) REGISTRY/$(IMAGE) && docker push REGISTRY/$(IMAGE);"
-	@echo "then STREAMROVER_K8S_IMAGE and the Deployment's image (deploy/k8s/overlays/plain-cluster/kustomization.yaml: images)"
+	@echo "then STREAMROVER_K8S_IMAGE and the Deployment's image (deploy/k8s-overlays/plain-cluster/kustomization.yaml: images)"
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .import_linter_cache

@@ -25,7 +25,7 @@ ENDED = ("succeeded", "failed", "stopped")
 START_TIMEOUT = 60.0  # seconds for an operator to take a new job (it writes a status at once)
 STALL_TIMEOUT = 300.0  # seconds without a status write from the operator (it rewrites it every few seconds)
 OPERATOR_HINT = ("Install it with `kubectl apply -f deploy/k8s/` (or, on a cluster without cluster DNS, a volume "
-                 "provisioner or mounted service-account tokens, `kubectl apply -k deploy/k8s/overlays/plain-cluster`: "
+                 "provisioner or mounted service-account tokens, `kubectl apply -k deploy/k8s-overlays/plain-cluster`: "
                  "docs/guide/kubernetes.md); see it with `kubectl -n streamrover-system get pods` and its log with "
                  "`kubectl -n streamrover-system logs deploy/streamrover-operator`")  # fmt: skip
 

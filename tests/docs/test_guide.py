@@ -39,6 +39,8 @@ NEEDS: dict[str, set[str]] = {
     "quickstart.md": {"kafka"},
     "ray.md": {"ray"},
 }
+# Pages whose blocks another test runs, against what it starts (kubernetes.md: a control plane, with kubectl).
+RUN_ELSEWHERE = {"kubernetes.md": "tests/operator/k8s/test_k8s_guide.py"}
 
 
 def metric_names() -> set[str]:
@@ -72,6 +74,12 @@ def check_parsed(block: Block) -> None:
                     assert rule.get("alert") and rule.get("expr"), f"{block.where}: a rule needs alert and expr"
                     used = set(re.findall(r"streamrover_\w+", rule["expr"]))
                     assert used <= known, f"{block.where}: {rule['alert']} uses unknown metrics {used - known}"
+
+
+def test_the_pages_run_elsewhere_are_run_there() -> None:
+    """Each page of :data:`RUN_ELSEWHERE` is named by the test that runs it (so neither can drift alone)."""
+    for page, test in RUN_ELSEWHERE.items():
+        assert (GUIDE / page).exists() and f'"{page}"' in (ROOT / test).read_text(), (page, test)
 
 
 def test_every_block_is_run_or_marked_with_a_reason() -> None:
@@ -125,7 +133,7 @@ def page_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[st
             shutil.rmtree(ray_temp, ignore_errors=True)
 
 
-@pytest.mark.parametrize("page_env", [p.name for p in pages()], indirect=True)
+@pytest.mark.parametrize("page_env", [p.name for p in pages() if p.name not in RUN_ELSEWHERE], indirect=True)
 def test_page_runs(page_env: dict[str, str], tmp_path: Path, request: Any) -> None:
     """Every block of the page in order: run (bash, Python), written (file marks) or parsed (specs)."""
     page = request.node.callspec.params["page_env"]

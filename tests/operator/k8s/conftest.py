@@ -1,7 +1,8 @@
 """Fixtures: a real control plane (one per session), the install manifests applied, the test node agent, operators.
 
 The operator runs as a local process (kopf) with the ``streamrover-operator`` ServiceAccount's token,
-so the RBAC of ``deploy/k8s/20-rbac.yaml`` is what it may do. Two namespaces, one operator each:
+so the RBAC of ``deploy/k8s/20-rbac.yaml`` is what it may do. The manifests are installed with kubectl by the commands
+of docs/guide/kubernetes.md (its ``install`` session). Two namespaces, one operator each:
 ``lifecycle`` (worker pods on the kwok node: scheduled and "Running", nothing executes; the master
 on the node agent) and ``training`` (everything on the node agent, which runs it).
 """
@@ -11,24 +12,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
 from tests.brokers._process import ChildProcess, free_port, repo_root, wait_until
 from tests.operator.k8s.cluster import ControlPlane, k8s_binaries, node_ready
 
 AGENT_NODE = "agent-node-0"
 DEPLOY = repo_root() / "deploy" / "k8s"
-
-
-def apply_manifests(api: Any, paths: list[Path], **options: Any) -> None:
-    """``kubectl apply -f`` for the install manifests (create; the cluster is fresh), ``options`` to each create."""
-    from kubernetes import utils
-
-    for path in paths:
-        utils.create_from_yaml(api, yaml_objects=list(yaml.safe_load_all(path.read_text())), **options)
 
 
 def service_account_kubeconfig(cp: ControlPlane, namespace: str, name: str, path: Path) -> Path:
@@ -52,7 +43,7 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
         times = cp.started_in
         print(f"control plane: apiserver ready in {times['apiserver']:.1f} s, all in {times['all']:.1f} s")
         api = cp.api()
-        apply_manifests(api, [DEPLOY / "00-namespace.yaml", DEPLOY / "10-crd.yaml", DEPLOY / "20-rbac.yaml"])
+        install_as_the_guide_says(cp)
         from kubernetes import client
 
         ext = client.ApiextensionsV1Api(api)
@@ -60,9 +51,6 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
             c.type == "Established" and c.status == "True"
             for c in ext.read_custom_resource_definition("streamtrainjobs.streamrover.io").status.conditions or []),
             timeout=60, procs=cp.procs)  # fmt: skip
-        # the operator's Deployment cannot run here (no image): the API server validates it (server-side dry run,
-        # unknown fields refused), as `kubectl apply --dry-run=server` would; nothing is created
-        apply_manifests(api, [DEPLOY / "30-operator.yaml"], dry_run="All", field_validation="Strict")
         accounts = cp.core().list_namespaced_service_account
         for ns in ("lifecycle", "training"):
             cp.core().create_namespace({"metadata": {"name": ns}})
@@ -71,6 +59,52 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
         yield cp
     finally:
         cp.stop()
+
+
+def guide_env(cp: ControlPlane) -> dict[str, str]:
+    """What the Kubernetes guide page's commands run with: kubectl and streamrover on PATH, the cluster's KUBECONFIG."""
+    import os
+
+    env = _env()
+    env["PATH"] = os.pathsep.join([str(cp.bin), str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["KUBECONFIG"] = str(cp.kubeconfig)
+    for key in ("STREAMROVER_MASTER", "STREAMROVER_TOKEN", "STREAMROVER_PLATFORM"):
+        env.pop(key, None)
+    return env
+
+
+def install_as_the_guide_says(cp: ControlPlane) -> None:
+    """Run the ``install`` session of docs/guide/kubernetes.md (kubectl apply of deploy/k8s and its overlay).
+
+    Before any node agent registers, so the operator's Deployment lands on the kwok node: "Running", nothing
+    executes (no image here); the tests run the operator as a process with its ServiceAccount instead.
+    ``cp.guide_blocks_run`` records the page's lines that ran (tests/operator/k8s/test_k8s_guide.py checks them).
+    """
+    from tests.docs.blocks import GUIDE, parse
+    from tests.docs.runner import Session
+
+    cwd = cp.root / "guide-install"
+    cwd.mkdir()
+    (cwd / "deploy").symlink_to(repo_root() / "deploy")  # the commands name deploy/k8s/ in the user's checkout
+    session = Session("install", cwd, guide_env(cp))
+    try:
+        for block in parse(GUIDE / "kubernetes.md"):
+            if block.session == "install" and block.not_run is None:
+                session.run(block)
+                cp.guide_blocks_run.append(block.line)
+    finally:
+        session.close()
+    from kubernetes import client
+
+    apps = client.AppsV1Api(cp.api())
+
+    def rolled_out() -> bool:  # the overlay's new ReplicaSet: its pod bound (to kwok) and ready
+        d = apps.read_namespaced_deployment("streamrover-operator", "streamrover-system")
+        st = d.status
+        return bool(st and st.observed_generation == d.metadata.generation and st.updated_replicas == 1
+                    and st.ready_replicas == 1 and not st.unavailable_replicas)  # fmt: skip
+
+    wait_until("the operator's Deployment rolled out on the kwok node", rolled_out, timeout=120, procs=cp.procs)
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,7 @@ def test_run_without_an_operator_fails_in_time_saying_how_to_install_one(k8s: Co
     assert code is not None, f"`streamrover run --platform k8s` still waits {took:.0f} s with no operator\n{out}"
     assert code == 2 and took < 8 + 20, (code, took, out)
     assert f"no operator took StreamTrainJob 'orphan' in namespace '{ns}' within 8 s" in out, out
-    assert "kubectl apply -f deploy/k8s/" in out and "overlays/plain-cluster" in out, out
+    assert "kubectl apply -f deploy/k8s/" in out and "k8s-overlays/plain-cluster" in out, out
     print(f"no operator -> `run` failed in {took:.1f} s (start timeout 8 s)")
 
 
