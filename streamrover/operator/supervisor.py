@@ -38,6 +38,7 @@ from typing import Any
 
 from streamrover.operator.api import LaunchError, NodeLaunch, NodeState, NodeStatus, Platform
 from streamrover.operator.spec import JobSpec, format_memory
+from streamrover.tokens import worker_token
 
 log = logging.getLogger(__name__)
 MAX_EVENTS = 200
@@ -185,7 +186,7 @@ class Supervisor:
         self.generations[slot] = generation
         node_id = f"n{slot}" if generation == 0 else f"n{slot}.{generation}"
         env = {
-            "STREAMROVER_TOKEN": self.token,
+            "STREAMROVER_TOKEN": worker_token(self.token),  # the worker role: it cannot administer the job
             CKPT_EVERY_ENV: str(self.spec.checkpoint.every_steps),
             CKPT_KEEP_ENV: str(self.spec.checkpoint.keep_last),
             **({EXPORT_ENV: self.spec.export.model_dump_json()} if self.spec.export is not None else {}),
