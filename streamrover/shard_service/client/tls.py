@@ -73,6 +73,24 @@ class ClientTls:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
+def add_tls_args(parser: Any) -> None:
+    """``--tls-ca``, ``--tls-cert``, ``--tls-key`` on a launcher's parser (defaults: the environment)."""
+    parser.add_argument("--tls-ca", "--tls_ca", default=os.environ.get(CA_ENV),
+                        help=f"verify the master's certificate by this CA (PEM): TLS (default ${CA_ENV})")
+    parser.add_argument("--tls-cert", "--tls_cert", default=os.environ.get(CERT_ENV),
+                        help=f"this node's client certificate, for mutual TLS (default ${CERT_ENV})")
+    parser.add_argument("--tls-key", "--tls_key", default=os.environ.get(KEY_ENV),
+                        help=f"its key (default ${KEY_ENV})")  # fmt: skip
+
+
+def export_tls_args(args: Any) -> None:
+    """Put a launcher's ``--tls-*`` into ``os.environ``: its own clients and every process it starts use them."""
+    for name, value in ((CA_ENV, args.tls_ca), (CERT_ENV, args.tls_cert), (KEY_ENV, args.tls_key)):
+        if value:
+            os.environ[name] = str(Path(value).resolve())
+    ClientTls.from_env()  # a key without a CA is refused here, naming the variables
+
+
 def channel(address: str, options: list[tuple[str, Any]], tls: ClientTls | None) -> grpc.Channel:
     """A channel to ``address``: TLS when ``tls`` is set, plaintext otherwise."""
     if tls is None:
@@ -80,4 +98,7 @@ def channel(address: str, options: list[tuple[str, Any]], tls: ClientTls | None)
     return grpc.secure_channel(address, tls.credentials(), options=options + tls.options())
 
 
-__all__ = ["CA_ENV", "CERT_ENV", "KEY_ENV", "SERVER_NAME_ENV", "TLS_ENVS", "ClientTls", "channel"]
+__all__ = [
+    "CA_ENV", "CERT_ENV", "KEY_ENV", "SERVER_NAME_ENV", "TLS_ENVS", "ClientTls", "add_tls_args", "channel",
+    "export_tls_args",
+]  # fmt: skip

@@ -86,7 +86,12 @@ class Transport:
 
     def error(self, code: str, details: str) -> ShardServiceError:
         """The typed error of a refusal with gRPC status name ``code``."""
-        return ERRORS_BY_NAME.get(code, ShardServiceError)(f"{details} [{code} from {self.address}]")
+        hint = ""
+        if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):  # a refused TLS handshake looks like no master at all
+            hint = (f" (TLS, verifying the master by {self.tls.ca}: is its certificate signed by that CA, for this"
+                    " address?)" if self.tls is not None else
+                    " (plaintext: if the master serves TLS, set STREAMROVER_TLS_CA to its CA)")  # fmt: skip
+        return ERRORS_BY_NAME.get(code, ShardServiceError)(f"{details}{hint} [{code} from {self.address}]")
 
     def call(self, method: Callable[..., T], request: Any, timeout: float | None = None, gone: T | None = None) -> T:
         """One unary call, retried on a transient status (:func:`.retry.transient`) until the client's timeout.
