@@ -60,11 +60,12 @@ class TorchJob:
         return ShardClient(self.master.address, token=self.master.token, heartbeat=False, timeout=90, tls=tls)
 
     def agent_cmd(self, name: str, nnodes: str, nproc: int, script: Path, script_args: list[str]) -> list[str]:
+        token = worker_token(self.master.token) if self.worker_role else self.master.token
         return [
             str(DLROVER_RUN), "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", "30",
             "--monitor-interval", "0.2", "--rdzv-backend", "streamrover", "--rdzv-id", self.run_id,
             "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=300",
-            "--local-addr", "127.0.0.1", "--shard-service", self.master.address, "--token", worker_token(self.master.token) if self.worker_role else self.master.token,
+            "--local-addr", "127.0.0.1", "--shard-service", self.master.address, "--token", token,
             "--ckpt-dir", str(self.ckpt), "--node-id", name, str(script), *script_args,
         ]  # fmt: skip
 
