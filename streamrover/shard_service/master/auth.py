@@ -56,7 +56,7 @@ class _TokenFile:
                 value = ""
             if value:
                 if self.value and value != self.value:
-                    log.info("token file %s changed: the new token holds from now on", self.path)
+                    log.warning("token file %s changed: the new token holds from now on", self.path)
                 self.value, self._stamp = value, stamp
             else:
                 log.warning("token file %s is empty (being written?): keeping the token read before", self.path)

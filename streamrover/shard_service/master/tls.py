@@ -94,7 +94,7 @@ class ServerTls:
                 return False
             self._stamp, self._pem, self._ctx = stamp, pem, ctx
             self.reloads += 1
-        log.info("TLS certificate reloaded from %s", self.files.cert)
+        log.warning("TLS certificate reloaded from %s (new connections use it)", self.files.cert)
         return True
 
     def _grpc_config(self) -> Any:
