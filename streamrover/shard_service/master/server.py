@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from streamrover.cursor import CursorError
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import (
     InvalidArgumentError,
@@ -58,7 +59,7 @@ def _rpc(method: Callable[..., T]) -> Callable[..., T]:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
             result = method(self, request, context)
-        except (JournalWriteError, ShardServiceError, SourceError) as exc:
+        except (JournalWriteError, ShardServiceError, SourceError, CursorError) as exc:
             error = status_of(exc)
         failed = self.core.journal.failed  # set under the lock: a call that ran after it saw memory ahead of it
         if failed:
