@@ -59,7 +59,7 @@ def _swap(files: TlsFiles, pair: Pair) -> None:
 
 
 def _refused() -> pytest.RaisesContext[ShardServiceError]:
-    return pytest.raises(ShardServiceError, match=r"(TLS|plaintext).*\[(UNAVAILABLE|DEADLINE_EXCEEDED) from")
+    return pytest.raises(ShardServiceError, match=r"\[(UNAVAILABLE|DEADLINE_EXCEEDED) from .*\] \((TLS|plaintext)")
 
 
 def _client(master: MasterServer, token: str, tls: ClientTls | None, timeout: float = 1.0) -> ShardClient:

@@ -91,7 +91,7 @@ class Transport:
             hint = (f" (TLS, verifying the master by {self.tls.ca}: is its certificate signed by that CA, for this"
                     " address?)" if self.tls is not None else
                     " (plaintext: if the master serves TLS, set STREAMROVER_TLS_CA to its CA)")  # fmt: skip
-        return ERRORS_BY_NAME.get(code, ShardServiceError)(f"{details}{hint} [{code} from {self.address}]")
+        return ERRORS_BY_NAME.get(code, ShardServiceError)(f"{details} [{code} from {self.address}]{hint}")
 
     def call(self, method: Callable[..., T], request: Any, timeout: float | None = None, gone: T | None = None) -> T:
         """One unary call, retried on a transient status (:func:`.retry.transient`) until the client's timeout.
