@@ -27,8 +27,8 @@ from streamrover.shard_service.api import (
 from streamrover.shard_service.master.auth import Tokens, role_in
 from streamrover.shard_service.master.bookkeeping import DatasetRecord
 from streamrover.shard_service.master.core import AckItem, ShardCore
-from streamrover.shard_service.master.gaps import gaps_to_pb
 from streamrover.shard_service.master.group_commit import CommitLock
+from streamrover.shard_service.master.info import dataset_info
 from streamrover.shard_service.master.journal import JournalWriteError
 from streamrover.shard_service.master.kv_rpc import kv_delete_range, kv_get, kv_set
 from streamrover.shard_service.master.poller import StreamPoller
@@ -153,36 +153,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     # ----------------------------------------------------------------- datasets
     def _info(self, ds: DatasetRecord) -> pb.DatasetInfo:
-        counts = self.core.counts(ds)
-        kind = pb.DATASET_KIND_BATCH if ds.kind.value == "batch" else pb.DATASET_KIND_STREAM
-        partitions = [convert.partition_to_pb(p) for p in ds.partitions]
-        lag = 0
-        if ds.kind is SourceKind.STREAM:
-            for msg, (avail, committed_end, part_lag) in zip(partitions, self.core.lag(ds)):
-                msg.available_end, msg.committed_end, msg.lag = avail, committed_end, part_lag
-                lag += part_lag
-        streams = self.core.streams
-        error = ds.failed or streams.source_errors.get(ds.name, ("", 0.0))[0] or streams.upstream.note(ds)
-        return pb.DatasetInfo(
-            spec=convert.spec_to_pb(ds.spec),
-            kind=kind,
-            partitions=partitions,
-            lag=lag,
-            error=error,
-            failed=bool(ds.failed),
-            dead_letters=ds.dead_letters,
-            total_records=ds.planned_records(),
-            epochs_planned=ds.epochs_planned,
-            shards=pb.ShardCounts(
-                todo=counts.todo, leased=counts.leased, acked=counts.acked, committed=counts.committed
-            ),
-            finished=counts.finished,
-            schema_json=ds.schema_json,
-            records_acked=counts.records_acked,
-            records_committed=counts.records_committed,
-            lost_records=self.core.streams.upstream.lost_records(ds),
-            commit_gaps=gaps_to_pb(self.core.staged.gaps.of(ds.name), self.core.clock()),
-        )
+        return dataset_info(self.core, ds)
 
     @_rpc
     def RegisterDataset(self, request: pb.RegisterDatasetRequest, context: Any) -> pb.RegisterDatasetResponse:
