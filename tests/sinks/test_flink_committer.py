@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from streamrover.shard_service import DatasetSpec, ShardClient
-from streamrover.sources.staged import encode_schema
 from streamrover.shard_service.client.tls import ClientTls
+from streamrover.sources.staged import encode_schema
 from streamrover.testing.certs import issue, make_ca
 from streamrover.testing.procs import MasterProcess
 from streamrover.tokens import worker_token
@@ -63,8 +63,8 @@ def flink_jars() -> list[Path]:
     return [*sorted(lib.glob("flink-dist-*.jar")), *sorted(lib.glob("log4j-*.jar"))]
 
 
-def run_committer(jar: Path, master: str, token: str, staging: Path,
-                  commits: Sequence[tuple[str, int | str, str, int]], env: dict[str, str] | None = None) -> str:  # fmt: skip
+def run_committer(jar: Path, master: str, token: str, staging: Path, commits: Sequence[tuple[str, int | str, str, int]],
+                  env: dict[str, str] | None = None) -> str:  # fmt: skip
     """Run the harness over ``commits``: (part, epoch or "epoch:previous", uri, records)."""
     jars = [jar, *flink_jars()]
     cmd = ["java", "-Dorg.apache.logging.log4j.level=INFO", "-cp", ":".join(map(str, jars)),
