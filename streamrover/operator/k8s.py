@@ -176,6 +176,9 @@ class K8sPlatform(Platform):
 
     # -- the master -------------------------------------------------------------------------
     def launch_master(self, launch: MasterLaunch) -> MasterInfo:
+        if launch.args:  # TLS files name paths on this machine, not in a pod (a Secret mount is issue 33's rest)
+            raise LaunchError("master.tls is not supported on Kubernetes yet: files on this machine are not in the "
+                              "master's pod; run without master.tls inside the cluster network")  # fmt: skip
         port = launch.port or DEFAULT_PORT
         self._create("secret", {"apiVersion": "v1", "kind": "Secret", "stringData": {TOKEN_KEY: launch.token,
                                 WORKER_TOKEN_KEY: worker_token(launch.token)},

@@ -117,7 +117,9 @@ class Supervisor:
         health: HealthReader | None = None,
         clock: Callable[[], float] = time.time,
         stop_grace: float = 60.0,
+        client_env: dict[str, str] | None = None,
     ) -> None:
+        self.client_env = dict(client_env or {})  # how nodes reach the master (STREAMROVER_TLS_CA...)
         self.spec = spec
         self.platform = platform
         self.run_id = run_id
@@ -190,6 +192,7 @@ class Supervisor:
             CKPT_EVERY_ENV: str(self.spec.checkpoint.every_steps),
             CKPT_KEEP_ENV: str(self.spec.checkpoint.keep_last),
             **({EXPORT_ENV: self.spec.export.model_dump_json()} if self.spec.export is not None else {}),
+            **self.client_env,
             **self.spec.trainer.env,
         }
         launch = NodeLaunch(self.spec.name, node_id, self.node_command(node_id), env, memory, self.spec.trainer.cpu)
