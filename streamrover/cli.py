@@ -266,6 +266,8 @@ def _status_view(client) -> Table:  # type: ignore[no-untyped-def]
     )
     if st.cut_commit_error:
         outer.add_row(f"[red]cut commit refused:[/red] {st.cut_commit_error}")
+    if st.security_warning:
+        outer.add_row(f"[red]{st.security_warning}[/red]")
     return outer
 
 

@@ -9,6 +9,8 @@ master; the admin token may. Tokens given as a file are reloaded when the file c
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from streamrover.shard_service import (
     UnauthenticatedError,
 )
 from streamrover.shard_service.master.auth import Tokens
+from streamrover.testing.procs import python_env
 from streamrover.tokens import new_token, worker_token
 from tests.helpers import write_parquet_dataset
 
@@ -105,6 +108,10 @@ def test_a_master_off_loopback_without_tls_warns_in_its_log_and_status(
         assert any("INSECURE" in r.getMessage() and "0.0.0.0" in r.getMessage() for r in caplog.records)
         with ShardClient(f"127.0.0.1:{master.port}", token=token, heartbeat=False, tls=None) as c:
             assert "without TLS" in c.status().security_warning
+        address = f"127.0.0.1:{master.port}"
+        cmd = [sys.executable, "-m", "streamrover.cli", "status", "--master", address, f"--token={token}"]
+        shown = subprocess.run(cmd, capture_output=True, text=True, env=python_env(), timeout=60)
+        assert "INSECURE" in shown.stdout, shown.stdout + shown.stderr
     finally:
         master.stop()
     quiet = MasterServer(tmp_path / "state2", token)  # 127.0.0.1: nothing to warn about
