@@ -154,6 +154,9 @@ def test_oversize_requests_are_refused_with_a_precise_status(tmp_path: Path) -> 
         assert len(pb.CommitStagedRequest.FromString(files[: len(head) + 10 * len(one.SerializeToString())]).files)
         code, details = raw.call("CommitStaged", files)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and b"larger than max" in details, details
+        many = head + one.SerializeToString() * 10_001  # under the size limit, over the files per commit
+        code, details = raw.call("CommitStaged", many)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and b"10001 files, more than 10000" in details, details
         report = pb.ReportMetricsRequest(reporter="r" * (100 << 20), values={"loss": 1.0})
         code, details = raw.call("ReportMetrics", report.SerializeToString())
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and str(MAX_REQUEST_BYTES).encode() in details, details
