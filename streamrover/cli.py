@@ -36,6 +36,12 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=None, help="job token (default: $STREAMROVER_TOKEN)")
     p.add_argument("--token-file", default=None, help="read the token from this file (e.g. STATE_DIR/token)")
     p.add_argument("--timeout", type=float, default=15.0, help="seconds to keep retrying an unreachable master")
+    p.add_argument("--tls-ca", default=os.environ.get("STREAMROVER_TLS_CA"),
+                   help="verify the master's certificate by this CA (PEM; default $STREAMROVER_TLS_CA): TLS")
+    p.add_argument("--tls-cert", default=os.environ.get("STREAMROVER_TLS_CERT"),
+                   help="this client's certificate, for a master with mutual TLS (default $STREAMROVER_TLS_CERT)")
+    p.add_argument("--tls-key", default=os.environ.get("STREAMROVER_TLS_KEY"),
+                   help="this client's key (default $STREAMROVER_TLS_KEY)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +63,18 @@ def _parser() -> argparse.ArgumentParser:
                    " port if that is taken or the gRPC port is 0); 0 = a free port; -1 = none"
                    " (its URL goes to STATE_DIR/dashboard.url)")
     m.add_argument("--http-host", default="127.0.0.1", help="interface of the HTTP endpoint (default: 127.0.0.1)")
+    m.add_argument("--worker-token-file", default=None,
+                   help="the worker token (default: derived from the admin token; `streamrover worker-token`)")
+    m.add_argument("--tls-cert", default=None, help="serve gRPC and HTTP over TLS with this certificate (PEM)")
+    m.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
+    m.add_argument("--tls-client-ca", default=None,
+                   help="mutual TLS: clients must present a certificate this CA signed")
+    m.add_argument("--max-request-mb", type=float, default=4.0,
+                   help="larger requests are refused RESOURCE_EXHAUSTED unread (default 4)")
+
+    wt = sub.add_parser("worker-token", help="print the worker token of an admin token (what workers are given)")
+    wt.add_argument("--token", default=os.environ.get("STREAMROVER_TOKEN"), help="the admin token")
+    wt.add_argument("--token-file", default=None, help="read the admin token from this file (e.g. STATE_DIR/token)")
 
     d = sub.add_parser("dataset", help="register and inspect datasets")
     dsub = d.add_subparsers(dest="dataset_command", required=True)
@@ -123,22 +141,37 @@ def _options(pairs: list[str]) -> dict[str, str]:
 
 def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from streamrover.shard_service.client import ShardClient
+    from streamrover.shard_service.client.tls import ClientTls
 
     token = resolve_token(args.token, args.token_file)
-    return ShardClient(args.master, token=token, heartbeat=False, timeout=args.timeout)
+    tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key, os.environ.get("STREAMROVER_TLS_SERVER_NAME") or None)
+    return ShardClient(args.master, token=token, heartbeat=False, timeout=args.timeout,
+                       tls=tls if args.tls_ca else None)  # fmt: skip
 
 
 def _run_master(args: argparse.Namespace) -> int:
     from streamrover.shard_service.master import MasterServer, load_or_create_token
+    from streamrover.shard_service.master.auth import Tokens
+    from streamrover.shard_service.master.tls import TlsFiles
 
     state_dir = Path(args.state_dir)
-    token = resolve_token(args.token, args.token_file) or load_or_create_token(state_dir)
+    if args.token_file or not args.token:  # a file is read again when it changes (a rotation)
+        token_file = args.token_file or (load_or_create_token(state_dir) and state_dir / "token")
+        tokens = Tokens(admin_file=token_file, worker_file=args.worker_token_file)
+    else:
+        tokens = Tokens(args.token, worker_file=args.worker_token_file)
+    tls = None
+    if args.tls_cert or args.tls_key or args.tls_client_ca:
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("streamrover master: --tls-cert and --tls-key go together (--tls-client-ca needs both)")
+        tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
     http_port = args.http_port
     if http_port is None:
         http_port = args.port + 1 if args.port else 0
     server = MasterServer(
-        state_dir, token, host=args.host, port=args.port, lease_ttl=args.lease_ttl, durability=args.durability,
+        state_dir, tokens, host=args.host, port=args.port, lease_ttl=args.lease_ttl, durability=args.durability,
         http_port=None if http_port < 0 else http_port, http_host=args.http_host, http_fallback=args.http_port is None,
+        tls=tls, max_request_bytes=int(args.max_request_mb * (1 << 20)),
     )  # fmt: skip
     if args.address_file:
         tmp = Path(args.address_file + ".tmp")
@@ -147,6 +180,8 @@ def _run_master(args: argparse.Namespace) -> int:
     print(f"streamrover master listening on {server.address}; state in {state_dir}", flush=True)
     if not args.token and not args.token_file:
         print(f"token: {state_dir / 'token'}", flush=True)
+    if server.security_warning:
+        print(f"WARNING: {server.security_warning}", file=sys.stderr, flush=True)
     if server.dashboard is not None:  # the token is never printed: the page asks for it (or takes it after #token=)
         print(f"dashboard: {server.dashboard.url} (Prometheus: {server.dashboard.url}metrics)", flush=True)
 
@@ -231,6 +266,8 @@ def _status_view(client) -> Table:  # type: ignore[no-untyped-def]
     )
     if st.cut_commit_error:
         outer.add_row(f"[red]cut commit refused:[/red] {st.cut_commit_error}")
+    if st.security_warning:
+        outer.add_row(f"[red]{st.security_warning}[/red]")
     return outer
 
 
@@ -269,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "master":
             return _run_master(args)
+        if args.command == "worker-token":
+            from streamrover.tokens import worker_token
+
+            admin = resolve_token(args.token, args.token_file)
+            if not admin:
+                raise SystemExit("streamrover worker-token: give --token-file STATE_DIR/token (or $STREAMROVER_TOKEN)")
+            print(worker_token(admin))
+            return 0
         if operator_cli.handles(args):
             return operator_cli.main(args, console)
         if ckpt_cli.handles(args):

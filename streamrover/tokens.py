@@ -8,6 +8,8 @@ which reads any token, one starting with ``-`` included. ``--token=VALUE`` (with
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 from pathlib import Path
 
@@ -17,6 +19,15 @@ TOKEN_BYTES = 24
 def new_token() -> str:
     """A new job token: 48 hex digits (192 random bits), never starting with ``-``."""
     return secrets.token_hex(TOKEN_BYTES)
+
+
+def worker_token(admin_token: str) -> str:
+    """The worker token of a job whose admin token is ``admin_token``: 48 hex digits of an HMAC of it.
+
+    What the operator hands workers: it may lease, ack, cut and use the key-value store, not administer the job
+    (``shard_service/api.py``, **Roles**). The master derives it too, so a rotated admin token rotates it.
+    """
+    return hmac.new(admin_token.encode(), b"streamrover worker token v1", hashlib.sha256).hexdigest()[:2 * TOKEN_BYTES]
 
 
 def read_token(path: str | Path) -> str:
@@ -35,4 +46,4 @@ def resolve_token(token: str | None, token_file: str | None) -> str | None:
     return read_token(token_file) if token_file else token
 
 
-__all__ = ["new_token", "read_token", "resolve_token"]
+__all__ = ["new_token", "read_token", "resolve_token", "worker_token"]

@@ -70,6 +70,7 @@ class MasterLaunch:
     host: str = "127.0.0.1"
     port: int = 0
     lease_ttl: float = 10.0
+    args: tuple[str, ...] = ()  # more `streamrover master` flags (--tls-cert ...)
 
 
 @dataclass(frozen=True)

@@ -105,11 +105,14 @@ class JobController:
     def run(self) -> int:
         """Run the job until it ends; returns the process exit code."""
         from streamrover.shard_service import DatasetSpec, ShardClient
+        from streamrover.shard_service.client.tls import ClientTls
 
         write_atomic(self.job.pid_path, f"{os.getpid()}\n")
         token = self.resolve_token()
+        tls = self.spec.master.tls
         launch = MasterLaunch(self.spec.name, self.state_dir, token, self.spec.master.host, self.spec.master.port,
-                              self.spec.master.lease_ttl)  # fmt: skip
+                              self.spec.master.lease_ttl, tls.master_args() if tls else ())  # fmt: skip
+        client_tls = ClientTls(tls.ca, tls.client_cert, tls.client_key) if tls else None
         self._write({"job": self.spec.name, "phase": "starting", "platform": self.platform.name, "nodes": []})
         reaped = getattr(self.platform, "reaped", [])
         if reaped:
@@ -123,7 +126,7 @@ class JobController:
             self.job.pid_path.unlink(missing_ok=True)
             raise
         client = self.client = ShardClient(master.address, token=token, name=f"controller:{self.spec.name}",
-                                           heartbeat=False, timeout=60.0)  # fmt: skip
+                                           heartbeat=False, timeout=60.0, tls=client_tls or True)  # fmt: skip
         try:
             for ds in self.spec.datasets:
                 client.register_dataset(DatasetSpec(ds.name, ds.uri, ds.format, dict(ds.options), ds.records_per_shard,
@@ -131,6 +134,7 @@ class JobController:
             sup = self.supervisor = Supervisor(
                 self.spec, self.platform, run_id=self.run_id, master_address=master.address, token=token,
                 ckpt_url=self.ckpt_url, health=self._health(client),
+                client_env=client_tls.env() if client_tls else None,
             )  # fmt: skip
             reaped = getattr(self.platform, "reaped", [])
             if reaped:

@@ -38,11 +38,13 @@ from streamrover.operator.api import (
     Resources,
     UnknownNodeError,
 )
+from streamrover.tokens import worker_token
 
 log = logging.getLogger(__name__)
 GROUP, VERSION, KIND, PLURAL = "streamrover.io", "v1alpha1", "StreamTrainJob", "streamtrainjobs"
 LABEL_JOB, LABEL_ROLE, LABEL_NODE = "streamrover.io/job", "streamrover.io/role", "streamrover.io/node"
 TOKEN_KEY = "token"
+WORKER_TOKEN_KEY = "worker-token"
 DEFAULT_PORT = 7070
 JOURNAL_MOUNT = "/var/lib/streamrover/journal"
 
@@ -115,11 +117,11 @@ class K8sPlatform(Platform):
             if exc.status != 409:  # already there (a relaunch, or a successor operator): keep it
                 raise LaunchError(f"cannot create {kind} {body['metadata']['name']}: {exc.reason}: {exc.body}") from exc
 
-    def _env(self, env: dict[str, str]) -> list[dict[str, Any]]:
+    def _env(self, env: dict[str, str], role: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
         for key, value in env.items():
-            if key == "STREAMROVER_TOKEN":
-                ref = {"name": f"{self.job}-token", "key": TOKEN_KEY}
+            if key == "STREAMROVER_TOKEN":  # the master the admin token, workers the worker token (api.py, Roles)
+                ref = {"name": f"{self.job}-token", "key": TOKEN_KEY if role == "master" else WORKER_TOKEN_KEY}
                 out.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
             else:
                 out.append({"name": key, "value": value})
@@ -128,7 +130,7 @@ class K8sPlatform(Platform):
     def _pod(self, name: str, role: str, node: str, command: list[str], env: dict[str, str],
              selector: dict[str, str], resources: dict[str, Any], volumes: list[dict[str, Any]] | None = None,
              mounts: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
-        container = {"name": role, "image": self.config.image, "command": command, "env": self._env(env),
+        container = {"name": role, "image": self.config.image, "command": command, "env": self._env(env, role),
                      "resources": resources, "volumeMounts": mounts or []}  # fmt: skip
         return {"apiVersion": "v1", "kind": "Pod", "metadata": self._meta(name, role, node),
                 "spec": {"restartPolicy": "Never", "containers": [container], "volumes": volumes or [],
@@ -174,8 +176,12 @@ class K8sPlatform(Platform):
 
     # -- the master -------------------------------------------------------------------------
     def launch_master(self, launch: MasterLaunch) -> MasterInfo:
+        if launch.args:  # TLS files name paths on this machine, not in a pod (a Secret mount is issue 33's rest)
+            raise LaunchError("master.tls is not supported on Kubernetes yet: files on this machine are not in the "
+                              "master's pod; run without master.tls inside the cluster network")  # fmt: skip
         port = launch.port or DEFAULT_PORT
-        self._create("secret", {"apiVersion": "v1", "kind": "Secret", "stringData": {TOKEN_KEY: launch.token},
+        self._create("secret", {"apiVersion": "v1", "kind": "Secret", "stringData": {TOKEN_KEY: launch.token,
+                                WORKER_TOKEN_KEY: worker_token(launch.token)},
                                 "metadata": self._meta(f"{self.job}-token", "token")})  # fmt: skip
         self._create("service", {"apiVersion": "v1", "kind": "Service",
                                  "metadata": self._meta(f"{self.job}-master", "master"),

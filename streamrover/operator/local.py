@@ -93,7 +93,7 @@ class LocalPlatform(Platform):
         port = self._port or launch.port
         cmd = [
             sys.executable, "-m", "streamrover.cli", "master", "--state-dir", str(launch.state_dir),
-            "--host", launch.host, "--port", str(port), "--lease-ttl", str(launch.lease_ttl),
+            "--host", launch.host, "--port", str(port), "--lease-ttl", str(launch.lease_ttl), *launch.args,
         ]  # fmt: skip  (the token goes in the environment: not in ps, and a token may start with "-")
         launch.state_dir.mkdir(parents=True, exist_ok=True)
         with open(self.workdir / "master.log", "ab") as logf:

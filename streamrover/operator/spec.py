@@ -118,6 +118,30 @@ class TokenSource(_Model):
         return self
 
 
+class TlsSpec(_Model):
+    """TLS for the master (files on the machine it runs on; local and Ray): see the guide's security page."""
+
+    cert: str = Field(min_length=1, description="the master's certificate (PEM), for gRPC and the dashboard")
+    key: str = Field(min_length=1, description="its private key (PEM)")
+    ca: str = Field(min_length=1, description="the CA the controller and the trainers verify the master by")
+    client_ca: str | None = Field(None, description="mutual TLS: clients must present a certificate it signed")
+    client_cert: str | None = Field(None, description="the certificate the controller and trainers present")
+    client_key: str | None = Field(None, description="its key (PEM, PKCS#8 for the Java Flink committer)")
+
+    @model_validator(mode="after")
+    def _client_pair(self) -> TlsSpec:
+        if bool(self.client_cert) != bool(self.client_key):
+            raise ValueError("client_cert and client_key go together")
+        if self.client_ca and not self.client_cert:
+            raise ValueError("client_ca (mutual TLS) needs client_cert and client_key for the job's own clients")
+        return self
+
+    def master_args(self) -> tuple[str, ...]:
+        """The ``streamrover master`` flags."""
+        extra = ("--tls-client-ca", self.client_ca) if self.client_ca else ()
+        return ("--tls-cert", self.cert, "--tls-key", self.key, *extra)
+
+
 class MasterSpec(_Model):
     """The job master (shard service)."""
 
@@ -126,6 +150,7 @@ class MasterSpec(_Model):
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     token: TokenSource = Field(default_factory=lambda: TokenSource(), description="default: generated, 0600 file")
     lease_ttl: float = Field(10.0, gt=0, description="seconds a lease lives without a heartbeat")
+    tls: TlsSpec | None = Field(None, description="serve TLS (local and Ray; needed when host is not loopback)")
 
 
 class DatasetEntry(_Model):

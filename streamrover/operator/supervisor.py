@@ -38,6 +38,7 @@ from typing import Any
 
 from streamrover.operator.api import LaunchError, NodeLaunch, NodeState, NodeStatus, Platform
 from streamrover.operator.spec import JobSpec, format_memory
+from streamrover.tokens import worker_token
 
 log = logging.getLogger(__name__)
 MAX_EVENTS = 200
@@ -116,7 +117,9 @@ class Supervisor:
         health: HealthReader | None = None,
         clock: Callable[[], float] = time.time,
         stop_grace: float = 60.0,
+        client_env: dict[str, str] | None = None,
     ) -> None:
+        self.client_env = dict(client_env or {})  # how nodes reach the master (STREAMROVER_TLS_CA...)
         self.spec = spec
         self.platform = platform
         self.run_id = run_id
@@ -185,10 +188,11 @@ class Supervisor:
         self.generations[slot] = generation
         node_id = f"n{slot}" if generation == 0 else f"n{slot}.{generation}"
         env = {
-            "STREAMROVER_TOKEN": self.token,
+            "STREAMROVER_TOKEN": worker_token(self.token),  # the worker role: it cannot administer the job
             CKPT_EVERY_ENV: str(self.spec.checkpoint.every_steps),
             CKPT_KEEP_ENV: str(self.spec.checkpoint.keep_last),
             **({EXPORT_ENV: self.spec.export.model_dump_json()} if self.spec.export is not None else {}),
+            **self.client_env,
             **self.spec.trainer.env,
         }
         launch = NodeLaunch(self.spec.name, node_id, self.node_command(node_id), env, memory, self.spec.trainer.cpu)

@@ -35,9 +35,18 @@ the server answers with:
 - :class:`FailedPreconditionError`: well-formed but the state forbids it; its
   :class:`StaleLeaseError` (the ack's lease is not current) and, on the worker side,
   :class:`LeaseLostError` (stop applying that shard);
-- :class:`UnauthenticatedError` (wrong token), :class:`UnavailableError` (no master within the
-  client's timeout: calls retry ``UNAVAILABLE`` until then);
+- :class:`UnauthenticatedError` (wrong token), :class:`PermissionDeniedError` (a worker token on an
+  administrator's call), :class:`UnavailableError` (no master within the client's timeout: calls retry
+  ``UNAVAILABLE`` until then);
 - :class:`AckFailedError`: acks sent in the background were refused; it lists each :class:`AckFailure`.
+
+**Roles.** Two tokens: the *admin* token (``STATE_DIR/token``) may make every call; the *worker* token
+(:func:`streamrover.tokens.worker_token` of it, what the operator hands workers) only :data:`WORKER_CALLS`:
+lease, ack, heartbeat, report, cut, the key-value store, and reading. :data:`ADMIN_CALLS` (add, remove and
+resume datasets, restore, stop) with a worker token are refused ``PERMISSION_DENIED`` naming the call and
+the role, with two narrow exceptions a worker's own life needs: ``RegisterDataset`` of a dataset already
+registered with the same spec (an idempotent "ensure"), and ``Restore`` to a cursor the master issued (the
+committed or durable cursor, or a cut it remembers: what a checkpoint load does), never ``discard_committed``.
 
 A master whose journal cannot be written stops (``journal.JournalWriteError``, deliberately
 not a :class:`ShardServiceError`: it is never answered as a refusal, the process fail-stops).
@@ -106,6 +115,31 @@ class UnauthenticatedError(ShardServiceError):
     """The call carried no token or the wrong one (the master's state directory holds the right one)."""
 
     code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(ShardServiceError):
+    """The token's role may not make this call (a worker token on an administrator's call): see :data:`ADMIN_CALLS`."""
+
+    code = "PERMISSION_DENIED"
+
+
+class Role(enum.Enum):
+    """What a token may do (module docstring, **Roles**)."""
+
+    WORKER = "worker"
+    ADMIN = "admin"
+
+
+#: The RPCs (``v1/shard_service.proto``) a worker token may make: a worker's, a sink's and a reader's calls.
+WORKER_CALLS = frozenset({
+    "Join", "Leave", "LeaseShards", "Heartbeat", "Ack", "AckBatch", "WorkerSession",  # leases and acks
+    "ReportMetrics", "ReportUnreadable", "CommitStaged",  # reports, and a sink's commits of staged files
+    "CutPrepare", "CutCommit", "GetCursor",  # cuts (checkpoints)
+    "KvGet", "KvSet", "KvDeleteRange",  # the key-value store (rendezvous)
+    "DescribeDataset", "ListDatasets", "Status",  # reading
+})  # fmt: skip
+#: The RPCs only the admin token may make (but see the module docstring's two exceptions).
+ADMIN_CALLS = frozenset({"RegisterDataset", "RemoveDataset", "ResumeDataset", "Restore", "Stop"})
 
 
 class UnavailableError(ShardServiceError):

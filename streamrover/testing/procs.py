@@ -21,7 +21,9 @@ class MasterProcess:
         token: str | None = None,
         lease_ttl: float = 2.0,
         log_path: str | Path | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
+        self.extra_args = list(extra_args or [])  # more `streamrover master` flags (--tls-cert ...)
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.token = token or secrets.token_hex(16)
@@ -55,6 +57,7 @@ class MasterProcess:
             f"--token={self.token}",  # one '=' form: a token starting with '-' is not taken for a flag
             "--lease-ttl",
             str(self.lease_ttl),
+            *self.extra_args,
         ]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=python_env())

@@ -16,6 +16,7 @@ The committer logs the status with the commit's key, retries, and each commit la
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import threading
@@ -27,8 +28,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from streamrover.shard_service import DatasetSpec, ShardClient
+from streamrover.shard_service.client.tls import ClientTls
 from streamrover.sources.staged import encode_schema
+from streamrover.testing.certs import issue, make_ca
 from streamrover.testing.procs import MasterProcess
+from streamrover.tokens import worker_token
 from tests.sinks.flink import FLINK_VENV, build_sink
 from tests.sinks.flink_proxy import CutProxy
 
@@ -59,15 +63,15 @@ def flink_jars() -> list[Path]:
     return [*sorted(lib.glob("flink-dist-*.jar")), *sorted(lib.glob("log4j-*.jar"))]
 
 
-def run_committer(jar: Path, master: str, token: str, staging: Path,
-                  commits: Sequence[tuple[str, int | str, str, int]]) -> str:  # fmt: skip
+def run_committer(jar: Path, master: str, token: str, staging: Path, commits: Sequence[tuple[str, int | str, str, int]],
+                  env: dict[str, str] | None = None) -> str:  # fmt: skip
     """Run the harness over ``commits``: (part, epoch or "epoch:previous", uri, records)."""
     jars = [jar, *flink_jars()]
     cmd = ["java", "-Dorg.apache.logging.log4j.level=INFO", "-cp", ":".join(map(str, jars)),
            str(HERE / "CommitterHarness.java"), master, token, "stream", str(staging), "60"]  # fmt: skip
     for part, epoch, uri, records in commits:
         cmd += [PRODUCER, part, str(epoch), uri, str(records)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     return out.stdout + out.stderr + f"\nexit {out.returncode}"
 
 
@@ -110,6 +114,29 @@ def test_a_commit_cut_mid_call_is_retried_and_lands_once(tmp_path: Path, flink_s
         assert info.total_records == sum(rows), f"{info.total_records} records committed, not {sum(rows)}\n{out}"
     finally:
         proxy.close()
+        master.stop()
+
+
+def test_the_committer_commits_over_mutual_tls_with_the_worker_token(tmp_path: Path, flink_sink_jar: Path) -> None:
+    """Issue 33: the Java committer takes STREAMROVER_TLS_CA/_CERT/_KEY from the environment, as Python does."""
+    ca = make_ca(tmp_path / "pki")
+    server, client = issue(ca, tmp_path / "pki", "server"), issue(ca, tmp_path / "pki", "committer", server=False)
+    staging = tmp_path / "staging"
+    master = MasterProcess(tmp_path / "master", extra_args=[
+        "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--tls-client-ca", str(ca.cert)])  # fmt: skip
+    master.start()
+    tls = ClientTls(str(ca.cert), str(client.cert), str(client.key))
+    try:
+        with ShardClient(master.address, token=master.token, heartbeat=False, tls=tls) as admin:
+            options = {"sr.staging_dir": str(staging), "sr.schema": encode_schema(SCHEMA)}
+            admin.register_dataset(DatasetSpec("stream", "staged://stream", options=options, records_per_shard=1000))
+            commits = [("0", 1, stage(staging, "0", 1, 0, 400), 400)]
+            out = run_committer(flink_sink_jar, master.address, worker_token(master.token), staging, commits,
+                                env=tls.env())  # fmt: skip
+            assert [o for _, o in re.findall(r"^outcome (\S+) (\w+)$", out, re.M)] == ["committed"], out
+            assert "over TLS" in out and out.rstrip().endswith("exit 0"), out
+            assert admin.describe_dataset("stream").total_records == 400
+    finally:
         master.stop()
 
 

@@ -13,7 +13,9 @@ import numpy as np
 import psutil
 
 from streamrover.shard_service import DatasetSpec, ShardClient
+from streamrover.shard_service.client.tls import ClientTls
 from streamrover.testing.procs import MasterProcess, python_env
+from streamrover.tokens import worker_token
 from streamrover.trainers.torch.agent import read_health
 
 HERE = Path(__file__).resolve().parent
@@ -35,11 +37,14 @@ class TorchJob:
     records_per_shard: int = 1000
     run_id: str = "job"
     lease_ttl: float = 10.0
+    master_args: list[str] = field(default_factory=list)  # more `streamrover master` flags (--tls-cert ...)
+    env: dict[str, str] = field(default_factory=dict)  # for the agents and this side's clients (STREAMROVER_TLS_CA)
+    worker_role: bool = False  # agents get the worker token (as the operator hands it), not the admin token
     master: MasterProcess = field(init=False)
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.master = MasterProcess(self.workdir / "master", lease_ttl=self.lease_ttl)
+        self.master = MasterProcess(self.workdir / "master", lease_ttl=self.lease_ttl, extra_args=self.master_args)
         self.out = self.workdir / "out"
         self.out.mkdir(parents=True, exist_ok=True)
         self.ckpt = self.workdir / "ckpt"
@@ -51,21 +56,23 @@ class TorchJob:
             admin.register_dataset(spec)
 
     def admin(self) -> ShardClient:
-        return ShardClient(self.master.address, token=self.master.token, heartbeat=False, timeout=90)
+        tls = ClientTls.from_env(self.env) if self.env else None
+        return ShardClient(self.master.address, token=self.master.token, heartbeat=False, timeout=90, tls=tls)
 
     def agent_cmd(self, name: str, nnodes: str, nproc: int, script: Path, script_args: list[str]) -> list[str]:
+        token = worker_token(self.master.token) if self.worker_role else self.master.token
         return [
             str(DLROVER_RUN), "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", "30",
             "--monitor-interval", "0.2", "--rdzv-backend", "streamrover", "--rdzv-id", self.run_id,
             "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=300",
-            "--local-addr", "127.0.0.1", "--shard-service", self.master.address, "--token", self.master.token,
+            "--local-addr", "127.0.0.1", "--shard-service", self.master.address, "--token", token,
             "--ckpt-dir", str(self.ckpt), "--node-id", name, str(script), *script_args,
         ]  # fmt: skip
 
     def start_agent(
         self, name: str, nnodes: str, nproc: int, script_args: list[str], script: Path = LEDGER_SCRIPT
     ) -> None:
-        env = python_env()
+        env = {**python_env(), **self.env}
         env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
         log = open(self.workdir / f"agent-{name}.log", "ab")
         self.agents[name] = subprocess.Popen(

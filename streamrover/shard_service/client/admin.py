@@ -12,9 +12,12 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import grpc
+
 from streamrover.cursor import DataCursor
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import DatasetSpec
+from streamrover.shard_service.client.tls import ClientTls
 from streamrover.shard_service.client.transport import Transport
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
@@ -38,17 +41,19 @@ class AdminClient:
         *,
         timeout: float = 120.0,
         session: bool = False,
+        tls: ClientTls | bool | None = True,
     ) -> None:
         """Connect to the master at ``address`` (default ``$STREAMROVER_MASTER``) with ``token``.
 
         ``name`` (default host:pid) names this client where the master reports it; ``session``: a
-        worker's per-shard calls go over one session stream (see :mod:`.transport`).
+        worker's per-shard calls go over one session stream (see :mod:`.transport`). ``tls``: True (default) =
+        from the environment (``$STREAMROVER_TLS_CA``..., :mod:`.tls`), a :class:`ClientTls`, or None = plaintext.
         """
         self.address = address or os.environ.get("STREAMROVER_MASTER", "127.0.0.1:7070")
         self.token = token if token is not None else os.environ.get("STREAMROVER_TOKEN", "")
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.timeout = timeout
-        self._transport = Transport(self.address, self.token, timeout, session=session)
+        self._transport = Transport(self.address, self.token, timeout, session=session, tls=tls)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -121,6 +126,13 @@ class AdminClient:
     def status(self) -> pb.StatusResponse:
         """The job's status: datasets, workers, rates, the last committed cut."""
         return self._call(self._stub.Status, pb.StatusRequest())
+
+    def stop(self, reason: str = "") -> None:
+        """Stop the master (admin token only: PermissionDeniedError with a worker token). Sent once, not retried."""
+        try:
+            self._stub.Stop(pb.StopRequest(reason=reason), metadata=self._transport.metadata, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise self._transport.error(exc.code().name, exc.details() or "") from None
 
     def report(self, values: Mapping[str, float], step: int | None = None, reporter: str | None = None) -> None:
         """Report trainer metrics (``client.report({"loss": 0.41, "auc": 0.78}, step=120)``) to the master:

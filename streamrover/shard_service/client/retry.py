@@ -81,6 +81,7 @@ GUARDED: dict[str, str] = {
     "is discarded once a later cut commits",
     "RemoveDataset": "a repeat after the first removed it is answered NOT_FOUND: the client reports the dataset "
     "removed (AdminClient.remove_dataset)",
+    "Stop": "sent once, not retried (AdminClient.stop): a stopped master answers nothing more",
     "Leave": "a repeat after the first is answered NOT_FOUND (the worker is gone, its leases returned): the "
     "client takes that as done (ShardClient.close)",
 }

@@ -49,6 +49,7 @@ from streamrover.shard_service.client.cursor_client import CursorClient
 from streamrover.shard_service.client.lease_table import LeaseTable
 from streamrover.shard_service.client.leased import LeasedShard
 from streamrover.shard_service.client.pacing import Pacing, PrefetchPace
+from streamrover.shard_service.client.tls import ClientTls
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.sources.api import Source, open_source
 
@@ -69,6 +70,7 @@ class ShardClient(CursorClient):
         heartbeat: bool = True,
         async_acks: bool = False,
         session: bool = True,
+        tls: ClientTls | bool | None = True,
     ) -> None:
         """Connect to the master at ``address`` (default ``$STREAMROVER_MASTER``) with ``token``.
 
@@ -76,9 +78,10 @@ class ShardClient(CursorClient):
         (see the module docstring: who flushes them before a cut); when False (the default)
         every ack waits for the master's answer. ``ack(..., wait=...)`` overrides it per call.
         ``session``: leases, acks and heartbeats go as messages on one worker session stream
-        (:mod:`.transport`; answered exactly as the unary calls); False: one unary call each.
+        (:mod:`.transport`; answered exactly as the unary calls); False: one unary call each. ``tls``: as
+        :class:`AdminClient`'s (default: from ``$STREAMROVER_TLS_CA``...).
         """
-        super().__init__(address, token, name, timeout=timeout, session=session)
+        super().__init__(address, token, name, timeout=timeout, session=session, tls=tls)
         self.worker_id = ""
         self.heartbeat_interval = 1.0
         self._want_heartbeat = heartbeat

@@ -28,11 +28,13 @@ from streamrover.shard_service.api import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ShardServiceError,
     UnauthenticatedError,
     UnavailableError,
 )
 from streamrover.shard_service.client.retry import FIRST_DELAY, next_delay, transient
+from streamrover.shard_service.client.tls import ClientTls, channel
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 
@@ -44,6 +46,7 @@ ERRORS: dict[grpc.StatusCode, type[ShardServiceError]] = {
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
 }
 ERRORS_BY_NAME: dict[str, type[ShardServiceError]] = {code.name: error for code, error in ERRORS.items()}
@@ -54,7 +57,10 @@ _BROKEN = -1  # the seq of the answer made up for a stream that broke with a tra
 class Transport:
     """The channel to the master and the two ways of calling it."""
 
-    def __init__(self, address: str, token: str, timeout: float, session: bool = True) -> None:
+    def __init__(
+        self, address: str, token: str, timeout: float, session: bool = True, tls: ClientTls | bool | None = True
+    ) -> None:
+        """``tls``: True (default) = from the environment (:meth:`ClientTls.from_env`); None or False = plaintext."""
         self.address = address
         self.timeout = timeout
         options = [
@@ -64,7 +70,8 @@ class Transport:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        self.channel = grpc.insecure_channel(address, options=options)
+        self.tls = ClientTls.from_env() if tls is True else (tls or None)
+        self.channel = channel(address, options, self.tls)
         self.stub = pb_grpc.ShardServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.retries = 0  # calls and session messages sent again after a transient failure (for tests and logs)
@@ -79,7 +86,12 @@ class Transport:
 
     def error(self, code: str, details: str) -> ShardServiceError:
         """The typed error of a refusal with gRPC status name ``code``."""
-        return ERRORS_BY_NAME.get(code, ShardServiceError)(f"{details} [{code} from {self.address}]")
+        hint = ""
+        if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):  # a refused TLS handshake looks like no master at all
+            hint = (f" (TLS, verifying the master by {self.tls.ca}: is its certificate signed by that CA, for this"
+                    " address?)" if self.tls is not None else
+                    " (plaintext: if the master serves TLS, set STREAMROVER_TLS_CA to its CA)")  # fmt: skip
+        return ERRORS_BY_NAME.get(code, ShardServiceError)(f"{details} [{code} from {self.address}]{hint}")
 
     def call(self, method: Callable[..., T], request: Any, timeout: float | None = None, gone: T | None = None) -> T:
         """One unary call, retried on a transient status (:func:`.retry.transient`) until the client's timeout.

@@ -5,7 +5,9 @@
 - Planning: :mod:`.planner` (batch epochs), :mod:`.streams` and :mod:`.poller` (stream shards as records
   arrive), :mod:`.upstream` (broker offsets committed after a durable cut), :mod:`.staged` (sinks' files).
 - Serving: :mod:`.server` (``ShardServicer``, the gRPC service) with :mod:`.session`, :mod:`.kv_rpc`,
-  :mod:`.staged_rpc`; :mod:`.web` and :mod:`.metrics` (dashboard, Prometheus ``/metrics``).
+  :mod:`.staged_rpc`, :mod:`.info`; :mod:`.web` and :mod:`.metrics` (dashboard, Prometheus ``/metrics``).
+- Security: :mod:`.auth` (the admin and worker tokens, reloaded from files; the role check) and :mod:`.tls`
+  (certificates for gRPC and HTTPS, reloaded when their files change; the off-loopback warning).
 - :mod:`.process` (``MasterServer``): a master in this process, what ``streamrover master`` runs.
 
 Nothing here is imported by :mod:`streamrover.shard_service.client` (an import-linter contract in

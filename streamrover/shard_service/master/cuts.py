@@ -184,6 +184,11 @@ class CutBook:
             raise NotFoundError(f"cut {cut_id} is not remembered; restore from the checkpoint's cursor instead")
         return cut.cursor
 
+    def issued(self, cursor: DataCursor) -> bool:
+        """Whether ``cursor`` is one this master issued: the committed, durable or upstream cursor, or a cut's."""
+        known = [self.committed, self.durable, self.upstream, *(c.cursor for c in self.cuts.values())]
+        return any(cursor == k for k in known)
+
     def check_reset(self, cursor: DataCursor, discard_committed: bool) -> None:
         """Refuse a reset to an empty cursor while the committed one is not empty, unless ``discard_committed``."""
         if not cursor.keys() and self.committed.keys() and not discard_committed:

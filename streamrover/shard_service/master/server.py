@@ -14,17 +14,21 @@ from typing import Any, TypeVar
 
 import grpc
 
+from streamrover.cursor import CursorError
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import (
     InvalidArgumentError,
     LeaseGrant,
     LeaseStatus,
+    PermissionDeniedError,
+    Role,
     ShardServiceError,
 )
+from streamrover.shard_service.master.auth import Tokens, role_in
 from streamrover.shard_service.master.bookkeeping import DatasetRecord
 from streamrover.shard_service.master.core import AckItem, ShardCore
-from streamrover.shard_service.master.gaps import gaps_to_pb
 from streamrover.shard_service.master.group_commit import CommitLock
+from streamrover.shard_service.master.info import dataset_info
 from streamrover.shard_service.master.journal import JournalWriteError
 from streamrover.shard_service.master.kv_rpc import kv_delete_range, kv_get, kv_set
 from streamrover.shard_service.master.poller import StreamPoller
@@ -55,7 +59,7 @@ def _rpc(method: Callable[..., T]) -> Callable[..., T]:
         error: tuple[grpc.StatusCode, str] | None = None
         try:
             result = method(self, request, context)
-        except (JournalWriteError, ShardServiceError, SourceError) as exc:
+        except (JournalWriteError, ShardServiceError, SourceError, CursorError) as exc:
             error = status_of(exc)
         failed = self.core.journal.failed  # set under the lock: a call that ran after it saw memory ahead of it
         if failed:
@@ -72,9 +76,18 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     """Serialises every call on one condition variable around the :class:`ShardCore`."""
 
     def __init__(
-        self, core: ShardCore, on_fatal: Callable[[str], None] | None = None, max_sessions: int = DEFAULT_MAX_SESSIONS
+        self,
+        core: ShardCore,
+        on_fatal: Callable[[str], None] | None = None,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        tokens: Tokens | None = None,
+        on_stop: Callable[[str], None] | None = None,
     ) -> None:
         self.core = core
+        self.tokens = tokens  # for the calls a worker may make in part (None: every caller is an admin)
+        self._on_stop = on_stop
+        self.stopping = False  # a Stop call was answered
+        self.security_warning = ""  # set by the process (a master off loopback without TLS)
         self.sessions = WorkerSessions(self, max_sessions)
         self.cond = CommitLock(core.journal)  # one lock around the core; journal commits grouped (.group_commit)
         self.reported = ReportedMetrics()  # what trainers report (loss, AUC...): in memory, not journalled
@@ -140,36 +153,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
 
     # ----------------------------------------------------------------- datasets
     def _info(self, ds: DatasetRecord) -> pb.DatasetInfo:
-        counts = self.core.counts(ds)
-        kind = pb.DATASET_KIND_BATCH if ds.kind.value == "batch" else pb.DATASET_KIND_STREAM
-        partitions = [convert.partition_to_pb(p) for p in ds.partitions]
-        lag = 0
-        if ds.kind is SourceKind.STREAM:
-            for msg, (avail, committed_end, part_lag) in zip(partitions, self.core.lag(ds)):
-                msg.available_end, msg.committed_end, msg.lag = avail, committed_end, part_lag
-                lag += part_lag
-        streams = self.core.streams
-        error = ds.failed or streams.source_errors.get(ds.name, ("", 0.0))[0] or streams.upstream.note(ds)
-        return pb.DatasetInfo(
-            spec=convert.spec_to_pb(ds.spec),
-            kind=kind,
-            partitions=partitions,
-            lag=lag,
-            error=error,
-            failed=bool(ds.failed),
-            dead_letters=ds.dead_letters,
-            total_records=ds.planned_records(),
-            epochs_planned=ds.epochs_planned,
-            shards=pb.ShardCounts(
-                todo=counts.todo, leased=counts.leased, acked=counts.acked, committed=counts.committed
-            ),
-            finished=counts.finished,
-            schema_json=ds.schema_json,
-            records_acked=counts.records_acked,
-            records_committed=counts.records_committed,
-            lost_records=self.core.streams.upstream.lost_records(ds),
-            commit_gaps=gaps_to_pb(self.core.staged.gaps.of(ds.name), self.core.clock()),
-        )
+        return dataset_info(self.core, ds)
 
     @_rpc
     def RegisterDataset(self, request: pb.RegisterDatasetRequest, context: Any) -> pb.RegisterDatasetResponse:
@@ -181,6 +165,12 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             existing = self.core.datasets.get(spec.name)
             if existing is not None and existing.spec == spec.normalized():
                 return pb.RegisterDatasetResponse(dataset=self._info(existing), created=False)
+        if role_in(context, self.tokens) is not Role.ADMIN:
+            what = "a new dataset" if existing is None else "a changed spec of dataset"
+            raise PermissionDeniedError(
+                f"RegisterDataset of {what} {spec.name!r}: the worker role may only register a dataset already "
+                "registered with the same spec; adding one needs the admin token"
+            )
         source = open_source(spec.uri, spec.format, spec.options)  # I/O outside the lock
         try:
             partitions = source.partitions()
@@ -404,7 +394,17 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         which = request.WhichOneof("target")
         if which is None:
             raise InvalidArgumentError("restore: give a cut_id or a cursor")
+        worker = role_in(context, self.tokens) is not Role.ADMIN
+        if worker and (which != "cursor" or request.discard_committed):
+            raise PermissionDeniedError(
+                "Restore to a cut or discarding committed progress: the worker role may not; it needs the admin token"
+            )
         with self.cond:
+            if worker and not self.core.cut_book.issued(convert.cursor_from_pb(request.cursor)):
+                raise PermissionDeniedError(
+                    "Restore to a cursor this master did not issue (not the committed or durable cursor, nor a "
+                    "cut it remembers): the worker role may not; it needs the admin token"
+                )
             if which == "cursor":
                 revoked, requeued = self.core.restore(
                     cursor=convert.cursor_from_pb(request.cursor),
@@ -445,7 +445,17 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 uptime_seconds=now - self.core.started,
                 cut_commit_error=self.core.cut_book.cut_commit_error,
                 persisting_cuts=self.core.cut_book.persisting(),
+                security_warning=self.security_warning,
             )
+
+    @_rpc
+    def Stop(self, request: pb.StopRequest, context: Any) -> pb.StopResponse:
+        """RPC (admin only): answer, then stop the master (its process exits as after a signal)."""
+        if self._on_stop is None:
+            raise InvalidArgumentError("Stop: this master is not run by a process that can stop it")
+        self.stopping = True
+        threading.Thread(target=self._on_stop, args=(request.reason,), name="stop", daemon=True).start()
+        return pb.StopResponse()
 
     @_rpc
     def ReportMetrics(self, request: pb.ReportMetricsRequest, context: Any) -> pb.ReportMetricsResponse:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from streamrover.cursor import CursorError
 from streamrover.shard_service import convert
 from streamrover.shard_service.api import ShardServiceError
 from streamrover.shard_service.master.journal import JournalWriteError
@@ -50,6 +51,8 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, SourceError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, CursorError):  # a malformed cursor in a request (a reversed interval...)
+        return grpc.StatusCode.INVALID_ARGUMENT, f"malformed cursor: {exc}"
     return None
 
 
@@ -142,7 +145,7 @@ class WorkerSessions:
         answer = pb.SessionResponse(seq=request.seq)
         try:
             call(getattr(request, kind or ""), answer, context)  # (a lease or an ack sets a field of its answer)
-        except (JournalWriteError, ShardServiceError, SourceError) as exc:
+        except (JournalWriteError, ShardServiceError, SourceError, CursorError) as exc:
             code, message = status_of(exc) or (grpc.StatusCode.UNKNOWN, str(exc))
             answer = pb.SessionResponse(seq=request.seq, error_code=code.name, error=message)
         failed = self._servicer.core.journal.failed  # as a unary call: nothing answered from state not durable

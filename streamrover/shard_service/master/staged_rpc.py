@@ -27,6 +27,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from streamrover.shard_service.master.server import ShardServicer
 
 log = logging.getLogger(__name__)
+#: Files one commit may name (a sink's subtask stages a few per checkpoint): each is opened to read its footer, so
+#: a commit of more is refused INVALID_ARGUMENT before any is opened, as a request over the size limit is.
+MAX_FILES_PER_COMMIT = 10_000
 
 
 def check_files(request: pb.CommitStagedRequest) -> list[FileFacts]:
@@ -73,6 +76,9 @@ def delete_trained_files(files: dict[str, list[str]]) -> int:
 
 def commit_staged(self: ShardServicer, request: pb.CommitStagedRequest, context: Any) -> pb.CommitStagedResponse:
     """Commit a sink's staged files under (producer, part, epoch), once; see the .proto for the contract."""
+    if len(request.files) > MAX_FILES_PER_COMMIT:
+        raise InvalidArgumentError(f"commit of {request.dataset!r} names {len(request.files)} files, more than "
+                                   f"{MAX_FILES_PER_COMMIT} per commit: write larger files (rows per file)")
     try:
         validate_key_part("producer", request.producer)
         validate_key_part("part", request.part)

@@ -1,9 +1,10 @@
 """The master's HTTP endpoint beside its gRPC port: Prometheus ``/metrics``, a JSON view and the live dashboard.
 
 Served by the standard library's WSGI server (one thread per request), bound to 127.0.0.1 by default.
-Every data path needs the job token as ``Authorization: Bearer <token>`` (the same token as the gRPC
-calls); without it the answer is 401. The page itself (``/``) is static and holds no data: it takes the
-token from the URL fragment (``/#token=...``, which a browser never sends to the server, so it is never
+Every data path needs a job token (admin or worker) as ``Authorization: Bearer <token>`` (the same tokens as
+the gRPC calls); without it the answer is 401. Started with TLS, it serves HTTPS with the same certificate
+(and, with a client CA, asks for a client certificate). The page itself (``/``) is static and holds no data:
+it takes the token from the URL fragment (``/#token=...``, which a browser never sends to the server, so it is never
 in a log) or from its login form, keeps it in the tab's session storage, and sends it as that header.
 The token is never logged; request lines are not logged at all.
 
@@ -14,10 +15,10 @@ families as JSON plus the trainer metrics' history (what the page draws), ``/hea
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
+import ssl
 import threading
 from collections.abc import Callable, Iterable
 from importlib import resources
@@ -32,6 +33,7 @@ from prometheus_client import make_wsgi_app
 from streamrover.shard_service.master.metrics import job_registry
 
 if TYPE_CHECKING:
+    from streamrover.shard_service.master.auth import Tokens
     from streamrover.shard_service.master.server import ShardServicer
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,21 @@ StartResponse = Callable[..., Any]
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = True
+    ssl_context: ssl.SSLContext | None = None
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """With TLS: the handshake in the request's own thread (a slow client holds up no other)."""
+        if self.ssl_context is None:
+            return super().finish_request(request, client_address)
+        try:
+            tls = self.ssl_context.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            log.debug("dashboard: TLS handshake with %s failed: %s", client_address, exc)
+            return None
+        try:
+            return super().finish_request(tls, client_address)
+        finally:
+            tls.close()
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -56,17 +73,24 @@ class Dashboard:
     """The HTTP endpoint of one master: started on construction, stopped by :meth:`stop`."""
 
     def __init__(
-        self, servicer: ShardServicer, token: str, host: str = "127.0.0.1", port: int = 0, durability: str = "normal"
+        self,
+        servicer: ShardServicer,
+        tokens: Tokens,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        durability: str = "normal",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._servicer = servicer
-        self._expected = f"Bearer {token}".encode()
+        self._tokens = tokens
         self.registry = job_registry(servicer, durability)
         self._metrics_app = make_wsgi_app(self.registry)
         self._page = resources.files("streamrover.shard_service.master").joinpath("dashboard.html").read_bytes()
         self._server = make_server(host, port, self._app, server_class=_Server, handler_class=_QuietHandler)
+        self._server.ssl_context = ssl_context
         self.port = self._server.server_port
         self.address = f"{host}:{self.port}"
-        self.url = f"http://{self.address}/"
+        self.url = f"{'https' if ssl_context is not None else 'http'}://{self.address}/"
         self._thread = threading.Thread(target=self._server.serve_forever, name="dashboard", daemon=True)
         self._thread.start()
         log.info("dashboard and /metrics on %s", self.url)
@@ -80,7 +104,7 @@ class Dashboard:
     # ------------------------------------------------------------------ WSGI
     def _authorized(self, environ: dict[str, Any]) -> bool:
         got = environ.get("HTTP_AUTHORIZATION", "").encode()
-        return hmac.compare_digest(got, self._expected)
+        return self._tokens.role_of_header(got) is not None  # either role may read
 
     def _app(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")

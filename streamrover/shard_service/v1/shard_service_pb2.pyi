@@ -1219,6 +1219,7 @@ class StatusResponse(google.protobuf.message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: builtins.int
     CUT_COMMIT_ERROR_FIELD_NUMBER: builtins.int
     PERSISTING_CUTS_FIELD_NUMBER: builtins.int
+    SECURITY_WARNING_FIELD_NUMBER: builtins.int
     records_per_second: builtins.float
     """acked, over the last few seconds"""
     acks_per_second: builtins.float
@@ -1228,6 +1229,8 @@ class StatusResponse(google.protobuf.message.Message):
     """the last cut commit refused since the last successful one, and why"""
     persisting_cuts: builtins.int
     """prepared cuts whose checkpoints are being persisted"""
+    security_warning: builtins.str
+    """e.g. bound off loopback without TLS: tokens cross the network in plaintext"""
     @property
     def datasets(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___DatasetInfo]: ...
     @property
@@ -1243,10 +1246,38 @@ class StatusResponse(google.protobuf.message.Message):
         uptime_seconds: builtins.float = ...,
         cut_commit_error: builtins.str = ...,
         persisting_cuts: builtins.int = ...,
+        security_warning: builtins.str = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["acks_per_second", b"acks_per_second", "cut_commit_error", b"cut_commit_error", "datasets", b"datasets", "last_committed_cut", b"last_committed_cut", "persisting_cuts", b"persisting_cuts", "records_per_second", b"records_per_second", "uptime_seconds", b"uptime_seconds", "workers", b"workers"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["acks_per_second", b"acks_per_second", "cut_commit_error", b"cut_commit_error", "datasets", b"datasets", "last_committed_cut", b"last_committed_cut", "persisting_cuts", b"persisting_cuts", "records_per_second", b"records_per_second", "security_warning", b"security_warning", "uptime_seconds", b"uptime_seconds", "workers", b"workers"]) -> None: ...
 
 global___StatusResponse = StatusResponse
+
+@typing.final
+class StopRequest(google.protobuf.message.Message):
+    """Stop the master (admin token only): it answers, then stops serving and closes its journal."""
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: builtins.int
+    reason: builtins.str
+    def __init__(
+        self,
+        *,
+        reason: builtins.str = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["reason", b"reason"]) -> None: ...
+
+global___StopRequest = StopRequest
+
+@typing.final
+class StopResponse(google.protobuf.message.Message):
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+
+global___StopResponse = StopResponse
 
 @typing.final
 class ReportMetricsRequest(google.protobuf.message.Message):

@@ -119,6 +119,11 @@ class ShardServiceStub(object):
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportMetricsRequest.SerializeToString,
                 response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportMetricsResponse.FromString,
                 _registered_method=True)
+        self.Stop = channel.unary_unary(
+                '/streamrover.v1.ShardService/Stop',
+                request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StopRequest.SerializeToString,
+                response_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StopResponse.FromString,
+                _registered_method=True)
         self.KvGet = channel.unary_unary(
                 '/streamrover.v1.ShardService/KvGet',
                 request_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.KvGetRequest.SerializeToString,
@@ -256,6 +261,12 @@ class ShardServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stop(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KvGet(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -379,6 +390,11 @@ def add_ShardServiceServicer_to_server(servicer, server):
                     servicer.ReportMetrics,
                     request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportMetricsRequest.FromString,
                     response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportMetricsResponse.SerializeToString,
+            ),
+            'Stop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stop,
+                    request_deserializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StopRequest.FromString,
+                    response_serializer=streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StopResponse.SerializeToString,
             ),
             'KvGet': grpc.unary_unary_rpc_method_handler(
                     servicer.KvGet,
@@ -870,6 +886,33 @@ class ShardService(object):
             '/streamrover.v1.ShardService/ReportMetrics',
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportMetricsRequest.SerializeToString,
             streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.ReportMetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrover.v1.ShardService/Stop',
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StopRequest.SerializeToString,
+            streamrover_dot_shard__service_dot_v1_dot_shard__service__pb2.StopResponse.FromString,
             options,
             channel_credentials,
             insecure,

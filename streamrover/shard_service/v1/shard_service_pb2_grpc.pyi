@@ -115,6 +115,11 @@ class ShardServiceStub:
         streamrover.shard_service.v1.shard_service_pb2.ReportMetricsResponse,
     ]
 
+    Stop: grpc.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.StopRequest,
+        streamrover.shard_service.v1.shard_service_pb2.StopResponse,
+    ]
+
     KvGet: grpc.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.KvGetRequest,
         streamrover.shard_service.v1.shard_service_pb2.KvGetResponse,
@@ -229,6 +234,11 @@ class ShardServiceAsyncStub:
     ReportMetrics: grpc.aio.UnaryUnaryMultiCallable[
         streamrover.shard_service.v1.shard_service_pb2.ReportMetricsRequest,
         streamrover.shard_service.v1.shard_service_pb2.ReportMetricsResponse,
+    ]
+
+    Stop: grpc.aio.UnaryUnaryMultiCallable[
+        streamrover.shard_service.v1.shard_service_pb2.StopRequest,
+        streamrover.shard_service.v1.shard_service_pb2.StopResponse,
     ]
 
     KvGet: grpc.aio.UnaryUnaryMultiCallable[
@@ -380,6 +390,13 @@ class ShardServiceServicer(metaclass=abc.ABCMeta):
         request: streamrover.shard_service.v1.shard_service_pb2.ReportMetricsRequest,
         context: _ServicerContext,
     ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.ReportMetricsResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.ReportMetricsResponse]]: ...
+
+    @abc.abstractmethod
+    def Stop(
+        self,
+        request: streamrover.shard_service.v1.shard_service_pb2.StopRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[streamrover.shard_service.v1.shard_service_pb2.StopResponse, collections.abc.Awaitable[streamrover.shard_service.v1.shard_service_pb2.StopResponse]]: ...
 
     @abc.abstractmethod
     def KvGet(

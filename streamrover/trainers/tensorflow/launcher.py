@@ -39,6 +39,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+from streamrover.shard_service.api import InvalidArgumentError
+from streamrover.shard_service.client.tls import add_tls_args, export_tls_args
 from streamrover.tokens import resolve_token
 from streamrover.trainers.standby import StandbyPool
 from streamrover.trainers.tensorflow.api import CLUSTER, ClusterConfigError, ClusterSpec, TrainerEnv
@@ -354,6 +356,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-service", default=os.environ.get("STREAMROVER_MASTER"), help="HOST:PORT of the master")
     p.add_argument("--token", default=os.environ.get("STREAMROVER_TOKEN", ""), help="the master's token")
     p.add_argument("--token-file", default=None, help="read the master's token from this file (e.g. STATE_DIR/token)")
+    add_tls_args(p)
     p.add_argument("--ckpt-dir", required=True, help="checkpoint root (a directory or fsspec URL)")
     p.add_argument("--ckpt-job", default=None, help="checkpoint namespace (jobs sharing a root on one node)")
     p.add_argument("--log-dir", default=None, help="task logs (default: a new temporary directory)")
@@ -372,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         args.token = resolve_token(args.token, args.token_file)
-    except ValueError as exc:
+        export_tls_args(args)  # the launcher's clients and every task speak TLS to the master
+    except (ValueError, InvalidArgumentError) as exc:
         raise SystemExit(f"tf-ps-run: {exc}") from None
     if not args.shard_service:
         raise SystemExit("tf-ps-run: --shard-service HOST:PORT (or $STREAMROVER_MASTER) is required")

@@ -5,6 +5,8 @@ streamrover adds:
 
 ``--shard-service HOST:PORT``  the job master (also ``STREAMROVER_MASTER``); workers lease shards from it
 ``--token TOKEN``              its bearer token (also ``STREAMROVER_TOKEN``)
+``--tls-ca FILE``              speak TLS to the master, verified by this CA (also ``STREAMROVER_TLS_CA``;
+                               ``--tls-cert``/``--tls-key`` for mutual TLS)
 ``--ckpt-dir URL``             flash-checkpoint root; the agent hosts this node's checkpoint saver
 ``--node-id ID``               this node's name in health reports and its checkpoint namespace
 
@@ -35,6 +37,8 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser
 
 from streamrover.ckpt import namespace_for, saver_address
+from streamrover.shard_service.api import InvalidArgumentError
+from streamrover.shard_service.client.tls import add_tls_args, export_tls_args
 from streamrover.tokens import resolve_token
 from streamrover.trainers.standby import StandbyPool
 from streamrover.trainers.torch import env
@@ -56,6 +60,7 @@ def build_parser() -> ArgumentParser:
     group.add_argument("--token", default=os.environ.get(env.TOKEN, ""), help="bearer token of the job master")
     group.add_argument("--token-file", "--token_file", default=None,
                        help="read the job master's token from this file (e.g. STATE_DIR/token)")  # fmt: skip
+    add_tls_args(group)
     group.add_argument("--ckpt-dir", "--ckpt_dir", default=os.environ.get(env.CKPT_DIR),
                        help="flash-checkpoint root (a directory or fsspec URL); the agent hosts its saver")  # fmt: skip
     group.add_argument("--node-id", "--node_id", default=None,
@@ -73,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     args = build_parser().parse_args(argv)
     try:
         args.token = resolve_token(args.token, args.token_file)
-    except ValueError as exc:
+        export_tls_args(args)  # the agent's clients and its workers speak TLS to the master
+    except (ValueError, InvalidArgumentError) as exc:
         raise SystemExit(f"dlrover-run: {exc}") from None
     if args.standalone:  # as torchrun's run(): c10d on a private store
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())

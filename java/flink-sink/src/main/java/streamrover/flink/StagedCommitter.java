@@ -1,14 +1,18 @@
 package streamrover.flink;
 
+import java.io.File;
 import java.io.IOException;
 import java.util.Collection;
 import java.util.Optional;
 import java.util.concurrent.TimeUnit;
 
+import io.grpc.ChannelCredentials;
 import io.grpc.ClientInterceptors;
 import io.grpc.Grpc;
 import io.grpc.InsecureChannelCredentials;
 import io.grpc.ManagedChannel;
+import io.grpc.ManagedChannelBuilder;
+import io.grpc.TlsChannelCredentials;
 import io.grpc.Metadata;
 import io.grpc.StatusRuntimeException;
 import io.grpc.stub.MetadataUtils;
@@ -50,12 +54,45 @@ final class StagedCommitter implements Committer<Staged> {
 
     StagedCommitter(String master, String dataset, String token, long retrySeconds) {
         this.dataset = dataset;
-        this.channel = Grpc.newChannelBuilder(master, InsecureChannelCredentials.create()).build();
+        this.channel = channel(master);
         Metadata auth = new Metadata();
         auth.put(Metadata.Key.of("authorization", Metadata.ASCII_STRING_MARSHALLER), "Bearer " + token);
         this.stub = ShardServiceGrpc.newBlockingStub(
                 ClientInterceptors.intercept(channel, MetadataUtils.newAttachHeadersInterceptor(auth)));
         this.retry = new Retry(LOG, retrySeconds, channel::resetConnectBackoff);
+    }
+
+    /**
+     * The channel to the master: TLS when {@code STREAMROVER_TLS_CA} is set in the environment (the master's
+     * certificate verified by that CA; {@code STREAMROVER_TLS_CERT} and {@code STREAMROVER_TLS_KEY}, a PKCS#8
+     * key, for mutual TLS; {@code STREAMROVER_TLS_SERVER_NAME} when the address is not the certificate's
+     * name), as every Python client reads them; plaintext otherwise.
+     */
+    static ManagedChannel channel(String master) {
+        String ca = System.getenv("STREAMROVER_TLS_CA");
+        if (ca == null || ca.isEmpty()) {
+            return Grpc.newChannelBuilder(master, InsecureChannelCredentials.create()).build();
+        }
+        ChannelCredentials credentials;
+        try {
+            TlsChannelCredentials.Builder tls = TlsChannelCredentials.newBuilder().trustManager(new File(ca));
+            String cert = System.getenv("STREAMROVER_TLS_CERT");
+            String key = System.getenv("STREAMROVER_TLS_KEY");
+            if (cert != null && !cert.isEmpty() && key != null && !key.isEmpty()) {
+                tls.keyManager(new File(cert), new File(key));
+            }
+            credentials = tls.build();
+        } catch (IOException e) {
+            throw new IllegalArgumentException("cannot read the TLS files named by STREAMROVER_TLS_CA/_CERT/_KEY ("
+                    + ca + "): " + e.getMessage(), e);
+        }
+        ManagedChannelBuilder<?> builder = Grpc.newChannelBuilder(master, credentials);
+        String name = System.getenv("STREAMROVER_TLS_SERVER_NAME");
+        if (name != null && !name.isEmpty()) {
+            builder.overrideAuthority(name);
+        }
+        LOG.info("committing to the master at {} over TLS (CA {})", master, ca);
+        return builder.build();
     }
 
     @Override
