@@ -50,7 +50,9 @@ class DeltaLog:
             with self.fs.open(path, "rb") as fh:
                 return [json.loads(line) for line in fh.read().decode().splitlines() if line.strip()]
         except OSError as exc:
-            raise SourceUnavailableError(f"cannot read version {version} of the Delta table {self.table_uri!r}: {exc}")
+            raise SourceUnavailableError(
+                f"cannot read version {version} of the Delta table {self.table_uri!r}: {exc}"
+            ) from exc
 
     def follow(self) -> list[Partition]:
         """Turn every version committed since the last call into partitions; returns all of them so far.

@@ -181,7 +181,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             existing = self.core.datasets.get(spec.name)
             if existing is not None and existing.spec == spec.normalized():
                 return pb.RegisterDatasetResponse(dataset=self._info(existing), created=False)
-        source = open_source(spec.uri, spec.format, spec.options)  # I/O outside the lock
+        source = open_source(spec.uri, spec.format, spec.options, spec.epochs)  # I/O outside the lock
         try:
             partitions = source.partitions()
             schema = source.declared_schema() if isinstance(source, StagedSource) else source.schema()
