@@ -41,8 +41,9 @@ $(BENCH_STAMP): $(STAMP)
 
 # The flagship: online CTR from a live Kafka topic (embedded tansu), a worker SIGKILLed, a report.
 demo: install
-	@echo "make demo: online CTR training from a live Kafka topic (an embedded tansu broker), one worker SIGKILLed"
-	@echo "           midway, then the report: every record applied exactly once (examples/streaming_ctr/demo.py)"
+	@echo "make demo: online CTR training: the topic's past from its Parquet export, then the live Kafka topic (an"
+	@echo "           embedded tansu broker), one worker SIGKILLed midway, then the report: every record applied"
+	@echo "           exactly once, the seam shown (examples/streaming_ctr/demo.py)"
 	@$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)
 
 # The batch backfill of parquet files into a ledger (the first demo).

@@ -68,7 +68,7 @@ class DeltaLog:
             self.version += 1
 
     def _appended(self, version: int, actions: list[dict[str, Any]]) -> list[Partition]:
-        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
+        info: dict[str, Any] = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
         what = f"version {version} of the Delta table {self.table_uri!r} ({info.get('operation', 'an operation')})"
         refuse = "; sr.follow trains appended rows only: register a new dataset pinned to a version (sr.version)"
         if any("metaData" in a for a in actions):

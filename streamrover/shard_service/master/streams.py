@@ -112,9 +112,9 @@ class StreamPlanner:
         for plan in list(ds.partitions):
             key = (name, plan.index)
             avail = self.available.get(key, plan.end)
-            staged = stage is not None and key in self.holds and self.holds[key][1] >= stage
-            if staged:  # the history first: a later stage or the live part waits
-                hold, at = self.holds[key]
+            hold, at = self.holds.get(key, (0, -1))
+            staged = stage is not None and at >= stage
+            if stage is not None and staged:  # the history first: a later stage or the live part waits
                 avail = plan.end if at > stage else max(min(avail, hold), plan.end)
             runs = ds.runs.get(plan.index)
             segments = None if runs is None else runs.between(plan.end, avail)
