@@ -23,12 +23,9 @@ when the dataset is registered.
 
 from __future__ import annotations
 
-import re
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
 from pydantic import ConfigDict, Field
@@ -44,12 +41,10 @@ from streamrover.sources.api import (
     register_source,
 )
 from streamrover.sources.delta_log import DeltaLog
-from streamrover.sources.files import FileSource
 from streamrover.sources.options import OptionError, StreamPlanning
+from streamrover.sources.table_files import TableFiles, row_groups
 
-_PART_ID = re.compile(r"^v(?P<version>\d+):(?P<path>.+)#rg(?P<rg>\d+)$")
 _UNSUPPORTED = {"deletionVectors": "deletion vectors", "columnMapping": "column mapping"}
-_OPEN_FILES = 4
 
 
 class DeltaOptions(StreamPlanning):
@@ -81,7 +76,7 @@ class DeltaSource(Source):
                 )
             self.kind = SourceKind.STREAM
         self._log: DeltaLog | None = None
-        self._files: OrderedDict[str, FileSource] = OrderedDict()
+        self._files = TableFiles()
         self._parts: list[Partition] | None = None
         self._schema: pa.Schema | None = None
 
@@ -114,17 +109,12 @@ class DeltaSource(Source):
             version = table.version()
             parts: list[Partition] = []
             for path in sorted(table.file_uris()):
-                meta = pq.read_metadata(path)
-                schema = meta.schema.to_arrow_schema()
+                schema, groups = row_groups(f"v{version}", path)
                 if self._schema is None:
                     self._schema = schema
                 elif not schema.equals(self._schema, check_metadata=False):
                     raise SourceSchemaError(f"Delta table {self.path!r} version {version}: {path!r} has another schema")
-                parts += [
-                    Partition(f"v{version}:{path}#rg{i}", 0, meta.row_group(i).num_rows)
-                    for i in range(meta.num_row_groups)
-                    if meta.row_group(i).num_rows
-                ]
+                parts += groups
             if self._schema is None:
                 self._schema = pa.schema(table.schema().to_arrow())
             self._parts = parts
@@ -144,26 +134,10 @@ class DeltaSource(Source):
         return self._schema
 
     def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
-        found = _PART_ID.match(partition.id)
-        if found is None:
-            raise SourceError(
-                f"partition {partition.id!r} is not a Delta data file's row group (v<version>:<file>#rg<n>)"
-            )
-        path = found["path"]
-        files = self._files.get(path)
-        if files is None:
-            files = FileSource(path, "parquet")  # SourceNotFoundError when the file was vacuumed
-            self._files[path] = files
-            while len(self._files) > _OPEN_FILES:
-                self._files.popitem(last=False)[1].close()
-        yield from files.read(
-            Partition(f"{path}#rg{found['rg']}", partition.start, partition.end), start, end, batch_size
-        )
+        yield from self._files.read(partition, start, end, batch_size)  # SourceNotFoundError: the file was vacuumed
 
     def close(self) -> None:
-        for files in self._files.values():
-            files.close()
-        self._files.clear()
+        self._files.close()
 
 
 def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:

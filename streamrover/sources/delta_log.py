@@ -26,9 +26,9 @@ from urllib.parse import unquote
 
 import fsspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from streamrover.sources.api import Partition, SourceError, SourceSchemaError, SourceUnavailableError
+from streamrover.sources.table_files import row_groups
 
 
 class DeltaLog:
@@ -87,13 +87,8 @@ class DeltaLog:
                 path = path if path.startswith("/") else f"{self.root}/{path}"
                 if not self.table_uri.startswith("file:"):  # s3://..., as the pinned table's file_uris() names it
                     path = self.fs.unstrip_protocol(path)
-            with fsspec.open(path, "rb") as fh:
-                meta = pq.ParquetFile(fh).metadata
-            if not meta.schema.to_arrow_schema().equals(self.schema, check_metadata=False):
+            schema, groups = row_groups(f"v{version}", path)
+            if not schema.equals(self.schema, check_metadata=False):
                 raise SourceSchemaError(f"{what}: {path!r} has another schema than the table's{refuse}")
-            out += [
-                Partition(f"v{version}:{path}#rg{i}", 0, meta.row_group(i).num_rows)
-                for i in range(meta.num_row_groups)
-                if meta.row_group(i).num_rows
-            ]
+            out += groups
         return out
