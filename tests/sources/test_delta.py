@@ -124,3 +124,22 @@ def test_a_followed_table_trains_each_appended_version_once(tmp_path: Path) -> N
             assert "version 4 of the Delta table" in admin.describe_dataset("stream").error
     finally:
         job.stop()
+
+
+def test_a_followed_table_stops_at_a_schema_change_naming_the_version(tmp_path: Path) -> None:
+    """Source level (no master): a version that changes the schema is refused, naming it; the versions before it
+    are kept, and a later poll says the same."""
+    from streamrover.sources.api import SourceSchemaError
+    from streamrover.sources.delta import DeltaSource
+
+    table = tmp_path / "t"
+    _append(table, range(100))  # version 0
+    source = DeltaSource(f"delta://{table}", options={"sr.version": "0", "sr.follow": "true"})
+    assert sum(p.end for p in source.partitions()) == 100
+    _append(table, range(100, 150))  # version 1
+    wider = pa.table({"id": pa.array([1], pa.int64()), "day": pa.array([1], pa.int64()), "x": pa.array([0.5])})
+    write_deltalake(str(table), wider, mode="append", schema_mode="merge")  # version 2: a new column
+    for _ in range(2):
+        with pytest.raises(SourceSchemaError, match=r"version 2 of the Delta table .* changes the table's metadata"):
+            source.poll()
+    assert {p.id.split(":")[0] for p in source._log.partitions} == {"v1"}  # type: ignore[union-attr]
