@@ -400,9 +400,7 @@ class CoreState:
         return revoked
 
     def replan(self, ds: DatasetRecord, cursor: DataCursor, lost: DataCursor, shuffle: bool = True) -> int:
-        """Discard ``ds``'s shards and plan anew what ``cursor`` and ``lost`` lack. Returns the records planned.
-
-        ``shuffle``: False keeps a shuffled dataset's shards in order (a chained stream past its history)."""
+        """Discard ``ds``'s shards and plan anew what ``cursor`` and ``lost`` lack (in order unless ``shuffle``)."""
         for sid in sorted(self.by_dataset[ds.name]):
             self.restore_revoked.add(sid)
             self.drop_shard(sid)
