@@ -5,10 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Extras the test suite needs; grows as issues land (kafka, torch, ...).
-TEST_EXTRAS ?= dev,ckpt,delta,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s,ctr,spark,docs,serving
+TEST_EXTRAS ?= dev,ckpt,delta,iceberg,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s,ctr,spark,docs,serving
 # pyspark is published as a source distribution only (pure Python and its jars, nothing is compiled): it cannot be
 # --only-binary; everything else that could backtrack into a failing source build is.
-PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,onnx,onnxruntime,ray,apache-beam,apache-flink,matplotlib,river,mkdocs,mkdocs-material
+PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,onnx,onnxruntime,ray,apache-beam,apache-flink,matplotlib,river,mkdocs,mkdocs-material,pyiceberg,sqlalchemy,pyroaring,mmh3
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
@@ -41,8 +41,9 @@ $(BENCH_STAMP): $(STAMP)
 
 # The flagship: online CTR from a live Kafka topic (embedded tansu), a worker SIGKILLed, a report.
 demo: install
-	@echo "make demo: online CTR training from a live Kafka topic (an embedded tansu broker), one worker SIGKILLed"
-	@echo "           midway, then the report: every record applied exactly once (examples/streaming_ctr/demo.py)"
+	@echo "make demo: online CTR training: the topic's past from its Parquet export, then the live Kafka topic (an"
+	@echo "           embedded tansu broker), one worker SIGKILLed midway, then the report: every record applied"
+	@echo "           exactly once, the seam shown (examples/streaming_ctr/demo.py)"
 	@$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)
 
 # The batch backfill of parquet files into a ledger (the first demo).

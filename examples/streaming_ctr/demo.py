@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `python examples/streaming_ctr/demo.py` works too
     sys.path.insert(0, str(ROOT))
 
-from examples.streaming_ctr import report  # noqa: E402
+from examples.streaming_ctr import first_act, report  # noqa: E402
 from examples.streaming_ctr.clickstream import SCHEMA  # noqa: E402
 from examples.streaming_ctr.live import Watcher, render  # noqa: E402
 from examples.streaming_ctr.produce import ensure_topic  # noqa: E402
@@ -71,6 +71,7 @@ class DemoConfig:
     bootstrap: str | None = None
     topic: str = ""
     timeout: float = 900.0
+    history: int = 0  # the first act: the first records, trained from their Parquet export, then live (first_act.py)
 
 
 def render_spec(cfg: DemoConfig, uri: str, out: Path) -> dict[str, Any]:
@@ -108,7 +109,14 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
         ensure_topic(bootstrap, topic, cfg.partitions)
         console.print(f"broker {bootstrap} ({'tansu, embedded' if broker else 'given'}), topic {topic!r}, "
                       f"work directory {work}")  # fmt: skip
+        seam = None
+        if cfg.history:  # the first act: the topic's past exported to Parquet, trained first (first_act.py)
+            seam = first_act.prepare(bootstrap, topic, cfg.partitions, cfg.history, cfg.seed, cfg.drift_at,
+                                     work / "lake")  # fmt: skip
+            console.print(f"first act: {cfg.history:,} records exported to {seam.lake} ({seam.files} Parquet files)")
         spec = render_spec(cfg, f"kafka://{bootstrap}/{topic}", out)
+        if seam is not None:
+            first_act.configure(spec, seam)
         spec_path = work / "job.yaml"
         spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
         env = {**python_env(), "STREAMROVER_HOME": str(home)}
@@ -117,7 +125,7 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
         producer_cmd = [sys.executable, "-m", "examples.streaming_ctr.produce", "--bootstrap", bootstrap, "--topic",
                         topic, "--records", str(cfg.records), "--rate", str(cfg.rate), "--seed", str(cfg.seed),
                         "--drift-at", str(cfg.drift_at), "--progress", str(progress),
-                        "--partitions", str(cfg.partitions)]  # fmt: skip
+                        "--partitions", str(cfg.partitions), "--start", str(cfg.history)]  # fmt: skip
 
         def start_producer() -> subprocess.Popen[bytes]:
             with open(work / "producer.log", "ab") as log:
@@ -142,6 +150,8 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
 
         images = report.plots(out, np.load(out / "windows.npy"), np.load(out / "freshness.npy"), samples,
                               cfg.drift_at, cfg.window)  # fmt: skip
+        if seam is not None:
+            summary.seam = seam.describe(np.load(out / "ledger.npy"), samples)
         report.write_html(out, summary, images)
         return summary, work
     finally:
@@ -173,9 +183,10 @@ def _watch(cfg: DemoConfig, console: Console, watcher: Watcher, controller: subp
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the job did not finish within {cfg.timeout:.0f} s")
             s = watcher.sample()
-            if producer is None and s.joined >= 2 and cfg.produce:
+            if producer is None and s.joined >= 2 and cfg.produce and s.acked >= cfg.history:  # (after the past)
                 producer = start_producer()
-                console.print(f"both ranks joined at {s.t:.0f} s: the producer starts ({cfg.rate:,.0f} records/s)")
+                after = f"the past ({cfg.history:,} records) acked" if cfg.history else "both ranks joined"
+                console.print(f"{after} at {s.t:.0f} s: the producer starts ({cfg.rate:,.0f} records/s)")
             if producer is not None and producer.poll() not in (None, 0):
                 raise RuntimeError(f"the producer exited {producer.returncode}")
             if cfg.kill_at is not None and not killed and s.acked >= cfg.kill_at * cfg.records and s.workers >= 2:
@@ -204,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=d.window)
     p.add_argument("--kill-at", type=float, default=d.kill_at, help="fraction of records acked at the SIGKILL")
     p.add_argument("--bootstrap", default=None, help="a Kafka cluster to use instead of the embedded tansu")
+    p.add_argument("--history", type=int, default=20_000,
+                   help="the first act: records trained from the topic's Parquet export before going live (0: none)")
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
     cfg = DemoConfig(records=args.records, rate=args.rate, drift_at=args.drift_at, window=args.window,
-                     kill_at=args.kill_at, bootstrap=args.bootstrap,
+                     kill_at=args.kill_at, bootstrap=args.bootstrap, history=args.history,
                      workdir=Path(args.workdir) if args.workdir else None)  # fmt: skip
     console = Console() if sys.stdout.isatty() else Console(width=120)  # a log keeps its columns
     console.rule("[bold]streamrover demo: online CTR from Kafka, exactly once")

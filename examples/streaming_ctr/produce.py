@@ -51,8 +51,9 @@ class Progress:
 
 
 def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate: float, partitions: int,
-            config: dict[str, Any] | None = None, progress: Progress | None = None, chunk: int = 256) -> Progress:
-    """Send records ``0 .. records-1`` at ``rate`` per second; returns once every one is delivered.
+            config: dict[str, Any] | None = None, progress: Progress | None = None, chunk: int = 256,
+            start: int = 0) -> Progress:
+    """Send records ``start .. records-1`` at ``rate`` per second; returns once every one is delivered.
 
     Records are keyed by user; a user's records all go to one partition (``ClickStream.partition_of``),
     so they stay in order. The last record of each partition is sent alone, after everything else
@@ -70,9 +71,9 @@ def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate:
     def delivered(err: Any, _msg: Any) -> None:
         doc["failed" if err is not None else "delivered"] += 1
 
-    users = stream.columns(0, records)["user"] if records else np.empty(0, np.int64)
-    part = stream.partition_of(users, partitions)
-    tail = {int(np.flatnonzero(part == p)[-1]) for p in range(partitions) if np.any(part == p)}
+    users = stream.columns(start, records)["user"] if records > start else np.empty(0, np.int64)
+    part = np.concatenate([np.zeros(start, np.int64), stream.partition_of(users, partitions)])  # by id
+    tail = {start + int(np.flatnonzero(part[start:] == p)[-1]) for p in range(partitions) if np.any(part[start:] == p)}
     held: list[tuple[int, bytes, int]] = []
 
     def send(body: bytes, user: int, p: int) -> None:
@@ -86,11 +87,12 @@ def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate:
     drifts = list(stream.hidden.drift_at)
     t0 = time.monotonic()
     doc["started"], written = time.time(), 0.0
-    sent = 0
+    sent = start
     while sent < records:
-        due = min(records, int((time.monotonic() - t0) * rate) + 1)
+        due = min(records, start + int((time.monotonic() - t0) * rate) + 1)
         if due <= sent:
-            producer.poll(min((sent + 1) / rate - (time.monotonic() - t0), 0.05))  # pace: serve callbacks meanwhile
+            wait = (sent - start + 1) / rate - (time.monotonic() - t0)
+            producer.poll(min(wait, 0.05))  # pace: serve callbacks meanwhile
             continue
         stop = min(due, sent + chunk)
         cols = stream.columns(sent, stop)
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topic", default="clicks")
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--records", type=int, required=True)
+    p.add_argument("--start", type=int, default=0, help="the first record's id (those before it are sent already)")
     p.add_argument("--rate", type=float, default=1000.0, help="records per second")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--drift-at", type=int, nargs="*", default=[], help="record ids where the hidden model changes")
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_topic(args.bootstrap, args.topic, args.partitions)
     progress = Progress(Path(args.progress) if args.progress else None)
     produce(args.bootstrap, args.topic, ClickStream(args.seed, tuple(args.drift_at)), args.records, args.rate,
-            args.partitions, config, progress)  # fmt: skip
+            args.partitions, config, progress, start=args.start)  # fmt: skip
     print(json.dumps(progress.doc), flush=True)
     return 0
 

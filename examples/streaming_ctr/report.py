@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ class Summary:
     peak_records_per_second: float
     killed: str
     restarts: int
+    seam: list[tuple[str, str]] = field(default_factory=list)  # the first act's rows (first_act.py), if any
 
 
 def summarize(out: Path, records: int, drift_at: int, window: int, samples: list[dict[str, Any]],
@@ -143,6 +144,7 @@ def describe(s: Summary) -> list[tuple[str, str]]:
          f"{s.fresh_p50_ms / 1000:.2f} s / {s.fresh_p99_ms / 1000:.2f} s"),
         ("throughput (applied, first to last)", f"{s.records_per_second:,.0f} records/s"),
         ("peak acked rate", f"{s.peak_records_per_second:,.0f} records/s"),
+        *s.seam,
     ]  # fmt: skip
 
 

@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--oracle", action=argparse.BooleanOptionalAction, default=True,
                    help="score each record with the hidden model too (--no-oracle: the oracle columns stay 0)")
     p.add_argument("--ckpt-every", type=int, default=int(os.environ.get("STREAMROVER_CKPT_EVERY", "50")))
+    p.add_argument("--live-from", type=int, default=0,
+                   help="the first live record's id: freshness counts those from it (a backfilled history is old)")
     p.add_argument("--out", required=True, help="where rank 0 writes metrics.json and the final arrays")
     return p.parse_args(argv)
 
@@ -86,8 +88,9 @@ def write_metrics(out: Path, state: CtrState, step: int, started: float) -> dict
     return newest
 
 
-def apply_step(state: CtrState, rows: np.ndarray, window: int) -> None:
-    """Apply one step's gathered records (``[n, _GATHERED]``) to the ledger, window rows and freshness."""
+def apply_step(state: CtrState, rows: np.ndarray, window: int, live_from: int = 0) -> None:
+    """Apply one step's gathered records (``[n, _GATHERED]``) to the ledger, window rows and freshness (of the
+    records from id ``live_from`` on: a backfilled history's event times are old)."""
     ids = rows[:, 0].astype(np.int64)
     if len(ids) == 0:
         return
@@ -98,7 +101,7 @@ def apply_step(state: CtrState, rows: np.ndarray, window: int) -> None:
     lo, hi = int(rows_of.min()), int(rows_of.max()) + 1  # a step's records fall in one or two windows: add only those
     state.windows[lo:hi] += torch.from_numpy(metrics.window_rows(rows_of - lo, rows[:, 1], rows[:, 2], rows[:, 3],
                                                                  rows[:, 4], applied_ms, hi - lo))  # fmt: skip
-    state.freshness += torch.from_numpy(metrics.freshness_counts(rows[:, 4], applied_ms))
+    state.freshness += torch.from_numpy(metrics.freshness_counts(rows[ids >= live_from, 4], applied_ms))
     if state.applied_span[0] == 0:
         state.applied_span[0] = applied_ms
     state.applied_span[1] = applied_ms
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_gather(gathered, local)  # one collective per step besides DDP's
         rows = torch.cat(gathered).numpy()
         rows = rows[rows[:, 0] >= 0]
-        apply_step(state, rows, args.window)
+        apply_step(state, rows, args.window, args.live_from)
         step = session.step_done()
         if rank == 0 and time.time() - written >= 1.0:
             figures = write_metrics(out, state, step, started)

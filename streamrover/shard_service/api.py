@@ -174,7 +174,8 @@ class DatasetSpec:
     """A dataset as registered: its name, source URI and options, and how it is cut into shards.
 
     ``records_per_shard`` 0 means the default (streams: :data:`DEFAULT_RECORDS_PER_SHARD`; batch
-    files: a row group per shard). ``epochs``, ``shuffle`` and ``seed`` apply to batch data only.
+    files: a row group per shard). ``epochs``, ``shuffle`` and ``seed`` apply to batch data and to a stream's
+    history only (``sr.history``: its history is trained ``epochs`` times, shuffled, before the live part).
     """
 
     name: str

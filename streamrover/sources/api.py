@@ -116,6 +116,10 @@ class Partition:
     #: plans no position at or past it until every position below every partition's hold is acked, so
     #: the history is learned before the live part. None: no hold.
     hold: int | None = None
+    #: With ``hold``: the stage the positions below it belong to (those at or past it are in ``stage + 1``).
+    #: The master plans a stage only once every position of the earlier stages is acked: a chained stream's
+    #: history trained for several epochs is one stage per epoch (``sources/history.py``), then live.
+    stage: int = 0
 
 
 @dataclass(frozen=True)
@@ -237,10 +241,15 @@ def register_chain(factory: SourceFactory) -> None:
     _CHAIN[:] = [factory]
 
 
-def open_source(uri: str, format: str = "", options: Mapping[str, str] | None = None) -> Source:
-    """Open the source a dataset names. Raises :class:`SourceError` with the reason when it cannot."""
+def open_source(uri: str, format: str = "", options: Mapping[str, str] | None = None, epochs: int = 1) -> Source:
+    """Open the source a dataset names. Raises :class:`SourceError` with the reason when it cannot.
+
+    ``epochs``: the dataset's (its spec's); a chained dataset trains its history that many times.
+    """
     opts = dict(options or {})
     if HISTORY_OPTION in opts:  # a chained dataset: the history's files, then the live source (sources/history.py)
+        if epochs > 1:
+            opts[f"{HISTORY_OPTION}.epochs"] = str(epochs)
         if not _CHAIN:
             importlib.import_module(HISTORY_MODULE)
         return _CHAIN[0](uri, format, opts)

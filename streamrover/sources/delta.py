@@ -13,6 +13,9 @@ when the dataset is registered.
 - **Refused** at registration, with what to do: a version that does not exist, a partitioned table
   (partition values live in the log, not the files: not read yet), deletion vectors and column mapping
   (rows and names the Parquet files alone do not give).
+- **Followed** with ``sr.follow=true`` (and ``sr.version``, where to start): a *stream* dataset, the pinned
+  version's row groups and then those of every version appended after it, named after that version
+  (``delta_log.py``: appends only; a version that removes or rewrites rows stops it, said in status).
 - A data file deleted (vacuumed) before its records were trained cannot be read: the worker's read
   raises :class:`~streamrover.sources.api.SourceNotFoundError`, and the dataset fails (or, with
   ``sr.on_data_loss=skip``, its records are counted lost), as for files.
@@ -20,15 +23,12 @@ when the dataset is registered.
 
 from __future__ import annotations
 
-import re
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError, TableNotFoundError
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from streamrover.sources.api import (
     Partition,
@@ -40,20 +40,21 @@ from streamrover.sources.api import (
     SourceSchemaError,
     register_source,
 )
-from streamrover.sources.files import FileSource
-from streamrover.sources.options import _Options
+from streamrover.sources.delta_log import DeltaLog
+from streamrover.sources.options import OptionError, StreamPlanning
+from streamrover.sources.table_files import TableFiles, row_groups
 
-_PART_ID = re.compile(r"^v(?P<version>\d+):(?P<path>.+)#rg(?P<rg>\d+)$")
 _UNSUPPORTED = {"deletionVectors": "deletion vectors", "columnMapping": "column mapping"}
-_OPEN_FILES = 4
 
 
-class DeltaOptions(_Options):
-    """``delta://`` datasets."""
+class DeltaOptions(StreamPlanning):
+    """``delta://`` datasets (the stream planning options apply with ``sr.follow``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False, hide_input_in_errors=True)
 
     version: int | None = Field(None, ge=0, alias="sr.version", description="a table version (default: the newest)")
-    on_data_loss: str = Field(
-        "fail", alias="sr.on_data_loss", pattern="^(fail|skip)$", description="fail or skip (as for batch files)"
+    follow: bool = Field(
+        False, alias="sr.follow", description="true or false (true: a stream of the versions appended after sr.version)"
     )
 
 
@@ -67,7 +68,15 @@ class DeltaSource(Source):
         self.uri = uri
         self.path = uri.removeprefix("delta://")
         self.options = DeltaOptions.parse(dict(options or {}), "Delta")
-        self._files: OrderedDict[str, FileSource] = OrderedDict()
+        if self.options.follow:
+            if self.options.version is None:
+                raise OptionError(
+                    "sr.follow=true needs sr.version: the version to start from (its rows, then every version "
+                    "appended after it)"
+                )
+            self.kind = SourceKind.STREAM
+        self._log: DeltaLog | None = None
+        self._files = TableFiles()
         self._parts: list[Partition] | None = None
         self._schema: pa.Schema | None = None
 
@@ -100,21 +109,23 @@ class DeltaSource(Source):
             version = table.version()
             parts: list[Partition] = []
             for path in sorted(table.file_uris()):
-                meta = pq.read_metadata(path)
-                schema = meta.schema.to_arrow_schema()
+                schema, groups = row_groups(f"v{version}", path)
                 if self._schema is None:
                     self._schema = schema
                 elif not schema.equals(self._schema, check_metadata=False):
                     raise SourceSchemaError(f"Delta table {self.path!r} version {version}: {path!r} has another schema")
-                parts += [
-                    Partition(f"v{version}:{path}#rg{i}", 0, meta.row_group(i).num_rows)
-                    for i in range(meta.num_row_groups)
-                    if meta.row_group(i).num_rows
-                ]
+                parts += groups
             if self._schema is None:
                 self._schema = pa.schema(table.schema().to_arrow())
             self._parts = parts
+            if self.options.follow:
+                self._log = DeltaLog(table.table_uri, version, self._schema)
+        if self._log is not None:
+            return self._parts + self._log.follow()
         return self._parts
+
+    def poll(self) -> list[Partition]:
+        return self.partitions()
 
     def schema(self) -> pa.Schema:
         if self._schema is None:
@@ -123,26 +134,10 @@ class DeltaSource(Source):
         return self._schema
 
     def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
-        found = _PART_ID.match(partition.id)
-        if found is None:
-            raise SourceError(
-                f"partition {partition.id!r} is not a Delta data file's row group (v<version>:<file>#rg<n>)"
-            )
-        path = found["path"]
-        files = self._files.get(path)
-        if files is None:
-            files = FileSource(path, "parquet")  # SourceNotFoundError when the file was vacuumed
-            self._files[path] = files
-            while len(self._files) > _OPEN_FILES:
-                self._files.popitem(last=False)[1].close()
-        yield from files.read(
-            Partition(f"{path}#rg{found['rg']}", partition.start, partition.end), start, end, batch_size
-        )
+        yield from self._files.read(partition, start, end, batch_size)  # SourceNotFoundError: the file was vacuumed
 
     def close(self) -> None:
-        for files in self._files.values():
-            files.close()
-        self._files.clear()
+        self._files.close()
 
 
 def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:

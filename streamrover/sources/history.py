@@ -23,8 +23,13 @@ contract, in the order the service relies on it:
    topic's export, or a topic re-created since); partitions the topic lacks.
 4. **History first.** Each partition reports its boundary as :attr:`Partition.hold`: the master plans
    no live shard until every position of every partition below its hold is acked, so the model
-   learns the past before the present (``streams.py``). Epochs and shuffle are refused (they would
-   apply to the history only: not built yet); the run is a stream of epoch 0.
+   learns the past before the present (``streams.py``).
+   **Epochs and shuffle apply to the history only.** With the dataset's ``epochs`` E > 1, the history
+   is trained E times: epochs 0 .. E-2 as partitions of their own, ``epoch{k}/TOPIC-N`` (the history's
+   offsets, read from the files), each a stage (:attr:`Partition.stage`) planned once every earlier one
+   is acked; the last epoch is the topic's partition itself, which goes on live once it is acked. Its
+   ``shuffle`` shuffles each epoch's shards (the master, ``streams.py``); live shards keep their order.
+   The cursor stays one cursor of epoch 0: an epoch of the history is a partition in it.
 5. **Retention.** Positions below the boundary never need the broker: :attr:`Partition.earliest` is
    the history's start as long as the broker still holds the boundary; once retention passes the
    boundary, the broker's earliest is reported and what was deleted there is lost as for any stream.
@@ -42,7 +47,9 @@ part's ``sr.start`` is refused: the history says where each partition starts.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Literal
 
 import pyarrow as pa
@@ -63,6 +70,9 @@ from streamrover.sources.options import PREFIX, OptionError, _Options
 
 #: Options whose names start with this belong to the chain (the others to the live source).
 HISTORY_PREFIX = "sr.history"
+#: The partitions of the history's earlier epochs: ``epoch{k}/`` and the partition's id.
+EPOCH_PREFIX = "epoch"
+EPOCH_ID = re.compile(rf"^{EPOCH_PREFIX}[0-9]+/")  # (a topic's name has no "/")
 
 
 class HistoryOptions(_Options):
@@ -81,6 +91,9 @@ class HistoryOptions(_Options):
         description="offsets (the files carry them) or timestamp:MILLIS (they carry only time: history_time.py)",
     )
     timestamp_column: str = Field("timestamp", alias="sr.history.timestamp_column", description="a column name")
+    epochs: int = Field(
+        1, ge=1, alias="sr.history.epochs", description="an integer >= 1 (set from the dataset's epochs by the master)"
+    )
 
 
 class HistorySource(Source):
@@ -116,6 +129,18 @@ class HistorySource(Source):
             instant = int(self.options.boundary.split(":", 1)[1])
             self.live.not_before = instant  # type: ignore[attr-defined]  # a KafkaSource (checked above)
             self.by_time = TimeChain(self.options.files, self.options.timestamp_column, instant, self.live)
+
+    def _epochs(self, chained: list[Partition]) -> list[Partition]:
+        """``chained`` (the last epoch and live) preceded by the history's earlier epochs, one stage each."""
+        last = self.options.epochs - 1
+        history = [p for p in chained if p.hold is not None and p.hold > p.start]
+        earlier = [
+            Partition(f"{EPOCH_PREFIX}{k}/{p.id}", p.start, p.hold, hold=p.hold, stage=k)
+            for k in range(last)
+            for p in history
+            if p.hold is not None
+        ]
+        return earlier + [replace(p, stage=last) if p.hold is not None else p for p in chained]
 
     # -- the history ----------------------------------------------------------
     def index(self) -> HistoryIndex:
@@ -158,18 +183,19 @@ class HistorySource(Source):
     # -- master side ------------------------------------------------------------
     def partitions(self) -> list[Partition]:
         if self.by_time is not None:
-            return self.by_time.partitions()
-        return self._chain(self.live.poll(), check=True)
+            return self._epochs(self.by_time.partitions())
+        return self._epochs(self._chain(self.live.poll(), check=True))
 
     def poll(self) -> list[Partition]:
         if self.by_time is not None:
-            return self.by_time.poll()
-        return self._chain(self.live.poll(), check=False)
+            return self._epochs(self.by_time.poll())
+        return self._epochs(self._chain(self.live.poll(), check=False))
 
     def schema(self) -> pa.Schema:
         return self.live.schema()
 
     def commit(self, positions: Mapping[str, int]) -> None:
+        positions = {k: v for k, v in positions.items() if not EPOCH_ID.match(k)}
         if self.by_time is not None:
             self.by_time.commit(positions)
         else:
@@ -177,6 +203,9 @@ class HistorySource(Source):
 
     # -- worker side ------------------------------------------------------------
     def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
+        earlier = EPOCH_ID.match(partition.id)
+        if earlier:  # an earlier epoch of the history: the same records
+            partition = replace(partition, id=partition.id[earlier.end() :])
         if self.by_time is not None:
             yield from self.by_time.read(partition, start, end, batch_size)
             return

@@ -15,6 +15,7 @@ BUILTIN_SCHEMES: dict[str, str] = {
     "rocketmq": "streamrover.sources.rocketmq",
     "staged": "streamrover.sources.staged",
     "delta": "streamrover.sources.delta",
+    "iceberg": "streamrover.sources.iceberg",
 }
 #: The module of the file source (``file://``, fsspec URLs, plain paths): the fallback of every URI.
 FILES_MODULE = "streamrover.sources.files"

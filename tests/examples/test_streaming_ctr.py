@@ -1,11 +1,12 @@
 """The flagship demo, shortened: online CTR from a live Kafka (tansu) topic, a worker SIGKILLed, the report.
 
-examples/streaming_ctr/demo.py as ``make demo`` runs it, with fewer records: the producer writes
-:data:`RECORDS` click records at :data:`RATE`/s with one concept drift at :data:`DRIFT`;
+examples/streaming_ctr/demo.py as ``make demo`` runs it, with fewer records: the first act trains the first
+:data:`HISTORY` records from their Kafka-Connect-style Parquet export of the topic (first_act.py), then the
+producer writes the rest of :data:`RECORDS` click records at :data:`RATE`/s with one concept drift at :data:`DRIFT`;
 ``streamrover run`` trains the DeepFM job (two DDP workers under dlrover-run); one worker is
 SIGKILLed once 30% of the records are acked. Asserted, from the model's own state at the end:
 
-- the ledger is exact: every record applied once (none missing, none twice);
+- the ledger is exact: every record applied once (none missing, none twice), across the seam too;
 - progressive AUC over the :data:`BEFORE` records before the drift >= 0.95 x the oracle's AUC on them;
 - after the drift, a window is back to >= 0.9 x the oracle within :data:`RECOVER_WITHIN` records;
 - the report's plots and HTML page were written.
@@ -25,12 +26,12 @@ from examples.streaming_ctr.demo import DemoConfig, run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 RECORDS, DRIFT, RATE = 100_000, 60_000, 2_500
-BEFORE, RECOVER_WITHIN = 10_000, 30_000
+BEFORE, RECOVER_WITHIN, HISTORY = 10_000, 30_000, 20_000
 
 
 def test_shortened_demo_is_exact_and_tracks_the_oracle_through_a_drift(tmp_path: Path, tansu_broker: Any) -> None:
     cfg = DemoConfig(records=RECORDS, drift_at=DRIFT, rate=RATE, kill_at=0.3, bootstrap=tansu_broker.bootstrap,
-                     workdir=tmp_path, timeout=800)  # fmt: skip
+                     workdir=tmp_path, timeout=800, history=HISTORY)  # fmt: skip
     log = io.StringIO()
     summary, work = run_demo(cfg, Console(file=log, width=120), live=False)
     table = "\n".join(f"{k}: {v}" for k, v in report.describe(summary))
@@ -40,6 +41,9 @@ def test_shortened_demo_is_exact_and_tracks_the_oracle_through_a_drift(tmp_path:
     assert summary.exact and summary.applied == RECORDS, table
     assert summary.before_ratio >= 0.95, table
     assert summary.recovered_after is not None and summary.recovered_after <= RECOVER_WITHIN, table
+    seam = dict(summary.seam)
+    assert seam[f"ids {HISTORY - 2_000:,}..{HISTORY + 1_999:,} (both sides of the seam) each once"] == "yes", table
+    assert seam["first act: the past, from Parquet"].startswith(f"{HISTORY:,} records in "), table
     out = work / "out"
     for name in ("auc.png", "lag.png", "throughput.png", "freshness.png"):
         assert (out / name).stat().st_size > 1000, name

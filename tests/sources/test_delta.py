@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from streamrover.shard_service import DatasetSpec, InvalidArgumentError, NotFoun
 from streamrover.testing.ledger import Ledger
 from streamrover.testing.procs import MasterProcess, start_ledger_worker
 from tests.helpers import wait_until
+from tests.sources.stream_job import StreamJob
 
 pytestmark = pytest.mark.slow
 
@@ -91,3 +93,53 @@ def test_a_table_that_cannot_be_read_as_pinned_is_refused(tmp_path: Path, master
             admin.register_dataset(DatasetSpec("c", f"delta://{parted}"))
     finally:
         admin.close()
+
+
+def test_a_followed_table_trains_each_appended_version_once(tmp_path: Path) -> None:
+    """``sr.follow``: the pinned version, then each appended version as new shards while ledger workers run (one
+    SIGKILLed after the first append); a compaction (OPTIMIZE) in between brings nothing new. Each row is applied
+    exactly once, the cursor names the version that brought it, and a later DELETE stops the dataset, in status."""
+    from deltalake import DeltaTable
+
+
+    table = tmp_path / "clicks"
+    _append(table, range(0, 3_000))  # version 0: pinned
+    options = {"sr.version": "0", "sr.follow": "true", "sr.max_delay_ms": "100"}
+    job = StreamJob(tmp_path, f"delta://{table}", options, records_per_shard=500, workers=2, batch_size=250)
+    try:
+        job.start()
+        wait_until(lambda: job.applied() >= 3_000, 60, "version 0 applied")
+        _append(table, range(3_000, 5_000))  # version 1
+        wait_until(lambda: job.applied() >= 3_250, 60, "version 1 being applied")
+        job.kill_worker(random.Random(0))
+        DeltaTable(str(table)).optimize.compact()  # version 2: the same rows rearranged, dataChange false
+        _append(table, range(5_000, 6_500))  # version 3
+        report, cursor, _ = job.finish(6_500, timeout=120)
+        assert report.exact, f"{job.events}: {report}\n{job.logs()}"
+        versions = {k.partition.split(":", 1)[0] for k in cursor.only("stream").keys()}
+        assert versions == {"v0", "v1", "v3"}
+        DeltaTable(str(table)).delete("id < 10")  # version 4: rows removed, cannot be followed
+        with job.admin() as admin:
+            wait_until(lambda: "removes or rewrites rows" in admin.describe_dataset("stream").error, 30, "the refusal")
+            assert "version 4 of the Delta table" in admin.describe_dataset("stream").error
+    finally:
+        job.stop()
+
+
+def test_a_followed_table_stops_at_a_schema_change_naming_the_version(tmp_path: Path) -> None:
+    """Source level (no master): a version that changes the schema is refused, naming it; the versions before it
+    are kept, and a later poll says the same."""
+    from streamrover.sources.api import SourceSchemaError
+    from streamrover.sources.delta import DeltaSource
+
+    table = tmp_path / "t"
+    _append(table, range(100))  # version 0
+    source = DeltaSource(f"delta://{table}", options={"sr.version": "0", "sr.follow": "true"})
+    assert sum(p.end for p in source.partitions()) == 100
+    _append(table, range(100, 150))  # version 1
+    wider = pa.table({"id": pa.array([1], pa.int64()), "day": pa.array([1], pa.int64()), "x": pa.array([0.5])})
+    write_deltalake(str(table), wider, mode="append", schema_mode="merge")  # version 2: a new column
+    for _ in range(2):
+        with pytest.raises(SourceSchemaError, match=r"version 2 of the Delta table .* changes the table's metadata"):
+            source.poll()
+    assert {p.id.split(":")[0] for p in source._log.partitions} == {"v1"}  # type: ignore[union-attr]

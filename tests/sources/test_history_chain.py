@@ -288,13 +288,13 @@ def test_a_checkpoint_mid_history_or_mid_live_restores_exactly(tmp_path: Path, k
         client.close()
 
 
-def _consume_ids(client: ShardClient, want: int, timeout: float = 60) -> list[tuple[str, int]]:
+def _consume_ids(client: ShardClient, want: int, timeout: float = 60, dataset: str = "chain") -> list[tuple[str, int]]:
     """Lease, read and ack shards until ``want`` records are read; returns (partition id, id) in order."""
     got: list[tuple[str, int]] = []
     give_up = time.monotonic() + timeout
     while len(got) < want:
         assert time.monotonic() < give_up, f"only {len(got)} of {want} records read in {timeout}s"
-        _, shards = client.lease("chain", max_shards=1, wait=1.0)
+        _, shards = client.lease(dataset, max_shards=1, wait=1.0)
         for shard in shards:
             for batch in shard.batches(10_000):
                 got += [(shard.lease.partition.id, i) for i in batch.records.column("id").to_pylist()]
@@ -363,3 +363,75 @@ def test_the_index_comes_from_statistics_and_a_row_group_out_of_order_is_refused
     assert [b[0].num_rows for b in reader.read(0, 10, 90, 1_000)] == [30, 40, 10]
     with pytest.raises(SourceUnreadableError, match=r"offsets \[100, 104\)\): offsets do not increase"):
         list(reader.read(0, 95, 104, 1_000))
+
+
+def test_epochs_and_shuffle_apply_to_the_history_only(tmp_path: Path, kafka_broker: Any, master: Any) -> None:
+    """``epochs=3, shuffle``: the history is trained three times, each epoch shuffled and wholly acked before the
+    next, then the live part in order. A cut taken inside the second epoch restores exactly: the rest of that
+    epoch, then the third, then live. A plain stream still refuses epochs."""
+    topic = create_topic(kafka_broker, 2)
+    produce(kafka_broker, topic, range(1_000), 2)
+    export(kafka_broker, topic, tmp_path / "lake", {0: 300, 1: 300}, per_file=150, row_group=50)
+    uri = f"kafka://{kafka_broker.bootstrap}/{topic}"
+    options = {**JSON, "sr.history": str(tmp_path / "lake"), "sr.max_delay_ms": "100"}
+    history = sorted(2 * o + p for p in (0, 1) for o in range(300))  # partition p holds ids 2*offset + p
+    client = ShardClient(master.address, token=master.token, name="reader", timeout=60)
+    try:
+        with pytest.raises(InvalidArgumentError, match="epochs and shuffle apply to batch data and to a stream's hi"):
+            client.register_dataset(DatasetSpec("plain", uri, options=JSON, epochs=2))
+        spec = DatasetSpec("chain", uri, options=options, records_per_shard=50, epochs=3, shuffle=True, seed=7)
+        info = client.register_dataset(spec).dataset
+        assert sorted(p.id for p in info.partitions if "/" in p.id) == [
+            f"epoch{k}/{topic}-{p}" for k in (0, 1) for p in (0, 1)
+        ]
+        first = _consume_ids(client, 600)
+        second = _consume_ids(client, 200)  # a third of the second epoch
+        cut, mid_epoch = client.prepare_cut()
+        client.commit_cut(cut)
+        rest = _consume_ids(client, 400 + 600 + 400)  # the second epoch's rest, the third, live
+        assert sorted(i for _, i in first) == history and sorted(i for _, i in second + rest[:400]) == history
+        assert sorted(i for _, i in rest[400:1_000]) == history
+        live = rest[1_000:]
+        assert sorted(i for _, i in live) == sorted(set(range(1_000)) - set(history))
+        assert all(pid.startswith("epoch0/") for pid, _ in first)
+        assert all(pid.startswith("epoch1/") for pid, _ in second + rest[:400])
+        assert all("/" not in pid for pid, _ in rest[400:]) and not any(pid.startswith("history") for pid, _ in live)
+        epochs = [[i for _, i in first], [i for _, i in second + rest[:400]], [i for _, i in rest[400:1_000]]]
+        assert epochs[0] != history and epochs[0] != epochs[1] != epochs[2]  # shuffled, each epoch anew
+        for p in (0, 1):  # live in order within each partition
+            ids = [i for pid, i in live if pid == f"{topic}-{p}"]
+            assert ids == sorted(ids)
+
+        client.restore_cursor(mid_epoch)
+        replay = _consume_ids(client, 400)
+        # The last epoch leased whole and not acked: nothing live is leased until it is.
+        held = [s for _ in range(12) for s in client.lease("chain", max_shards=1, wait=2.0)[1]]
+        assert len(held) == 12 and all("/" not in s.lease.partition.id for s in held)
+        assert client.lease("chain", max_shards=1, wait=0.5)[1] == []
+        for shard in held:
+            for batch in shard.batches(10_000):
+                replay += [(shard.lease.partition.id, i) for i in batch.records.column("id").to_pylist()]
+                shard.ack(batch.end)
+        replay += _consume_ids(client, 400)
+        assert sorted(i for _, i in replay[:400]) == sorted(i for _, i in rest[:400])  # exactly the epoch's rest
+        assert all(pid.startswith("epoch1/") for pid, _ in replay[:400])
+        assert sorted(i for _, i in replay[400:1_000]) == history and all("/" not in p for p, _ in replay[400:])
+        assert sorted(i for _, i in replay[1_000:]) == sorted(i for _, i in live)
+
+        # By time: the history's row groups are trained twice, then the topic from the boundary.
+        timed, t0 = create_topic(kafka_broker, 2), (int(time.time()) - 3_600) * 1_000
+        produce(kafka_broker, timed, {i: t0 + i for i in range(400)}, 2)
+        (tmp_path / "timed").mkdir()
+        pq.write_table(pa.table({"id": list(range(200)), "timestamp": [t0 + i for i in range(200)]}),
+                       tmp_path / "timed" / "part-0.parquet", row_group_size=100)  # fmt: skip
+        by_time = {**JSON, "sr.history": str(tmp_path / "timed"), "sr.history.boundary": f"timestamp:{t0 + 200}"}
+        uri = f"kafka://{kafka_broker.bootstrap}/{timed}"
+        client.register_dataset(DatasetSpec("timed", uri, options=by_time, records_per_shard=50, epochs=2))
+        got = _consume_ids(client, 600, dataset="timed")
+        assert [sorted(i for _, i in got[k : k + 200]) for k in (0, 200, 400)] == [
+            list(range(200)), list(range(200)), list(range(200, 400))
+        ]  # fmt: skip
+        assert all(p.startswith("epoch0/history:") for p, _ in got[:200])
+        assert all(p.startswith("history:") for p, _ in got[200:400])
+    finally:
+        client.close()

@@ -429,7 +429,7 @@ class ShardCore(CoreState):
         with self.journal.transaction():
             revoked = self.revoke_leases()
             rewound = [self.streams.rewind_to_holds(ds, cursor) for ds in list(self.datasets.values())]  # history.py
-            requeued = sum(self.replan(ds, cursor.only(ds.name), lost) for ds in rewound)
+            requeued = sum(self.replan(ds, cursor.only(ds.name), lost, shuffle) for ds, shuffle in rewound)
             self.cut_book.reset(cursor, from_memory)
             self.streams.upstream.save_lost()
             self.save_counters()

@@ -43,8 +43,12 @@ def register(
             f"dataset {spec.name!r} is already registered with a different spec "
             f"({existing.spec.uri!r}); choose another name"
         )
-    if kind is SourceKind.STREAM and (spec.epochs > 1 or spec.shuffle):
-        raise InvalidArgumentError(f"dataset {spec.name!r} is a stream: epochs and shuffle apply to batch data only")
+    chained = any(p.hold is not None for p in partitions)  # history, then live: epochs and shuffle of the history
+    if kind is SourceKind.STREAM and (spec.epochs > 1 or spec.shuffle) and not chained:
+        raise InvalidArgumentError(
+            f"dataset {spec.name!r} is a stream: epochs and shuffle apply to batch data and to a stream's history "
+            "(sr.history) only"
+        )
     if kind is SourceKind.BATCH:
         plans = [PartitionPlan(i, p.id, p.start, p.end) for i, p in enumerate(partitions)]
     else:  # a stream's planned extent starts empty; the first poll plans what is there

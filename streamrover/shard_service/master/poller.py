@@ -112,7 +112,7 @@ class StreamPoller:
                     if calls is None:
                         calls = SourceThread(self.name, timeout, self._report, self._stop)
                     if source is None:
-                        opening = partial(open_source, spec.uri, spec.format, spec.options)
+                        opening = partial(open_source, spec.uri, spec.format, spec.options, spec.epochs)
                         source = calls.call("opening the source", opening)
                     failures += 1  # until this poll succeeds
                     self._poll_once(source, calls)

@@ -171,7 +171,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 f"RegisterDataset of {what} {spec.name!r}: the worker role may only register a dataset already "
                 "registered with the same spec; adding one needs the admin token"
             )
-        source = open_source(spec.uri, spec.format, spec.options)  # I/O outside the lock
+        source = open_source(spec.uri, spec.format, spec.options, spec.epochs)  # I/O outside the lock
         try:
             partitions = source.partitions()
             schema = source.declared_schema() if isinstance(source, StagedSource) else source.schema()

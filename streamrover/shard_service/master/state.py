@@ -399,8 +399,8 @@ class CoreState:
         self.leased.clear()
         return revoked
 
-    def replan(self, ds: DatasetRecord, cursor: DataCursor, lost: DataCursor) -> int:
-        """Discard ``ds``'s shards and plan anew what ``cursor`` and ``lost`` lack. Returns the records planned."""
+    def replan(self, ds: DatasetRecord, cursor: DataCursor, lost: DataCursor, shuffle: bool = True) -> int:
+        """Discard ``ds``'s shards and plan anew what ``cursor`` and ``lost`` lack (in order unless ``shuffle``)."""
         for sid in sorted(self.by_dataset[ds.name]):
             self.restore_revoked.add(sid)
             self.drop_shard(sid)
@@ -413,7 +413,7 @@ class CoreState:
             ds.epochs_planned = max([k.epoch + 1 for k in cursor.keys()] + [1])
         planned = list(
             itertools.chain.from_iterable(
-                plan_epoch(ds.partitions, e, ds.shard_size, ds.spec.shuffle, ds.spec.seed, done, ds.runs)
+                plan_epoch(ds.partitions, e, ds.shard_size, ds.spec.shuffle and shuffle, ds.spec.seed, done, ds.runs)
                 for e in range(ds.epochs_planned)
             )
         )

@@ -10,6 +10,7 @@ added with the position they start at.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -72,7 +73,8 @@ class StreamPlanner:
         self.available: dict[tuple[str, int], int] = {}  # (dataset, partition index) -> end at last poll
         self.pending_since: dict[tuple[str, int], float] = {}  # since when unplanned records wait
         self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)
-        self.holds: dict[tuple[str, int], int] = {}  # (dataset, partition index) -> its hold (sources/history.py)
+        # (dataset, partition index) -> its hold and stage (Partition.hold, .stage: sources/history.py)
+        self.holds: dict[tuple[str, int], tuple[int, int]] = {}
         self.upstream = Upstream(table, cut_book, self.available)
 
     def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
@@ -94,7 +96,7 @@ class StreamPlanner:
                 changed = True
             self.available[(name, known[p.id].index)] = p.end
             if p.hold is not None:
-                self.holds[(name, known[p.id].index)] = p.hold
+                self.holds[(name, known[p.id].index)] = (p.hold, p.stage)
             if p.segments is not None:  # a sparse partition: where its records are (sources/positions.py)
                 seen = ds.runs.setdefault(known[p.id].index, RecordRuns())
                 before = len(seen)
@@ -105,21 +107,26 @@ class StreamPlanner:
         changed = self._compact_runs(ds) or changed
         pending = self.table.state_counts[name][ShardState.TODO]
         planned: list[PlannedShard] = []
-        holding = self.holding(ds)
+        stage = self.stage(ds)
+        history: list[PlannedShard] = []  # the current stage's shards: planned whole, shuffled if asked
         for plan in list(ds.partitions):
             key = (name, plan.index)
             avail = self.available.get(key, plan.end)
-            if holding and key in self.holds:  # the history first: nothing live is planned yet
-                avail = max(min(avail, self.holds[key]), plan.end)
+            hold, at = self.holds.get(key, (0, -1))
+            staged = stage is not None and at >= stage
+            if stage is not None and staged:  # the history first: a later stage or the live part waits
+                avail = plan.end if at > stage else max(min(avail, hold), plan.end)
             runs = ds.runs.get(plan.index)
             segments = None if runs is None else runs.between(plan.end, avail)
-            full, end = full_shards(plan.end, avail, size, segments, max_pending - pending)
-            planned.extend(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)) for a, b in full)
+            full, end = full_shards(plan.end, avail, size, segments, 1 << 62 if staged else max_pending - pending)
+            shards = [PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)) for a, b in full]
+            (history if staged else planned).extend(shards)
             pending += len(full)
             if avail > end:
                 since = self.pending_since.setdefault(key, now)
-                if pending < max_pending and (force or now - since >= max_delay):
-                    planned.append(PlannedShard(0, plan, end, avail, ds.records_in(plan.index, end, avail)))
+                if staged or (pending < max_pending and (force or now - since >= max_delay)):  # a known history: now
+                    tail = PlannedShard(0, plan, end, avail, ds.records_in(plan.index, end, avail))
+                    (history if staged else planned).append(tail)
                     end = avail
                     pending += 1
                     self.pending_since.pop(key, None)
@@ -128,6 +135,9 @@ class StreamPlanner:
             if end != plan.end:
                 ds.partitions[plan.index] = replace(plan, end=end)
                 changed = True
+        if ds.spec.shuffle:
+            random.Random(f"{ds.spec.seed}:{stage}").shuffle(history)
+        planned = history + planned
         if planned or changed:
             with self.table.journal.transaction():
                 self.table.add_planned(ds, [replace(p, partition=ds.partitions[p.partition.index]) for p in planned])
@@ -135,47 +145,55 @@ class StreamPlanner:
                 self.table.save_counters()
         return len(planned)
 
-    def holding(self, ds: DatasetRecord) -> bool:
-        """Whether a chained dataset's live part waits: some partition has positions below its hold not acked.
+    def stage(self, ds: DatasetRecord, cursor: DataCursor | None = None) -> int | None:
+        """A chained dataset's current stage: the first whose positions are not all acked (None: all are, or no
+        stages). Stage ``s`` holds each partition's positions below its hold if the partition is of stage ``s``
+        and those at or past it if it is of ``s - 1`` (``Partition.hold``, ``.stage``: sources/history.py).
 
-        (``Partition.hold``, sources/history.py.) The committed cursor is looked at first, the acks only while
-        it does not cover the holds, so a dataset past its history costs one interval lookup per partition.
+        ``cursor``: judge by it (a restore's) instead of what is acked. The committed cursor is looked at first,
+        the acks only while it does not cover the holds, so a dataset past its history costs one interval lookup
+        per partition.
         """
         holds = [
-            (plan, self.holds[(ds.name, plan.index)]) for plan in ds.partitions if (ds.name, plan.index) in self.holds
+            (plan, *self.holds[(ds.name, plan.index)]) for plan in ds.partitions if (ds.name, plan.index) in self.holds
         ]
         if not holds:
-            return False
+            return None
 
-        def covered(cursor: DataCursor) -> bool:
-            return all(cursor.get(PartitionKey(ds.name, 0, plan.id)).covers(plan.start, hold) for plan, hold in holds)
+        def first(done: DataCursor) -> int | None:
+            waiting = [
+                at
+                for plan, hold, at in holds
+                if not done.get(PartitionKey(ds.name, 0, plan.id)).covers(plan.start, hold)
+            ]
+            return min(waiting, default=None)
 
-        if covered(self.cut_book.committed):
-            return False
+        if cursor is not None:
+            return first(cursor)
+        if first(self.cut_book.committed) is None:
+            return None
         acked = self.cut_book.committed.copy()
         self.table.add_acks(acked)
-        return not covered(acked)
+        return first(acked)
 
-    def rewind_to_holds(self, ds: DatasetRecord, cursor: DataCursor) -> DatasetRecord:
-        """Before a restore re-plans ``ds``: if ``cursor`` lacks part of a chained dataset's history, its planned
-        extents go back to the holds (never below what ``cursor`` holds), so the live part waits for the history
-        again instead of being re-planned beside it. Returns ``ds``."""
-        holds = {
-            plan.index: self.holds[(ds.name, plan.index)]
-            for plan in ds.partitions
-            if (ds.name, plan.index) in self.holds
-        }
-        if not holds:
-            return ds
-        done = {plan.index: cursor.get(PartitionKey(ds.name, 0, plan.id)) for plan in ds.partitions}
-        if all(done[i].covers(ds.partitions[i].start, hold) for i, hold in holds.items()):
-            return ds
-        for i, hold in holds.items():
-            plan = ds.partitions[i]
-            kept = max([plan.start, hold, *(b for _, b in done[i])])
+    def rewind_to_holds(self, ds: DatasetRecord, cursor: DataCursor) -> tuple[DatasetRecord, bool]:
+        """Before a restore re-plans ``ds``: if ``cursor`` lacks part of a chained dataset's history, the planned
+        extents of its current stage go back to the holds and those of later stages to their start (never below
+        what ``cursor`` holds), so the later stages and the live part wait for the history again instead of being
+        re-planned beside it. Returns ``ds`` and whether to re-plan it shuffled: a batch's epochs, a chained
+        stream's history (``spec.shuffle``), never a stream's live part."""
+        stage = self.stage(ds, cursor)
+        if stage is None:
+            return ds, ds.spec.shuffle and ds.kind is SourceKind.BATCH
+        for plan in list(ds.partitions):
+            got = self.holds.get((ds.name, plan.index))
+            if got is None or got[1] < stage:
+                continue
+            done = cursor.get(PartitionKey(ds.name, 0, plan.id))
+            kept = max([plan.start, got[0] if got[1] == stage else plan.start, *(b for _, b in done)])
             if plan.end > kept:
-                ds.partitions[i] = replace(plan, end=kept)
-        return ds
+                ds.partitions[plan.index] = replace(plan, end=kept)
+        return ds, ds.spec.shuffle
 
     def _compact_runs(self, ds: DatasetRecord) -> bool:
         """Fold the runs of sparse partitions below what is committed upstream (one run per ledger is unbounded).
