@@ -40,7 +40,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $@
 
 # The flagship: online CTR from a live Kafka topic (embedded tansu), a worker SIGKILLed, a report.
-demo: install
+demo: install serving-venv
 	@echo "make demo: online CTR training from a live Kafka topic (an embedded tansu broker), one worker SIGKILLed"
 	@echo "           midway, then the report: every record applied exactly once (examples/streaming_ctr/demo.py)"
 	@$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `python examples/streaming_ctr/demo.py` works too
     sys.path.insert(0, str(ROOT))
 
-from examples.streaming_ctr import report  # noqa: E402
+from examples.streaming_ctr import report, served  # noqa: E402
 from examples.streaming_ctr.clickstream import SCHEMA  # noqa: E402
 from examples.streaming_ctr.live import Watcher, render  # noqa: E402
 from examples.streaming_ctr.produce import ensure_topic  # noqa: E402
@@ -65,12 +65,13 @@ class DemoConfig:
     # workers, with a backlog, let some partitions run ahead of others by tens of thousands of records.
     partitions: int = 2
     batch_size: int = 256
-    ckpt_every: int = 20
+    ckpt_every: int = 5  # ~1.7 s at --rate 1500 (512 records a step): event to served p99 <= 5 s
     seed: int = 7
     workdir: Path | None = None
     bootstrap: str | None = None
     topic: str = ""
     timeout: float = 900.0
+    serve: bool = True  # export versions, start the model server, send it the live records (served.py)
 
 
 def render_spec(cfg: DemoConfig, uri: str, out: Path) -> dict[str, Any]:
@@ -83,6 +84,8 @@ def render_spec(cfg: DemoConfig, uri: str, out: Path) -> dict[str, Any]:
                                "--drift-at", str(cfg.drift_at), "--batch-size", str(cfg.batch_size),
                                "--out", str(out), "--oracle" if cfg.oracle else "--no-oracle"]  # fmt: skip
     spec["checkpoint"]["every_steps"] = cfg.ckpt_every
+    if cfg.serve:
+        spec["export"] = served.export_section(out.parent / "models")
     return spec
 
 
@@ -104,8 +107,12 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
     bootstrap = cfg.bootstrap or broker.bootstrap
     topic = cfg.topic or f"clicks-{uuid.uuid4().hex[:6]}"
     procs: list[subprocess.Popen[bytes]] = []
+    probe: served.ServedProbe | None = None
     try:
         ensure_topic(bootstrap, topic, cfg.partitions)
+        if cfg.serve:
+            probe = served.ServedProbe(work, bootstrap, topic, cfg.partitions, work / "models")
+            probe.start()
         console.print(f"broker {bootstrap} ({'tansu, embedded' if broker else 'given'}), topic {topic!r}, "
                       f"work directory {work}")  # fmt: skip
         spec = render_spec(cfg, f"kafka://{bootstrap}/{topic}", out)
@@ -130,7 +137,9 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
             controller = subprocess.Popen(run_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         procs.append(controller)
         watcher = Watcher(JobDir(home / "jobs" / spec["name"]), out, progress, per_node=spec["restart"]["per_node"])
-        killed = _watch(cfg, console, watcher, controller, start_producer, live)
+        killed = _watch(cfg, console, watcher, controller, start_producer, live, probe)
+        if probe is not None:
+            probe.finish(cfg.records)
         watcher.close()
         watcher.dump(work / "samples.json")
         if controller.returncode != 0:
@@ -142,9 +151,15 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
 
         images = report.plots(out, np.load(out / "windows.npy"), np.load(out / "freshness.npy"), samples,
                               cfg.drift_at, cfg.window)  # fmt: skip
+        if probe is not None:
+            summary.served = probe.summarize(out, cfg.window, np.load(out / "windows.npy"))
+            images += served.plots(out, probe, np.load(out / "windows.npy"), cfg.window, cfg.drift_at,
+                                   np.load(out / "freshness.npy"))  # fmt: skip
         report.write_html(out, summary, images)
         return summary, work
     finally:
+        if probe is not None:
+            probe.stop()
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)  # the controller stops its nodes and the master
@@ -158,7 +173,8 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
 
 
 def _watch(cfg: DemoConfig, console: Console, watcher: Watcher, controller: subprocess.Popen[bytes],
-           start_producer: Callable[[], subprocess.Popen[bytes]], live: bool) -> str:
+           start_producer: Callable[[], subprocess.Popen[bytes]], live: bool,
+           probe: served.ServedProbe | None = None) -> str:
     """Sample and show the run until the controller exits; returns what was killed.
 
     The producer starts once both ranks joined the shard service (the stream is live: freshness
@@ -186,8 +202,10 @@ def _watch(cfg: DemoConfig, console: Console, watcher: Watcher, controller: subp
                 killed = f"worker rank {rank} (pid {pids[rank]}) at {s.acked:,} records acked"
                 note = f"SIGKILL {killed}"
                 console.print(f"[red]{note}[/red]")
+            if probe is not None:
+                probe.report(watcher.client)
             if live:
-                view.update(render(s, cfg.records, note), refresh=True)
+                view.update(render(s, cfg.records, note, probe.line() if probe else ""), refresh=True)
             time.sleep(0.5)  # the view's refresh period
         view.update(render(watcher.sample(), cfg.records, note), refresh=True)
     if cfg.kill_at is not None and not killed:
@@ -205,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=float, default=d.kill_at, help="fraction of records acked at the SIGKILL")
     p.add_argument("--bootstrap", default=None, help="a Kafka cluster to use instead of the embedded tansu")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--no-serve", dest="serve", action="store_false",
+                   help="no exports, no model server (the served part of the report is left out)")
     args = p.parse_args(argv)
     cfg = DemoConfig(records=args.records, rate=args.rate, drift_at=args.drift_at, window=args.window,
-                     kill_at=args.kill_at, bootstrap=args.bootstrap,
+                     kill_at=args.kill_at, bootstrap=args.bootstrap, serve=args.serve,
                      workdir=Path(args.workdir) if args.workdir else None)  # fmt: skip
     console = Console() if sys.stdout.isatty() else Console(width=120)  # a log keeps its columns
     console.rule("[bold]streamrover demo: online CTR from Kafka, exactly once")

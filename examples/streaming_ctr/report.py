@@ -43,6 +43,7 @@ class Summary:
     peak_records_per_second: float
     killed: str
     restarts: int
+    served: Any = None  # served.ServedSummary when the demo served the model
 
 
 def summarize(out: Path, records: int, drift_at: int, window: int, samples: list[dict[str, Any]],
@@ -143,7 +144,13 @@ def describe(s: Summary) -> list[tuple[str, str]]:
          f"{s.fresh_p50_ms / 1000:.2f} s / {s.fresh_p99_ms / 1000:.2f} s"),
         ("throughput (applied, first to last)", f"{s.records_per_second:,.0f} records/s"),
         ("peak acked rate", f"{s.peak_records_per_second:,.0f} records/s"),
-    ]  # fmt: skip
+    ] + (served_rows(s.served) if s.served is not None else [])  # fmt: skip
+
+
+def served_rows(served: Any) -> list[tuple[str, str]]:
+    from examples.streaming_ctr.served import describe as describe_served
+
+    return describe_served(served)
 
 
 def write_html(out: Path, summary: Summary, images: list[Path]) -> Path:
