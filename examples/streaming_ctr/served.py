@@ -36,8 +36,8 @@ from examples.streaming_ctr.clickstream import CATEGORICAL, NUMERIC
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "ctr"
-POLL = 0.2  # seconds between the server's polls of the repository
-BATCH = 0.1  # seconds the client waits for more records before it sends what it has
+POLL = 0.1  # seconds between the server's polls of the repository
+BATCH = 0.05  # seconds the client waits for more records before it sends what it has
 REQUEST = 500  # records per prediction request, at most
 WATCH = 0.1  # seconds between the version watcher's requests
 SAMPLE = 2  # the client scores records whose id is a multiple of this (a share of the traffic: two cores here)
@@ -165,7 +165,8 @@ class ServedProbe:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"demo-served-{uuid.uuid4().hex[:8]}",
-                             "enable.auto.commit": False, "auto.offset.reset": "earliest"})  # fmt: skip
+                             "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                             "fetch.wait.max.ms": 20})  # a live client: records as soon as they are there  # fmt: skip
         consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in range(self.partitions)])
         pending: list[tuple[Any, dict[str, Any]]] = []  # sampled, not scored yet
         try:
