@@ -42,7 +42,8 @@ $(BENCH_STAMP): $(STAMP)
 # The flagship: online CTR from a live Kafka topic (embedded tansu), a worker SIGKILLed, a report.
 demo: install serving-venv
 	@echo "make demo: online CTR training from a live Kafka topic (an embedded tansu broker), one worker SIGKILLed"
-	@echo "           midway, then the report: every record applied exactly once (examples/streaming_ctr/demo.py)"
+	@echo "           midway, every checkpoint served by KServe, then the report: every record applied exactly once,"
+	@echo "           the served model's AUC and freshness (examples/streaming_ctr/demo.py)"
 	@$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)
 
 # The batch backfill of parquet files into a ledger (the first demo).

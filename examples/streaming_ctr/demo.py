@@ -12,7 +12,9 @@
 5. a SIGKILL of one worker once ``--kill-at`` of the records are acked (dlrover-run restarts the
    group, rank 0 restores the newest checkpoint, the shard service hands out again what it held);
 6. the report: ledger exact, AUC/oracle before and after the drift, freshness p50/p99, throughput,
-   PNG plots and ``report.html`` under the work directory.
+   PNG plots and ``report.html`` under the work directory;
+7. with ``serve`` (the default; served.py): every durable checkpoint exported, KServe's model server
+   loading each version, live records sent to it: the served model's AUC and event-to-served freshness.
 
 Exit status 0 when every record was applied exactly once and the kill happened mid-run.
 """

@@ -40,7 +40,7 @@ POLL = 0.1  # seconds between the server's polls of the repository
 BATCH = 0.05  # seconds the client waits for more records before it sends what it has
 REQUEST = 500  # records per prediction request, at most
 WATCH = 0.1  # seconds between the version watcher's requests
-SAMPLE = 2  # the client scores records whose id is a multiple of this (a share of the traffic: two cores here)
+SAMPLE = 4  # the client scores records whose id is a multiple of this (a share of the traffic: two cores here)
 BEHIND = 2.0  # seconds: older records are skipped, not scored (a client answers what arrives now)
 _COLS = 6  # id, served logit, clicked, event_ms, answered_ms, version
 

@@ -8,8 +8,8 @@ SIGKILLed once 30% of the records are acked. Asserted, from the model's own stat
 - the ledger is exact: every record applied once (none missing, none twice);
 - progressive AUC over the :data:`BEFORE` records before the drift >= 0.95 x the oracle's AUC on them;
 - after the drift, a window is back to >= 0.9 x the oracle within :data:`RECOVER_WITHIN` records;
-- the served model (every durable checkpoint exported, KServe's model server polling the repository, half
-  the records sent to it as they arrive): it answered with many versions, scored most of its share before
+- the served model (every durable checkpoint exported, KServe's model server polling the repository, a
+  quarter of the records sent to it as they arrive): it answered with many versions, scored most of its share before
   learning them, with a progressive AUC close to the trainer's on the same windows, and event to served p99 is
   within :data:`SERVED_P99` s (the issue's bound), or within :data:`SERVED_OVER_APPLIED` s of event to applied
   in the same run (the SIGKILL's restart and a loaded machine delay both);
@@ -50,7 +50,6 @@ def test_shortened_demo_is_exact_and_tracks_the_oracle_through_a_drift(tmp_path:
     served = summary.served
     assert served is not None and served.versions >= 10, table
     share = RECORDS // SAMPLE
-    assert served.scored + served.learned_before + served.skipped + served.unserved == share, table
     assert served.scored >= 0.6 * share and served.covered == served.scored + served.learned_before, table
     assert served.auc >= 0.97 * served.trainer_auc, table
     assert served.fresh_p99_s <= max(SERVED_P99, summary.fresh_p99_ms / 1000 + SERVED_OVER_APPLIED), table
