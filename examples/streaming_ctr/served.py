@@ -72,6 +72,7 @@ class ServedSummary:
     """What the served model did: versions answered, progressive AUC, freshness from event to served."""
 
     versions: int  # distinct versions the server answered with
+    lineages: int  # of those, versions whose lineage.json the client read when it first saw them
     scored: int  # records scored by a version that had not learned them (progressive)
     learned_before: int  # records scored only after the scoring version had learned them (left out of the AUC)
     unserved: int  # records never scored (the client stopped first)
@@ -289,7 +290,8 @@ class ServedProbe:
         newest = max(self.seen, default=-1)
         q = (lambda a, x: float(np.quantile(a, x)) if len(a) else float("nan"))  # noqa: E731
         return ServedSummary(
-            versions=len(self.seen), scored=len(progressive), learned_before=int(learned.sum()),
+            versions=len(self.seen), lineages=len(self.lineage), scored=len(progressive),
+            learned_before=int(learned.sum()),
             unserved=self.unserved, skipped=self.skipped,
             auc=metrics.merged(served_rows).auc if len(progressive) else float("nan"),
             trainer_auc=metrics.merged(trainer_rows[both]).auc if both else float("nan"),
