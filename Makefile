@@ -40,10 +40,11 @@ $(BENCH_STAMP): $(STAMP)
 	touch $@
 
 # The flagship: online CTR from a live Kafka topic (embedded tansu), a worker SIGKILLed, a report.
-demo: install
+demo: install serving-venv
 	@echo "make demo: online CTR training: the topic's past from its Parquet export, then the live Kafka topic (an"
-	@echo "           embedded tansu broker), one worker SIGKILLed midway, then the report: every record applied"
-	@echo "           exactly once, the seam shown (examples/streaming_ctr/demo.py)"
+	@echo "           embedded tansu broker), one worker SIGKILLed midway, every checkpoint served by KServe, then the"
+	@echo "           report: every record applied exactly once, the seam, the served model's AUC and freshness"
+	@echo "           (examples/streaming_ctr/demo.py)"
 	@$(BIN)/python -m examples.streaming_ctr.demo $(DEMO_ARGS)
 
 # The batch backfill of parquet files into a ledger (the first demo).

@@ -37,7 +37,7 @@ def _client(url: str, seen: dict[int, float], stop: threading.Event, request: by
             continue  # not up yet
 
 
-def measure(rate: float, seconds: float, every: int, batch: int = 512, poll: float = 0.2) -> dict[str, Any]:
+def measure(rate: float, seconds: float, every: int, batch: int = 512, poll: float = 0.1) -> dict[str, Any]:
     """Run the paced pipeline; freshness quantiles (s) of records served and applied, and what was seen."""
     import torch
 

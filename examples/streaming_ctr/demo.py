@@ -12,7 +12,9 @@
 5. a SIGKILL of one worker once ``--kill-at`` of the records are acked (dlrover-run restarts the
    group, rank 0 restores the newest checkpoint, the shard service hands out again what it held);
 6. the report: ledger exact, AUC/oracle before and after the drift, freshness p50/p99, throughput,
-   PNG plots and ``report.html`` under the work directory.
+   PNG plots and ``report.html`` under the work directory;
+7. with ``serve`` (the default; served.py): every durable checkpoint exported, KServe's model server
+   loading each version, live records sent to it: the served model's AUC and event-to-served freshness.
 
 Exit status 0 when every record was applied exactly once and the kill happened mid-run.
 """
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `python examples/streaming_ctr/demo.py` works too
     sys.path.insert(0, str(ROOT))
 
-from examples.streaming_ctr import first_act, report  # noqa: E402
+from examples.streaming_ctr import first_act, report, served  # noqa: E402
 from examples.streaming_ctr.clickstream import SCHEMA  # noqa: E402
 from examples.streaming_ctr.live import Watcher, render  # noqa: E402
 from examples.streaming_ctr.produce import ensure_topic  # noqa: E402
@@ -65,13 +67,14 @@ class DemoConfig:
     # workers, with a backlog, let some partitions run ahead of others by tens of thousands of records.
     partitions: int = 2
     batch_size: int = 256
-    ckpt_every: int = 20
+    ckpt_every: int = 5  # ~1.7 s at --rate 1500 (512 records a step): event to served p99 <= 5 s
     seed: int = 7
     workdir: Path | None = None
     bootstrap: str | None = None
     topic: str = ""
     timeout: float = 900.0
     history: int = 0  # the first act: the first records, trained from their Parquet export, then live (first_act.py)
+    serve: bool = True  # export versions, start the model server, send it the live records (served.py)
 
 
 def render_spec(cfg: DemoConfig, uri: str, out: Path) -> dict[str, Any]:
@@ -84,6 +87,8 @@ def render_spec(cfg: DemoConfig, uri: str, out: Path) -> dict[str, Any]:
                                "--drift-at", str(cfg.drift_at), "--batch-size", str(cfg.batch_size),
                                "--out", str(out), "--oracle" if cfg.oracle else "--no-oracle"]  # fmt: skip
     spec["checkpoint"]["every_steps"] = cfg.ckpt_every
+    if cfg.serve:
+        spec["export"] = served.export_section(out.parent / "models")
     return spec
 
 
@@ -105,6 +110,7 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
     bootstrap = cfg.bootstrap or broker.bootstrap
     topic = cfg.topic or f"clicks-{uuid.uuid4().hex[:6]}"
     procs: list[subprocess.Popen[bytes]] = []
+    probe: served.ServedProbe | None = None
     try:
         ensure_topic(bootstrap, topic, cfg.partitions)
         console.print(f"broker {bootstrap} ({'tansu, embedded' if broker else 'given'}), topic {topic!r}, "
@@ -114,6 +120,10 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
             seam = first_act.prepare(bootstrap, topic, cfg.partitions, cfg.history, cfg.seed, cfg.drift_at,
                                      work / "lake")  # fmt: skip
             console.print(f"first act: {cfg.history:,} records exported to {seam.lake} ({seam.files} Parquet files)")
+        if cfg.serve:  # after the first act: the client sends the server the live records only
+            probe = served.ServedProbe(work, bootstrap, topic, cfg.partitions, work / "models",
+                                       start=seam.boundary if seam is not None else None)  # fmt: skip
+            probe.start()
         spec = render_spec(cfg, f"kafka://{bootstrap}/{topic}", out)
         if seam is not None:
             first_act.configure(spec, seam)
@@ -138,7 +148,9 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
             controller = subprocess.Popen(run_cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         procs.append(controller)
         watcher = Watcher(JobDir(home / "jobs" / spec["name"]), out, progress, per_node=spec["restart"]["per_node"])
-        killed = _watch(cfg, console, watcher, controller, start_producer, live)
+        killed = _watch(cfg, console, watcher, controller, start_producer, live, probe)
+        if probe is not None:
+            probe.finish(cfg.records)
         watcher.close()
         watcher.dump(work / "samples.json")
         if controller.returncode != 0:
@@ -152,9 +164,15 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
                               cfg.drift_at, cfg.window)  # fmt: skip
         if seam is not None:
             summary.seam = seam.describe(np.load(out / "ledger.npy"), samples)
+        if probe is not None:
+            summary.served = probe.summarize(out, cfg.window, np.load(out / "windows.npy"))
+            images += served.plots(out, probe, np.load(out / "windows.npy"), cfg.window, cfg.drift_at,
+                                   np.load(out / "freshness.npy"))  # fmt: skip
         report.write_html(out, summary, images)
         return summary, work
     finally:
+        if probe is not None:
+            probe.stop()
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)  # the controller stops its nodes and the master
@@ -168,7 +186,8 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
 
 
 def _watch(cfg: DemoConfig, console: Console, watcher: Watcher, controller: subprocess.Popen[bytes],
-           start_producer: Callable[[], subprocess.Popen[bytes]], live: bool) -> str:
+           start_producer: Callable[[], subprocess.Popen[bytes]], live: bool,
+           probe: served.ServedProbe | None = None) -> str:
     """Sample and show the run until the controller exits; returns what was killed.
 
     The producer starts once both ranks joined the shard service (the stream is live: freshness
@@ -197,8 +216,10 @@ def _watch(cfg: DemoConfig, console: Console, watcher: Watcher, controller: subp
                 killed = f"worker rank {rank} (pid {pids[rank]}) at {s.acked:,} records acked"
                 note = f"SIGKILL {killed}"
                 console.print(f"[red]{note}[/red]")
+            if probe is not None:
+                probe.report(watcher.client)
             if live:
-                view.update(render(s, cfg.records, note), refresh=True)
+                view.update(render(s, cfg.records, note, probe.line() if probe else ""), refresh=True)
             time.sleep(0.5)  # the view's refresh period
         view.update(render(watcher.sample(), cfg.records, note), refresh=True)
     if cfg.kill_at is not None and not killed:
@@ -218,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--history", type=int, default=20_000,
                    help="the first act: records trained from the topic's Parquet export before going live (0: none)")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--no-serve", dest="serve", action="store_false",
+                   help="no exports, no model server (the served part of the report is left out)")
     args = p.parse_args(argv)
     cfg = DemoConfig(records=args.records, rate=args.rate, drift_at=args.drift_at, window=args.window,
-                     kill_at=args.kill_at, bootstrap=args.bootstrap, history=args.history,
+                     kill_at=args.kill_at, bootstrap=args.bootstrap, history=args.history, serve=args.serve,
                      workdir=Path(args.workdir) if args.workdir else None)  # fmt: skip
     console = Console() if sys.stdout.isatty() else Console(width=120)  # a log keeps its columns
     console.rule("[bold]streamrover demo: online CTR from Kafka, exactly once")

@@ -69,6 +69,11 @@ class Watcher:
                                            timeout=10, name="demo-watcher")  # fmt: skip
         return self._client
 
+    @property
+    def client(self) -> ShardClient | None:
+        """The master's client once the master is up (None before)."""
+        return self._client
+
     def sample(self) -> Sample:
         doc = self.job.status() if self.job.status_path.exists() else {}
         s = Sample(time.time() - self.t0, phase=str(doc.get("phase", "starting")))
@@ -112,7 +117,7 @@ class Watcher:
         path.write_text(json.dumps([asdict(s) for s in self.samples]))
 
 
-def render(s: Sample, records: int, note: str = "") -> Table:
+def render(s: Sample, records: int, note: str = "", served: str = "") -> Table:
     """The live view: one table of the newest sample."""
     table = Table(title=f"streaming CTR  t={s.t:5.0f}s  job {s.phase}", show_header=True, expand=False)
     for col in ("produced", "in model", "lag", "records/s", "AUC (window)", "oracle AUC", "AUC/oracle",
@@ -126,7 +131,7 @@ def render(s: Sample, records: int, note: str = "") -> Table:
         f"{s.fresh_p50_ms / 1000:.1f}/{s.fresh_p99_ms / 1000:.1f}s" if s.fresh_p50_ms == s.fresh_p50_ms else "-",
         str(s.workers), str(s.restarts),
     )  # fmt: skip
-    caption = [note] if note else []
+    caption = [c for c in (note, served) if c]
     if s.dashboard:
         caption.append(f"dashboard and /metrics: {s.dashboard} (the job's token)")
     if caption:

@@ -44,6 +44,7 @@ class Summary:
     killed: str
     restarts: int
     seam: list[tuple[str, str]] = field(default_factory=list)  # the first act's rows (first_act.py), if any
+    served: Any = None  # served.ServedSummary when the demo served the model
 
 
 def summarize(out: Path, records: int, drift_at: int, window: int, samples: list[dict[str, Any]],
@@ -145,7 +146,13 @@ def describe(s: Summary) -> list[tuple[str, str]]:
         ("throughput (applied, first to last)", f"{s.records_per_second:,.0f} records/s"),
         ("peak acked rate", f"{s.peak_records_per_second:,.0f} records/s"),
         *s.seam,
-    ]  # fmt: skip
+    ] + (served_rows(s.served) if s.served is not None else [])  # fmt: skip
+
+
+def served_rows(served: Any) -> list[tuple[str, str]]:
+    from examples.streaming_ctr.served import describe as describe_served
+
+    return describe_served(served)
 
 
 def write_html(out: Path, summary: Summary, images: list[Path]) -> Path:

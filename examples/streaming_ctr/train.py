@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 import streamrover.trainers.torch as srt
 from examples.streaming_ctr import metrics
 from examples.streaming_ctr.clickstream import CATEGORICAL, NUMERIC, ClickStream
-from examples.streaming_ctr.model import CtrState, features
+from examples.streaming_ctr.model import CtrState, DeepFM, features
+from streamrover.serving import ExportConfig, RowTracker, TorchExporter
 from streamrover.shard_service import ShardServiceError
 
 COLUMNS = ["id", *CATEGORICAL, *NUMERIC, "event_ms", "clicked"]
@@ -107,6 +108,20 @@ def apply_step(state: CtrState, rows: np.ndarray, window: int, live_from: int = 
     state.applied_span[1] = applied_ms
 
 
+def serving(state: CtrState) -> tuple[TorchExporter | None, RowTracker | None]:
+    """The exporter of the job spec's ``export:`` section (none without one): every durable checkpoint's DeepFM
+    (``net.`` of the state) becomes an ONNX version, its 24 tables as touched-row deltas over bases (Adam moves
+    every row it once saw: ``sticky``)."""
+    config = ExportConfig.from_env()
+    if config is None:
+        return None, None
+    tracker = RowTracker(state.net, sticky=True)
+    example = (torch.zeros(1, len(CATEGORICAL), dtype=torch.int64), torch.zeros(1, len(NUMERIC)))
+    exporter = TorchExporter(config, None, DeepFM, example, input_names=["cats", "nums"], output_names=["logit"],
+                             select="net.", tables=tracker.params)  # fmt: skip
+    return exporter, tracker
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -117,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     state = CtrState(args.records, windows)
     ddp = DDP(state.net)
     optimizer = torch.optim.Adam(state.net.parameters(), lr=args.lr)
-    session = srt.attach(state, optimizer, ckpt_every=args.ckpt_every)
+    exporter, tracker = serving(state)
+    session = srt.attach(state, optimizer, ckpt_every=args.ckpt_every, exporter=exporter, tracker=tracker)
     oracle = ClickStream(args.seed, tuple(args.drift_at))
     dataset = session.dataset(args.dataset, batch_size=args.batch_size, idle_timeout=0.5, columns=COLUMNS,
                               prefetch=args.prefetch)

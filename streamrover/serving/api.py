@@ -33,6 +33,9 @@ Repository layout (Triton's model repository: ``NAME/config.pbtxt`` and ``NAME/V
     <repository>/<name>/<step>/delta.safetensors     kind "delta": for table T, "T.rows" (int64) and "T.values"
     <repository>/<name>/<step>/lineage.json          written last: what this version is (see VersionInfo)
 
+TF parameter-server jobs export ``<step>/model.savedmodel/`` instead of ``model.onnx`` (``tensorflow_savedmodel``
+in ``config.pbtxt``; :mod:`streamrover.serving.savedmodel`), always whole.
+
 A model with no tracked tables is exported whole (kind ``"full"``): its ``model.onnx`` holds every
 weight and any ONNX server serves it as is. With tracked tables (:class:`~streamrover.serving.RowTracker`)
 the tables are inputs of the graph named by their parameter names, and the server feeds them: version N's

@@ -230,8 +230,8 @@ class TorchExporter:
             inputs=[*self.input_names, *self.tables],
             outputs=self.output_names,
         )
-        model_state = {k[len(self.select):]: v for k, v in state["model"].items() if k.startswith(self.select)}
-        files = {MODEL_FILE: self._onnx(model_state)}
+        model_state = self._model_state(state)
+        files = self._model_files(model_state)
         if self.tables:
             tables = {t: np.array(model_state[t].numpy(), copy=True) for t in self.tables}
             info.tables = {t: {"shape": list(a.shape), "dtype": str(a.dtype)} for t, a in tables.items()}
@@ -246,7 +246,7 @@ class TorchExporter:
                 stamps = {k: np.asarray(v.numpy()) for k, v in touched.items()}
                 info.kind, info.parent, info.base = DELTA, parent.version, chain[0].version
                 files[DELTA_FILE] = dump_arrays(delta_arrays(tables, stamps, parent.version))
-        self.repo.ensure_config(triton_config(self.config.name))
+        self.repo.ensure_config(self._config())
         published = self.repo.publish(info, files)
         if published:
             self.exported.append(step)
@@ -255,6 +255,19 @@ class TorchExporter:
             log.info("exported checkpoint %d as %s version %d (%s)", step, self.config.name, step, info.kind)
         self.repo.apply_retention(self.config.keep_last)
         return published
+
+    # -- what a framework's exporter overrides -------------------------------------------------
+    def _model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The served module's weights in a checkpoint's state (torch: ``model`` keys under ``select``)."""
+        return {k[len(self.select):]: v for k, v in state["model"].items() if k.startswith(self.select)}
+
+    def _model_files(self, model_state: dict[str, Any]) -> dict[str, bytes]:
+        """The version's model files by path inside the version directory."""
+        return {MODEL_FILE: self._onnx(model_state)}
+
+    def _config(self) -> str:
+        """The model's ``config.pbtxt``."""
+        return triton_config(self.config.name)
 
     def _onnx(self, model_state: dict[str, Any]) -> bytes:
         """The ONNX graph of ``model_state``: traced for the first version; later versions reuse that trace with

@@ -117,7 +117,10 @@ class PSTrainer:
         ckpt_every: int = 50,
         retention: RetentionPolicy | None = None,
         max_inflight: int | None = None,
+        exporter: Any | None = None,
     ) -> None:
+        """``exporter``: a :class:`~streamrover.serving.savedmodel.SavedModelExporter` (every durable checkpoint
+        becomes a SavedModel version; versions above a restored step are retired first)."""
         started = time.monotonic()
         faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 CHIEF`: every thread's stack
         self.env = env or TrainerEnv.from_env()
@@ -138,11 +141,15 @@ class PSTrainer:
         self.client = ShardClient(self.env.master, token=self.env.token, name=name, async_acks=True)
         self.client.join()
         self._binder = _CutBinder(self.client)
+        self.exporter = exporter
+        if exporter is not None:
+            exporter.bind_checkpoints(self.env.ckpt_dir)
         self.checkpointer = Checkpointer(
             self.env.ckpt_dir,
             binder=self._binder,
             retention=retention or RetentionPolicy(keep_last=3),
             job=self.env.ckpt_job,
+            on_durable=exporter.on_durable if exporter is not None else None,
         )
         self.step = 0
         self.rollbacks = 0
@@ -200,12 +207,16 @@ class PSTrainer:
         if loaded is None:
             self.step, self.restored_from = 0, None
             self._save()
+            if self.exporter is not None:
+                self.exporter.start(0)
             self._event("restore", source=None, step=0, seconds=time.monotonic() - started)
             return None
         load_variables_state(loaded.state["vars"], state)
         self._binder.last_cursor = loaded.cursor
         self.step = self._last_ckpt_step = loaded.step
         self.restored_from = f"{loaded.source.value}:{loaded.step}"
+        if self.exporter is not None:  # versions above the resumed step retired; durable ones without a version
+            self.exporter.start(self.step)
         self.timings["restore"] = time.monotonic() - started
         memory = self.checkpointer.engine.newest()
         self._event("restore", source=loaded.source.value, step=loaded.step, seconds=self.timings["restore"],
@@ -420,5 +431,7 @@ class PSTrainer:
     def close(self) -> None:
         """Leave the shard service; the checkpoints stay (shared memory for a restarted chief, storage)."""
         self.checkpointer.close()
+        if self.exporter is not None:
+            self.exporter.close()  # every durable checkpoint handed to it is exported (or its failure raised)
         self.client.leave()
         self.client.close()

@@ -32,6 +32,16 @@ class Model(_Module):
         self.seen = tf.Variable(tf.zeros((records,), tf.int32), name="seen", trainable=False)
 
 
+class Served(Model):
+    """The model as served (``--export``): the same variables, and a signature that predicts ``y`` from ``x, id``."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x"), tf.TensorSpec([None], tf.int64,
+                                                                                             name="id")])  # fmt: skip
+    def serving_signature(self, x: tf.Tensor, ids: tf.Tensor) -> dict[str, tf.Tensor]:
+        e = tf.reduce_sum(tf.nn.embedding_lookup(self.emb, ids % BUCKETS), axis=1)
+        return {"y": self.w * x + self.b + e}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--records", type=int, required=True)
@@ -40,11 +50,19 @@ def main() -> None:
     p.add_argument("--dataset", default="stream")
     p.add_argument("--out", required=True)
     p.add_argument("--stop-at-records", action="store_true", help="a stream: end once the cut holds --records")
+    p.add_argument("--export", default=None, help="a model repository: every durable checkpoint as a SavedModel")
     args = p.parse_args()
     out = Path(args.out)
     env = TrainerEnv.from_env()
+    exporter = None
+    if args.export:
+        from streamrover.serving import ExportConfig
+        from streamrover.serving.savedmodel import SavedModelExporter
+
+        exporter = SavedModelExporter(ExportConfig(args.export, name="ledger", keep_last=100), None,
+                                      lambda: Served(args.records), select="model")  # fmt: skip
     trainer = PSTrainer(env, variable_partitioner=default_partitioner(len(env.cluster.ps), 8 << 10),
-                        ckpt_every=args.ckpt_every)  # fmt: skip
+                        ckpt_every=args.ckpt_every, exporter=exporter)  # fmt: skip
     with trainer.strategy.scope():
         model = Model(args.records)
         opt = Adagrad(0.2)

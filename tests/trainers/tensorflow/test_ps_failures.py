@@ -28,10 +28,10 @@ pytestmark = [
 RECORDS = 40_000
 
 
-def _job(tmp_path: Path) -> TFJob:
+def _job(tmp_path: Path, records: int = RECORDS) -> TFJob:
     data = tmp_path / "data"
     data.mkdir()
-    ids = np.random.default_rng(3).permutation(RECORDS)
+    ids = np.random.default_rng(3).permutation(records)
     for i, part in enumerate(np.array_split(ids, 2)):
         pq.write_table(pa.table(records_table(part)), data / f"part-{i}.parquet", row_group_size=2_000)
     return TFJob(tmp_path, str(data), records_per_shard=1_000)
