@@ -189,7 +189,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         finally:
             source.close()
         with self.cond:
-            ds, created = self.core.register_dataset(spec, source.kind, partitions, schema_json)
+            ds, created = self.core.register_dataset(spec, source.kind, partitions, schema_json, source.record_times)
             if created and ds.kind is SourceKind.STREAM:
                 self._start_poller(ds.name)
             self.cond.notify_all()

@@ -57,6 +57,19 @@ def full_shards(
     return shards, start
 
 
+def _round_robin(cells: dict[int, list[tuple[int, int]]], room: int) -> dict[int, int]:
+    """How many of each partition's ``cells`` to take, at most ``room`` in all, a round across partitions at a time."""
+    taken = dict.fromkeys(cells, 0)
+    k = 0
+    while room > 0 and any(len(c) > k for c in cells.values()):
+        for index, c in cells.items():
+            if room > 0 and len(c) > k:
+                taken[index] += 1
+                room -= 1
+        k += 1
+    return taken
+
+
 class StreamPlanner:
     """Stream planning, a part of the core (``ShardCore.streams``): shards planned from polls, a dataset failed
     and resumed, lag, what to commit upstream, and (``upstream``) what polls say about deleted data.
@@ -75,8 +88,22 @@ class StreamPlanner:
         self.holds: dict[tuple[str, int], int] = {}  # (dataset, partition index) -> its hold (sources/history.py)
         self.upstream = Upstream(table, cut_book, self.available)
 
-    def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
-        """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
+    def _available(self, name: str, plan: PartitionPlan, holding: bool) -> int:
+        """Where a partition's records end for planning: at its hold while the history comes first."""
+        key = (name, plan.index)
+        avail = self.available.get(key, plan.end)
+        if holding and key in self.holds:  # the history first: nothing live is planned yet
+            avail = max(min(avail, self.holds[key]), plan.end)
+        return avail
+
+    def extend_stream(self, name: str, polled: list[Partition], force: bool = False, hold: bool = False) -> int:
+        """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned.
+
+        Backpressure (``sr.max_pending_shards``) takes the partitions' new shards a round at a time (the first of
+        each, then the second...), so a backlog is planned across partitions, as it is leased (stream-time
+        order, :mod:`.lease_order`). ``hold``: the source tells the shards' times, which the poller reads before
+        they are leased (:meth:`CoreState.set_times`).
+        """
         ds = self.table.dataset(name)
         if ds.kind is not SourceKind.STREAM or ds.failed:
             return 0
@@ -104,21 +131,30 @@ class StreamPlanner:
                     changed = True
         changed = self._compact_runs(ds) or changed
         pending = self.table.state_counts[name][ShardState.TODO]
-        planned: list[PlannedShard] = []
+        cells: dict[int, list[tuple[int, int]]] = {}  # per partition: the full shards it has room for
         holding = self.holding(ds)
+        for plan in ds.partitions:
+            runs = ds.runs.get(plan.index)
+            avail = self._available(name, plan, holding)
+            segments = None if runs is None else runs.between(plan.end, avail)
+            cells[plan.index] = full_shards(plan.end, avail, size, segments, max_pending - pending)[0]
+        taken = _round_robin(cells, max_pending - pending)
+        planned: list[PlannedShard] = []
+        for k in range(max(taken.values(), default=0)):  # the k-th new shard of every partition, then the next
+            for plan in ds.partitions:
+                if k < taken[plan.index]:
+                    a, b = cells[plan.index][k]
+                    planned.append(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)))
+        pending += len(planned)
         for plan in list(ds.partitions):
             key = (name, plan.index)
-            avail = self.available.get(key, plan.end)
-            if holding and key in self.holds:  # the history first: nothing live is planned yet
-                avail = max(min(avail, self.holds[key]), plan.end)
-            runs = ds.runs.get(plan.index)
-            segments = None if runs is None else runs.between(plan.end, avail)
-            full, end = full_shards(plan.end, avail, size, segments, max_pending - pending)
-            planned.extend(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)) for a, b in full)
-            pending += len(full)
+            avail = self._available(name, plan, holding)
+            n = taken[plan.index]
+            end = cells[plan.index][n - 1][1] if n else plan.end
             if avail > end:
                 since = self.pending_since.setdefault(key, now)
-                if pending < max_pending and (force or now - since >= max_delay):
+                whole = n == len(cells[plan.index])  # a partial shard only once every full one is planned
+                if whole and pending < max_pending and (force or now - since >= max_delay):
                     planned.append(PlannedShard(0, plan, end, avail, ds.records_in(plan.index, end, avail)))
                     end = avail
                     pending += 1
@@ -130,7 +166,8 @@ class StreamPlanner:
                 changed = True
         if planned or changed:
             with self.table.journal.transaction():
-                self.table.add_planned(ds, [replace(p, partition=ds.partitions[p.partition.index]) for p in planned])
+                fresh = [replace(p, partition=ds.partitions[p.partition.index]) for p in planned]
+                self.table.add_planned(ds, fresh, hold=hold)
                 self.table.journal.put_dataset(ds)
                 self.table.save_counters()
         return len(planned)

@@ -1,0 +1,57 @@
+"""Stream-time order in the shard table: held shards wait for their times, the queue follows them, the skew
+bound (sr.max_skew_ms) refuses shards too far ahead of the oldest one not yet acked, and all of it survives a
+master restart (the times are journalled)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from streamrover.shard_service.api import DatasetSpec, LeaseStatus
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
+from streamrover.sources.api import Partition, SourceKind
+from tests.shard_service.fake_clock import Clock
+
+
+def _core(path: Path, clock: Clock) -> ShardCore:
+    return ShardCore(Journal(path / "j.db"), lease_ttl=5.0, clock=clock)
+
+
+def _timed_stream(core: ShardCore, skew_ms: int) -> dict[str, float]:
+    """Two partitions of 3 shards each, held, then timed: p1's records are all older than p0's second shard."""
+    spec = DatasetSpec("d", "mem://", records_per_shard=10, options={"sr.max_skew_ms": str(skew_ms)})
+    parts = [Partition(f"p{i}", 0, 0) for i in range(2)]
+    core.register_dataset(spec, SourceKind.STREAM, parts, "[]", hold=True)
+    core.extend_stream("d", [Partition(f"p{i}", 0, 30) for i in range(2)], hold=True)
+    times = {"d/0/0/0-10": 0.0, "d/0/0/10-20": 5_000.0, "d/0/0/20-30": 9_000.0,
+             "d/0/1/0-10": 1_000.0, "d/0/1/10-20": 2_000.0, "d/0/1/20-30": 3_000.0}  # fmt: skip
+    assert {s.id for s in core.untimed("d")} == set(times)
+    return times
+
+
+def test_held_shards_wait_for_their_times_then_go_in_time_order(tmp_path: Path) -> None:
+    core = _core(tmp_path, Clock())
+    times = _timed_stream(core, 0)  # no bound: order only
+    w = core.join("a").id
+    assert core.lease(w, "d").status is LeaseStatus.WAIT  # nothing timed yet: nothing leased
+    core.set_times("d", times)
+    got = [g.shard_id for g in core.lease(w, "d", 6).leases]
+    assert got == sorted(times, key=times.__getitem__)
+
+
+def test_no_shard_is_leased_beyond_the_bound_even_after_a_restart(tmp_path: Path) -> None:
+    clock = Clock()
+    core = _core(tmp_path, clock)
+    core.set_times("d", _timed_stream(core, 2_500))
+    a, b = core.join("a").id, core.join("b").id
+    first = core.lease(a, "d").leases[0]
+    assert first.shard_id == "d/0/0/0-10"  # time 0: the oldest
+    # within 2.5 s of the oldest not acked: p1's 1 s and 2 s shards; not its 3 s one, nor p0's 5 s
+    got = [g.shard_id for g in core.lease(b, "d", 4).leases]
+    assert got == ["d/0/1/0-10", "d/0/1/10-20"]
+    core.journal.close()
+    core = _core(tmp_path, clock)  # a master restart: times and bound from the journal
+    assert core.lease(b, "d").status is LeaseStatus.WAIT  # (b's leases are kept; still nothing within the bound)
+    core.ack(a, first.shard_id, first.attempt, first.end)  # the oldest is now 1 s: up to 3.5 s
+    assert [g.shard_id for g in core.lease(b, "d", 4).leases] == ["d/0/1/20-30"]
+    assert core.stream_time.skew_ms(core, "d") == 2_000.0  # leased: 1 s, 2 s, 3 s
