@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from streamrover.sources.api import SourceError, SourceUnavailableError
 from streamrover.sources.options import OptionError
@@ -147,7 +147,9 @@ class RecordTimes:
 
     def _first(self, ranges: list[tuple[int, int, int]], timeout: float) -> list[float | None]:
         out: list[float | None] = [None] * len(ranges)
-        todo = list(enumerate(ranges))
+        # each partition's ranges in position order: a record still queued from an earlier assignment of the
+        # partition then lies before this range or is one of its records in log order, never a later range's
+        todo = sorted(enumerate(ranges), key=lambda r: (r[1][1], r[1][0]))
         while todo:
             round_: dict[int, tuple[int, int, int]] = {}  # partition -> (index in ranges, start, end)
             rest = []
@@ -169,8 +171,11 @@ class RecordTimes:
                 if msg is None or msg.partition() not in round_:
                     continue
                 i, start, end = round_[msg.partition()]  # type: ignore[index]
-                if msg.error() is None and msg.offset() < start:  # type: ignore[operator]
+                err = msg.error()
+                if err is None and msg.offset() < start:  # type: ignore[operator]
                     continue  # (fetched before this assignment)
+                if err is not None and err.code() == KafkaError._PARTITION_EOF and msg.offset() > start:  # type: ignore[operator]
+                    continue  # the end an earlier assignment reached (records lie past this one's start)
                 if msg.error() is None and msg.offset() < end:  # type: ignore[operator]
                     kind, stamp = msg.timestamp()
                     out[i] = float(stamp) if kind != TIMESTAMP_NOT_AVAILABLE else None

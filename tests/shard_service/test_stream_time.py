@@ -21,8 +21,8 @@ def _timed_stream(core: ShardCore, skew_ms: int) -> dict[str, float]:
     """Two partitions of 3 shards each, held, then timed: p1's records are all older than p0's second shard."""
     spec = DatasetSpec("d", "mem://", records_per_shard=10, options={"sr.max_skew_ms": str(skew_ms)})
     parts = [Partition(f"p{i}", 0, 0) for i in range(2)]
-    core.register_dataset(spec, SourceKind.STREAM, parts, "[]", hold=True)
-    core.extend_stream("d", [Partition(f"p{i}", 0, 30) for i in range(2)], hold=True)
+    core.register_dataset(spec, SourceKind.STREAM, parts, "[]", timed=True)
+    core.extend_stream("d", [Partition(f"p{i}", 0, 30) for i in range(2)], timed=True)
     times = {"d/0/0/0-10": 0.0, "d/0/0/10-20": 5_000.0, "d/0/0/20-30": 9_000.0,
              "d/0/1/0-10": 1_000.0, "d/0/1/10-20": 2_000.0, "d/0/1/20-30": 3_000.0}  # fmt: skip
     assert {s.id for s in core.untimed("d")} == set(times)
@@ -55,3 +55,22 @@ def test_no_shard_is_leased_beyond_the_bound_even_after_a_restart(tmp_path: Path
     core.ack(a, first.shard_id, first.attempt, first.end)  # the oldest is now 1 s: up to 3.5 s
     assert [g.shard_id for g in core.lease(b, "d", 4).leases] == ["d/0/1/20-30"]
     assert core.stream_time.skew_ms(core, "d") == 2_000.0  # leased: 1 s, 2 s, 3 s
+
+
+def test_shards_at_the_head_are_leased_at_once_after_the_newest_time(tmp_path: Path) -> None:
+    core = _core(tmp_path, Clock())
+    times = _timed_stream(core, 0)
+    core.set_times("d", times)
+    w = core.join("a").id
+    assert len(core.lease(w, "d", 6).leases) == 6
+    # the head: less than a shard's worth waiting in each partition (a partial shard at once, sr.max_delay_ms 0
+    # is forced here): planning order is time order, so nothing waits for the poller to read times
+    core.extend_stream("d", [Partition(f"p{i}", 0, 35) for i in range(2)], force=True, timed=True)
+    assert core.untimed("d") == []
+    got = core.lease(w, "d", 2).leases
+    assert [g.shard_id for g in got] == ["d/0/0/30-35", "d/0/1/30-35"]
+    assert all(core.shards[g.shard_id].time > max(times.values()) for g in got)  # after every known time
+    # a backlog again (more than a shard's worth waiting): held until its times are read
+    core.extend_stream("d", [Partition(f"p{i}", 0, 50) for i in range(2)], force=True, timed=True)
+    assert {s.id for s in core.untimed("d")} == {"d/0/0/35-45", "d/0/1/35-45", "d/0/0/45-50", "d/0/1/45-50"}
+    assert core.lease(w, "d").status is LeaseStatus.WAIT

@@ -27,9 +27,9 @@ def register(
     kind: SourceKind,
     partitions: list[Partition],
     schema_json: str,
-    hold: bool = False,
+    timed: bool = False,
 ) -> tuple[DatasetRecord, bool]:
-    """Register a dataset; returns (its record, whether it was created). ``hold``: the source tells its records'
+    """Register a dataset; returns (its record, whether it was created). ``timed``: the source tells its records'
     times, which the poller reads before the first shards are leased (:meth:`StreamPlanner.extend_stream`).
 
     Idempotent for the same spec; :class:`AlreadyExistsError` for the same name with another spec,
@@ -62,7 +62,7 @@ def register(
         table.journal.put_dataset(ds)
         table.save_counters()
     if kind is SourceKind.STREAM:
-        streams.extend_stream(ds.name, partitions, hold=hold)
+        streams.extend_stream(ds.name, partitions, timed=timed)
     return ds, True
 
 

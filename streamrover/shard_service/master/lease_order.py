@@ -8,7 +8,10 @@ backlog is leased across partitions in the order its records were written instea
 ``sr.max_skew_ms`` bounds it, as Flink's watermark alignment bounds a source split: no shard is leased whose time
 is more than the bound ahead of the oldest shard of its dataset that is not yet acked (:class:`StreamTime`).
 Returned leases go first, as they always did (they are the oldest). Reader affinity (a worker gets the shard
-that continues the partition it read) holds only inside the bound.
+that continues the partition it read) chooses only among a stream's oldest waiting shards, those of the same time
+(SAME_TIME_MS): shards planned together at the stream's head, where planning order is time order (they follow the
+newest time known at once, :meth:`CoreState.add_planned`). A backlog's shards have their records' times, read by
+the poller before they are leased, and go strictly in time order.
 
 The times are journalled with the shards, so the bound holds after a master restart; a restore re-plans with
 the times of the shards it replaces (:func:`times_of`).
@@ -53,11 +56,20 @@ class StreamTime:
     def __init__(self, shards: dict[str, ShardRecord]) -> None:
         self._shards = shards
         self._heaps: dict[str, list[tuple[float, str]]] = {}
+        self._newest: dict[str, float] = {}
 
     def track(self, s: ShardRecord) -> None:
         """Note a shard that has a time (planned, loaded, timed)."""
-        if s.time is not None and s.state is not ShardState.ACKED:
+        if s.time is None:
+            return
+        if s.time > self._newest.get(s.dataset, float("-inf")):
+            self._newest[s.dataset] = s.time
+        if s.state is not ShardState.ACKED:
             heapq.heappush(self._heaps.setdefault(s.dataset, []), (s.time, s.id))
+
+    def newest(self, name: str) -> float | None:
+        """The newest time of a shard of dataset ``name`` (None: none has a time yet)."""
+        return self._newest.get(name)
 
     def oldest(self, name: str) -> float | None:
         """The time of the oldest shard of dataset ``name`` not yet acked (None: none has a time)."""
@@ -73,6 +85,7 @@ class StreamTime:
     def forget(self, name: str) -> None:
         """Drop dataset ``name``'s entries (removed, or all its shards re-planned)."""
         self._heaps.pop(name, None)
+        self._newest.pop(name, None)
 
     def skew_ms(self, table: CoreState, name: str) -> float:
         """How much stream time the dataset's leased shards span: the newest leased shard's time less the oldest
@@ -127,12 +140,11 @@ def pop_todo(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None = None)
 
     while True:
         head = _queue_head(table, queue)
-        # a stream's affinity picks among its readers' count of oldest shards waiting (at most that far out of order)
-        near = _horizon(table, ds, w, queue) if prefer and ds.kind is SourceKind.STREAM else limit
+        near = _horizon(queue, table) if prefer and ds.kind is SourceKind.STREAM else limit  # affinity's reach
         if prefer and w is not None and (head is None or head[0] >= 0):  # (front priorities are < 0)
             tail = table.tails.get((w.id, ds.name))
             sid = table.todo_at.get((ds.name, *tail)) if tail is not None else None
-            if sid is not None and within(table.shards[sid], min(limit, near)):
+            if sid is not None and not table.held(table.shards[sid]) and within(table.shards[sid], min(limit, near)):
                 return table.shards[sid]  # its queue entry is now stale and skipped later
         skipped: list[tuple[float, str]] = []
         found: ShardRecord | None = None
@@ -170,12 +182,11 @@ def pop_todo(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None = None)
         return None
 
 
-def _horizon(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None, queue: list[tuple[float, str]]) -> float:
-    """The time of the n-th oldest shard waiting (n: the workers reading ``ds``, ``w`` included; inf if fewer wait)."""
-    me = w.id if w is not None else ""
-    n = 1 + sum(1 for wid, name in table.tails if name == ds.name and wid != me)
-    live = heapq.nsmallest(n, (e for e in queue if e[0] >= 0 and _live(table, e)))
-    return live[-1][0] + SAME_TIME_MS if len(live) == n else float("inf")
+def _horizon(queue: list[tuple[float, str]], table: CoreState) -> float:
+    """The time of the oldest shard waiting, give or take SAME_TIME_MS (inf when none waits): a stream's affinity
+    picks only among shards this old (those planned together at the head), so a backlog goes in time order."""
+    live = min((e for e in queue if e[0] >= 0 and _live(table, e)), default=None)
+    return live[0] + SAME_TIME_MS if live is not None else float("inf")
 
 
 def _live(table: CoreState, entry: tuple[float, str]) -> bool:

@@ -171,7 +171,7 @@ class StreamPoller:
             lost = core.streams.upstream.check(self.name, polled, core.acked_cursor)
             if lost:
                 raise _DataLost(lost)
-            if core.extend_stream(self.name, polled, hold=source.record_times):
+            if core.extend_stream(self.name, polled, timed=source.record_times):
                 cond.notify_all()
             ds = core.dataset(self.name)
             planned = [p.id for p in ds.partitions]

@@ -224,23 +224,32 @@ class CoreState:
         return ds
 
     def add_planned(
-        self, ds: DatasetRecord, planned: Iterable[PlannedShard], times: TimeMarks | None = None, hold: bool = False
+        self,
+        ds: DatasetRecord,
+        planned: Iterable[PlannedShard],
+        times: TimeMarks | None = None,
+        hold: bool = False,
+        head: bool = False,
     ) -> None:
         """Add planned shards to ``ds`` (TODO, at the back of its queue) and journal them.
 
         A stream's shards are queued by stream time (:mod:`.lease_order`): the time ``times`` gives their start, else
         when they are planned (in the order given); ``hold``: their times are read from the source first
-        (:meth:`untimed`, :meth:`set_times`), they are not leased before.
+        (:meth:`untimed`, :meth:`set_times`), they are not leased before; ``head``: shards at the stream's head of
+        a source that tells record times, planned in time order: they follow the newest time known, at once.
         """
         stream = ds.kind is SourceKind.STREAM
         now = self.clock() * 1000.0
+        newest = self.stream_time.newest(ds.name) if head else None
         for i, p in enumerate(planned):
             self._back += 1
             sid = shard_id_for(ds.name, p.epoch, p.partition.index, p.start, p.end)
             s = ShardRecord(sid, ds.name, p.epoch, p.partition.index, p.start, p.end, priority=self._back)
             if stream and not hold:  # planned in this order: a microsecond apart
                 at = lease_order.time_at(times, p.partition.index, p.start) if times else None
-                s.time = s.priority = now + i / 1000.0 if at is None else at
+                if at is None:
+                    at = now + i / 1000.0 if newest is None else newest + (i + 1) / 1000.0
+                s.time = s.priority = at
             self._index(s)
             self.journal.put_shard(s)
 

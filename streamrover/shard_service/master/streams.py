@@ -96,13 +96,15 @@ class StreamPlanner:
             avail = max(min(avail, self.holds[key]), plan.end)
         return avail
 
-    def extend_stream(self, name: str, polled: list[Partition], force: bool = False, hold: bool = False) -> int:
+    def extend_stream(self, name: str, polled: list[Partition], force: bool = False, timed: bool = False) -> int:
         """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned.
 
         Backpressure (``sr.max_pending_shards``) takes the partitions' new shards a round at a time (the first of
         each, then the second...), so a backlog is planned across partitions, as it is leased (stream-time
-        order, :mod:`.lease_order`). ``hold``: the source tells the shards' times, which the poller reads before
-        they are leased (:meth:`CoreState.set_times`).
+        order, :mod:`.lease_order`). ``timed``: the source tells its records' times. Then the shards of a poll
+        that found a backlog (more than a shard's worth waiting in a partition), or the dataset's first shards,
+        are held until the poller has read their times (:meth:`CoreState.set_times`); at the stream's head,
+        where planning order is time order, shards are leased at once and follow the newest time known.
         """
         ds = self.table.dataset(name)
         if ds.kind is not SourceKind.STREAM or ds.failed:
@@ -133,6 +135,8 @@ class StreamPlanner:
         pending = self.table.state_counts[name][ShardState.TODO]
         cells: dict[int, list[tuple[int, int]]] = {}  # per partition: the full shards it has room for
         holding = self.holding(ds)
+        waiting = max((self._available(name, plan, holding) - plan.end for plan in ds.partitions), default=0)
+        hold = timed and (waiting > size or self.table.stream_time.newest(name) is None)
         for plan in ds.partitions:
             runs = ds.runs.get(plan.index)
             avail = self._available(name, plan, holding)
@@ -167,7 +171,7 @@ class StreamPlanner:
         if planned or changed:
             with self.table.journal.transaction():
                 fresh = [replace(p, partition=ds.partitions[p.partition.index]) for p in planned]
-                self.table.add_planned(ds, fresh, hold=hold)
+                self.table.add_planned(ds, fresh, hold=hold, head=timed and not hold)
                 self.table.journal.put_dataset(ds)
                 self.table.save_counters()
         return len(planned)
