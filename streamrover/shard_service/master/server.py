@@ -169,6 +169,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             records_committed=counts.records_committed,
             lost_records=self.core.streams.upstream.lost_records(ds),
             commit_gaps=gaps_to_pb(self.core.staged.gaps.of(ds.name), self.core.clock()),
+            time_skew_ms=self.core.stream_time.skew_ms(self.core, ds.name),
         )
 
     @_rpc
