@@ -74,3 +74,28 @@ def test_shards_at_the_head_are_leased_at_once_after_the_newest_time(tmp_path: P
     core.extend_stream("d", [Partition(f"p{i}", 0, 50) for i in range(2)], force=True, timed=True)
     assert {s.id for s in core.untimed("d")} == {"d/0/0/35-45", "d/0/1/35-45", "d/0/0/45-50", "d/0/1/45-50"}
     assert core.lease(w, "d").status is LeaseStatus.WAIT
+
+
+def test_a_small_backlog_is_split_for_idle_workers_but_not_into_tiny_shards(tmp_path: Path) -> None:
+    core = _core(tmp_path, Clock())
+    core.register_dataset(DatasetSpec("d", "mem://", records_per_shard=10_000), SourceKind.STREAM,
+                          [Partition("p0", 0, 0)], "[]")  # fmt: skip
+    core.join("a"), core.join("b")
+    core.extend_stream("d", [Partition("p0", 0, 2_000)], force=True)  # two idle workers: a piece each
+    assert sorted((s.start, s.end) for s in core.shards_of("d")) == [(0, 1_000), (1_000, 2_000)]
+    core.extend_stream("d", [Partition("p0", 0, 2_600)], force=True)  # two shards wait: no worker idle
+    core.lease(core.join("c").id, "d", 2)
+    core.extend_stream("d", [Partition("p0", 0, 3_200)], force=True)  # 600: not cut under MIN_SPLIT (500)
+    assert sorted((s.start, s.end) for s in core.shards_of("d"))[2:] == [(2_000, 2_600), (2_600, 3_200)]
+
+
+def test_the_lag_follows_the_acks_not_the_checkpoints(tmp_path: Path) -> None:
+    core = _core(tmp_path, Clock())
+    core.register_dataset(DatasetSpec("d", "mem://", records_per_shard=10), SourceKind.STREAM,
+                          [Partition("p0", 0, 0)], "[]")  # fmt: skip
+    core.extend_stream("d", [Partition("p0", 0, 30)], force=True)
+    w = core.join("a").id
+    first = core.lease(w, "d").leases[0]
+    assert core.lag(core.datasets["d"])[0][2] == 30
+    core.ack(w, first.shard_id, first.attempt, first.end)  # applied, no cut committed yet
+    assert core.lag(core.datasets["d"])[0][2] == 20

@@ -135,3 +135,39 @@ def test_a_backlog_is_trained_in_stream_time_order(tmp_path: Path, kafka_broker:
                 if first_a >= 0 and first_b >= 0 and a0 <= b1 and b0 <= a1:  # trained at the same time (steps)
                     worst = max(worst, abs(int(stamps[first_a]) - int(stamps[first_b])))
         assert worst <= skew_ms, f"shards {worst} ms apart in stream time were trained at the same time"
+
+
+def test_a_small_backlog_reaches_both_ranks(tmp_path: Path, kafka_broker: Any) -> None:
+    """2,000 records waiting in one partition, fewer than a shard holds (10,000 by default): both workers get some."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topic = f"small-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
+    for f in admin.create_topics([NewTopic(topic, 1, 1)]).values():
+        f.result(30)
+    producer = Producer(kafka_broker.client_config(acks="all"))
+    for i in range(2_000):
+        producer.produce(topic, json.dumps({"id": i}).encode())
+    assert producer.flush(60) == 0
+    got: dict[str, list[int]] = {}
+    with MasterProcess(tmp_path / "master", lease_ttl=5.0) as master:
+        clients = [ShardClient(master.address, token=master.token, name=f"rank{r}") for r in range(WORKERS)]
+        try:
+            for c in clients:
+                c.join()  # the ranks are there before the records are planned
+            options = {"sr.format": "json", "sr.schema": "id:int64"}
+            uri = f"kafka://{kafka_broker.bootstrap}/{topic}"
+            clients[0].register_dataset(DatasetSpec("small", uri, options=options))
+            for c in clients:
+                _, leased = c.lease("small", 1, wait=10.0)
+                for shard in leased:
+                    for batch in shard.batches(500):
+                        got.setdefault(c.name, []).extend(batch.records.column("id").to_pylist())
+                        shard.ack(batch.end)
+        finally:
+            for c in clients:
+                c.close()
+    ids = sorted(i for rank in got.values() for i in rank)
+    assert ids == list(range(2_000)), f"{len(ids)} records read"
+    assert sorted(len(v) for v in got.values()) == [1_000, 1_000], {k: len(v) for k, v in got.items()}

@@ -40,9 +40,9 @@ class JobCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """The metric families of this instant (called by the registry at each scrape)."""
         core = self._servicer.core
-        lag = _gauge("partition_lag_records", "records available in the source and not yet committed, per partition",
-                     ["dataset", "partition"])  # fmt: skip
-        ds_lag = _gauge("dataset_lag_records", "records available in a stream's source and not yet committed",
+        lag = _gauge("partition_lag_records", "records available in the source and not yet applied (acked), per "
+                     "partition", ["dataset", "partition"])  # fmt: skip
+        ds_lag = _gauge("dataset_lag_records", "records available in a stream's source and not yet applied (acked)",
                         ["dataset"])  # fmt: skip
         shards = _gauge("shards", "shards per state (committed: folded into the committed cursor)",
                         ["dataset", "state"])  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from itertools import pairwise
 
 from streamrover.cursor import DataCursor, PartitionKey
 from streamrover.shard_service.api import PartitionPlan, ShardState
@@ -23,6 +24,9 @@ from streamrover.shard_service.master.upstream import Upstream
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.options import StreamPlanning, planning_options
 from streamrover.sources.positions import RecordRuns
+
+#: the fewest positions a partial shard is cut into for idle workers (split_partial)
+MIN_SPLIT = 500
 
 
 def stream_planning(ds: DatasetRecord) -> StreamPlanning:
@@ -55,6 +59,15 @@ def full_shards(
             shards.append((start, cut))
             start, a, need = cut, cut, size
     return shards, start
+
+
+def split_partial(end: int, avail: int, idle: int, least: int, room: int) -> list[tuple[int, int]]:
+    """A partial shard ``[end, avail)``, cut into up to ``idle`` equal pieces so that a small backlog reaches every
+    worker (issue 28), none under ``least`` positions and no more than ``room`` (bounded: tiny shards do not flood
+    the master)."""
+    pieces = max(1, min(idle, room, (avail - end) // max(least, 1)))
+    cuts = [end + (avail - end) * k // pieces for k in range(pieces + 1)]
+    return list(pairwise(cuts))
 
 
 def _round_robin(cells: dict[int, list[tuple[int, int]]], room: int) -> dict[int, int]:
@@ -159,9 +172,11 @@ class StreamPlanner:
                 since = self.pending_since.setdefault(key, now)
                 whole = n == len(cells[plan.index])  # a partial shard only once every full one is planned
                 if whole and pending < max_pending and (force or now - since >= max_delay):
-                    planned.append(PlannedShard(0, plan, end, avail, ds.records_in(plan.index, end, avail)))
+                    idle = len(self.table.workers) - pending  # workers the shards waiting would leave without work
+                    for a, b in split_partial(end, avail, idle, min(MIN_SPLIT, size), max_pending - pending):
+                        planned.append(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)))
+                        pending += 1
                     end = avail
-                    pending += 1
                     self.pending_since.pop(key, None)
             else:
                 self.pending_since.pop(key, None)
@@ -262,12 +277,19 @@ class StreamPlanner:
         return True
 
     def lag(self, ds: DatasetRecord) -> list[tuple[int, int, int]]:
-        """Per partition: (available end, committed end, lag in records between them)."""
+        """Per partition: (available end, committed end, lag): the records available and not yet applied (acked or
+        committed), so the lag follows training, not the checkpoints (issue 28: it was a sawtooth from the last
+        committed cut). Counted from the end of the applied run from the partition's start."""
+        acked = self.cut_book.committed.copy()
+        self.table.add_acks(acked)
         out = []
         for plan in ds.partitions:
             committed_end = self.upstream.done_positions(ds, plan).prefix_end(plan.start)
+            applied = acked.get(PartitionKey(ds.name, 0, plan.id))
+            applied.update(self.upstream.lost.get_lost(PartitionKey(ds.name, 0, plan.id)))
+            applied_end = max(applied.prefix_end(plan.start), committed_end)
             avail = self.available.get((ds.name, plan.index), plan.end)
-            out.append((avail, committed_end, ds.records_in(plan.index, committed_end, avail)))
+            out.append((avail, committed_end, ds.records_in(plan.index, applied_end, avail)))
         return out
 
     def committed_positions(self, ds: DatasetRecord) -> dict[str, int]:

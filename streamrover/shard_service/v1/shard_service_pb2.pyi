@@ -162,7 +162,7 @@ class PartitionInfo(google.protobuf.message.Message):
     committed_end: builtins.int
     """the end of the committed cursor's run from start"""
     lag: builtins.int
-    """streams: available_end - committed_end"""
+    """streams: records from the end of the applied (acked) run to available_end"""
     def __init__(
         self,
         *,
@@ -237,7 +237,7 @@ class DatasetInfo(google.protobuf.message.Message):
     """acked or committed, all epochs"""
     records_committed: builtins.int
     lag: builtins.int
-    """streams: records available in the source and not yet committed"""
+    """streams: records available in the source and not yet applied (acked)"""
     error: builtins.str
     """the source's last error ("" when healthy)"""
     failed: builtins.bool
