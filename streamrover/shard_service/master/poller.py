@@ -171,7 +171,9 @@ class StreamPoller:
             lost = core.streams.upstream.check(self.name, polled, core.acked_cursor)
             if lost:
                 raise _DataLost(lost)
-            if core.extend_stream(self.name, polled, timed=source.record_times):
+            # a worker waiting for a shard gets the records there are now, not after sr.max_delay_ms (freshness)
+            waiting = self.servicer.lease_waiters[self.name] > 0
+            if core.extend_stream(self.name, polled, force=waiting, timed=source.record_times):
                 cond.notify_all()
             ds = core.dataset(self.name)
             planned = [p.id for p in ds.partitions]
