@@ -212,6 +212,7 @@ def _dataset_table(infos: list[Any]) -> Table:
         "records acked",
         "records committed",
         "lag",
+        "time skew",
         "dead letters",
         "state",
     ):
@@ -230,6 +231,7 @@ def _dataset_table(infos: list[Any]) -> Table:
             f"{info.records_acked:,}",
             f"{info.records_committed:,}",
             f"{info.lag:,}" if kind == "stream" else "",
+            f"{info.time_skew_ms / 1000:.1f} s" if kind == "stream" else "",
             f"{info.dead_letters:,}",
             _state(info),
         )

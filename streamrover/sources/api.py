@@ -45,7 +45,7 @@ import enum
 import importlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -178,6 +178,19 @@ class MasterSource(ABC):
         the source cannot be reached and :class:`SourceGoneError` when it was deleted.
         """
         return self.partitions()
+
+    #: True when :meth:`first_times` reads the broker's record timestamps (then the master leases a new shard only
+    #: once it has its time: stream-time order across partitions); False: a shard's time is when it was planned.
+    record_times: bool = False
+
+    def first_times(self, shards: Sequence[tuple[str, int, int]]) -> list[float | None]:
+        """For each ``(partition id, start, end)``: the time, in ms since the epoch, of the first record in
+        ``[start, end)`` as the broker stamped it (None where it does not say, or the range holds no record).
+
+        Called by the master's poller for the shards it planned, when :attr:`record_times`; one small read per
+        shard. Raises :class:`SourceUnavailableError` when the source cannot be reached.
+        """
+        return [None] * len(shards)
 
     def commit(self, positions: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
         """Record, in the source system, that each partition is consumed up to a position (exclusive).

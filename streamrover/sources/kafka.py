@@ -64,6 +64,7 @@ from streamrover.sources.api import (
 )
 from streamrover.sources.kafka_client import (
     REQUEST_TIMEOUT,
+    RecordTimes,
     TopicDeadLetters,
     check_client_options,
     non_consumer_options,
@@ -167,6 +168,7 @@ class KafkaSource(Source):
     """
     kind = SourceKind.STREAM
     dense_positions = False
+    record_times = True  # message timestamps (RecordTimes)
 
     def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
         opts = dict(options or {})
@@ -185,6 +187,7 @@ class KafkaSource(Source):
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
         self._resume: _Resume | None = None  # where the consumer is after a finished read
+        self._times: RecordTimes | None = None  # the master's reader of record timestamps
         self.not_before: int | None = None  # ms: records timestamped before are skipped (history.py holds them)
 
     # -- clients ------------------------------------------------------------
@@ -424,7 +427,14 @@ class KafkaSource(Source):
             self._dead.flush()
         return ReadBatch(records, start, end, positions, dead_letters=dead)
 
+    def first_times(self, shards: Sequence[tuple[str, int, int]]) -> list[float | None]:
+        self._times = self._times or RecordTimes(self.rdkafka, self.topic)
+        return self._times.first([(self._pid(p), a, b) for p, a, b in shards])
+
     def close(self) -> None:
+        self._times, times = None, self._times
+        if times is not None:
+            times.close()
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None

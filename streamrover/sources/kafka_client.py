@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, Producer
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from streamrover.sources.api import SourceError, SourceUnavailableError
 from streamrover.sources.options import OptionError
@@ -121,3 +121,67 @@ class TopicDeadLetters(DeadLetters):
             raise SourceUnavailableError(
                 f"dead letters not delivered to topic {self.topic!r} within {REQUEST_TIMEOUT}s"
             )
+
+
+class RecordTimes:
+    """The timestamps (CreateTime or LogAppendTime, as the topic keeps them) of the first records of offset ranges:
+    what the master's poller reads for each new shard (stream-time order). A consumer of its own that fetches
+    little at a time (a shard's first record, not 16 MB after it), no group: nothing is committed."""
+
+    def __init__(self, rdkafka: Mapping[str, Any], topic: str) -> None:
+        conf = {**rdkafka, "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "error"}
+        conf.update({"max.partition.fetch.bytes": 65536, "queued.max.messages.kbytes": 1024, "fetch.wait.max.ms": 20})
+        self.topic = topic
+        self._consumer = Consumer(with_logger(conf))
+
+    def first(self, ranges: list[tuple[int, int, int]], timeout: float = REQUEST_TIMEOUT) -> list[float | None]:
+        """For each (partition number, start, end): the timestamp in ms of the first record in [start, end), None
+        where the topic keeps none or the range holds no record. One partition's range per fetch round.
+
+        Raises :class:`SourceUnavailableError` when a round gets no answer within ``timeout`` seconds.
+        """
+        try:
+            return self._first(ranges, timeout)
+        except KafkaException as exc:
+            raise SourceUnavailableError(f"reading record timestamps of topic {self.topic!r}: {exc}") from exc
+
+    def _first(self, ranges: list[tuple[int, int, int]], timeout: float) -> list[float | None]:
+        out: list[float | None] = [None] * len(ranges)
+        # each partition's ranges in position order: a record still queued from an earlier assignment of the
+        # partition then lies before this range or is one of its records in log order, never a later range's
+        todo = sorted(enumerate(ranges), key=lambda r: (r[1][1], r[1][0]))
+        while todo:
+            round_: dict[int, tuple[int, int, int]] = {}  # partition -> (index in ranges, start, end)
+            rest = []
+            for i, (p, start, end) in todo:
+                if p in round_:
+                    rest.append((i, (p, start, end)))
+                else:
+                    round_[p] = (i, start, end)
+            todo = rest
+            self._consumer.assign([TopicPartition(self.topic, p, start) for p, (_, start, _) in round_.items()])
+            deadline = time.monotonic() + timeout
+            while round_:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SourceUnavailableError(
+                        f"no record timestamps of topic {self.topic!r} partitions {sorted(round_)} in {timeout:.0f}s"
+                    )
+                msg = self._consumer.poll(min(left, 1.0))
+                if msg is None or msg.partition() not in round_:
+                    continue
+                i, start, end = round_[msg.partition()]  # type: ignore[index]
+                err = msg.error()
+                if err is None and msg.offset() < start:  # type: ignore[operator]
+                    continue  # (fetched before this assignment)
+                if err is not None and err.code() == KafkaError._PARTITION_EOF and msg.offset() > start:  # type: ignore[operator]
+                    continue  # the end an earlier assignment reached (records lie past this one's start)
+                if msg.error() is None and msg.offset() < end:  # type: ignore[operator]
+                    kind, stamp = msg.timestamp()
+                    out[i] = float(stamp) if kind != TIMESTAMP_NOT_AVAILABLE else None
+                del round_[msg.partition()]  # type: ignore[arg-type]  # a record, the partition's end, or an error
+        self._consumer.unassign()
+        return out
+
+    def close(self) -> None:
+        self._consumer.close()

@@ -116,6 +116,12 @@ class StreamPlanning(_Options):
         alias="sr.on_data_loss",
         description="fail (records deleted upstream before they were trained fail the dataset) or skip (counted lost)",
     )
+    max_skew_ms: int = _ms(
+        "sr.max_skew_ms",
+        60_000,
+        "stream-time order: no shard is leased whose first record is more than this much stream time newer than the "
+        "oldest shard not yet acked; 0 leases in time order without a bound",
+    )
 
 
 class _RecordOptions(StreamPlanning):

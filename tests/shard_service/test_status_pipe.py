@@ -13,7 +13,8 @@ from streamrover.testing.procs import MasterProcess, python_env
 from tests.helpers import wait_until, write_parquet_dataset
 
 HEADERS = ["name", "kind", "partitions", "records", "todo", "leased", "acked", "committed", "records acked",
-           "records committed", "lag", "dead letters", "state", "worker", "leases", "last seen"]  # fmt: skip
+           "records committed", "lag", "time skew", "dead letters", "state", "worker", "leases",
+           "last seen"]  # fmt: skip
 
 
 def _env() -> dict[str, str]:

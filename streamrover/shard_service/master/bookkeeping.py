@@ -42,6 +42,9 @@ class ShardRecord:
     acks: list[tuple[int | None, int]] = field(default_factory=list)
     acked_by: dict[int, int] = field(default_factory=dict)  # attempt -> highest position it acked
     priority: float = 0.0  # queue order: lower is leased first
+    # stream time of its first record, ms since the epoch (the broker's timestamp, or when the master planned it);
+    # None: a batch shard, or a stream shard whose time the poller has not read yet (not leased until it has)
+    time: float | None = None
 
     def __post_init__(self) -> None:
         if self.acked_to < 0:

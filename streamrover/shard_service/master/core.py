@@ -365,10 +365,10 @@ class ShardCore(CoreState):
 
     # ------------------------------------------------------------------ datasets (datasets.py)
     def register_dataset(
-        self, spec: DatasetSpec, kind: SourceKind, partitions: list[Partition], schema_json: str
+        self, spec: DatasetSpec, kind: SourceKind, partitions: list[Partition], schema_json: str, timed: bool = False
     ) -> tuple[DatasetRecord, bool]:
         """Register a dataset; returns (its record, whether it was created) (:func:`datasets.register`)."""
-        return datasets.register(self, self.streams, spec, kind, partitions, schema_json)
+        return datasets.register(self, self.streams, spec, kind, partitions, schema_json, timed)
 
     def remove_dataset(self, name: str) -> tuple[int, int]:
         """Forget dataset ``name``; returns (leases revoked, shards removed) (:func:`datasets.remove`)."""
@@ -436,9 +436,9 @@ class ShardCore(CoreState):
         return revoked, requeued
 
     # ------------------------------------------------------------------ streams (streams.py, upstream.py)
-    def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
-        """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
-        return self.streams.extend_stream(name, polled, force)
+    def extend_stream(self, name: str, polled: list[Partition], force: bool = False, timed: bool = False) -> int:
+        """Plan new shards from a poll of the source's partitions and ends (:meth:`StreamPlanner.extend_stream`)."""
+        return self.streams.extend_stream(name, polled, force, timed)
 
     def lag(self, ds: DatasetRecord) -> list[tuple[int, int, int]]:
         """Per partition: (available end, committed end, lag in records between them)."""

@@ -27,8 +27,10 @@ def register(
     kind: SourceKind,
     partitions: list[Partition],
     schema_json: str,
+    timed: bool = False,
 ) -> tuple[DatasetRecord, bool]:
-    """Register a dataset; returns (its record, whether it was created).
+    """Register a dataset; returns (its record, whether it was created). ``timed``: the source tells its records'
+    times, which the poller reads before the first shards are leased (:meth:`StreamPlanner.extend_stream`).
 
     Idempotent for the same spec; :class:`AlreadyExistsError` for the same name with another spec,
     :class:`InvalidArgumentError` for epochs or shuffle on a stream. A batch dataset's first epoch is
@@ -64,7 +66,7 @@ def register(
         table.journal.put_dataset(ds)
         table.save_counters()
     if kind is SourceKind.STREAM:
-        streams.extend_stream(ds.name, partitions)
+        streams.extend_stream(ds.name, partitions, timed=timed)
     return ds, True
 
 

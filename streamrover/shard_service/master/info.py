@@ -41,6 +41,7 @@ def dataset_info(core: ShardCore, ds: DatasetRecord) -> pb.DatasetInfo:
         records_committed=counts.records_committed,
         lost_records=core.streams.upstream.lost_records(ds),
         commit_gaps=gaps_to_pb(core.staged.gaps.of(ds.name), core.clock()),
+        time_skew_ms=core.stream_time.skew_ms(core, ds.name),
     )
 
 

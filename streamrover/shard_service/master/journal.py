@@ -45,8 +45,8 @@ CREATE TABLE IF NOT EXISTS datasets (
 CREATE TABLE IF NOT EXISTS shards (
     id TEXT PRIMARY KEY, dataset TEXT NOT NULL, epoch INTEGER NOT NULL, pindex INTEGER NOT NULL,
     start INTEGER NOT NULL, "end" INTEGER NOT NULL, state TEXT NOT NULL, attempt INTEGER NOT NULL,
-    worker TEXT, acked_to INTEGER NOT NULL, acks TEXT NOT NULL, acked_by TEXT NOT NULL, priority REAL NOT NULL)
-    WITHOUT ROWID;
+    worker TEXT, acked_to INTEGER NOT NULL, acks TEXT NOT NULL, acked_by TEXT NOT NULL, priority REAL NOT NULL,
+    time REAL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS workers (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, last_request_id INTEGER NOT NULL, last_lease_ids TEXT NOT NULL)
     WITHOUT ROWID;
@@ -129,6 +129,8 @@ class Journal(JournalTables):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={'FULL' if durability == 'fsync' else 'NORMAL'}")
         self._db.executescript(_SCHEMA)
+        if "time" not in {row[1] for row in self._db.execute("PRAGMA table_info(shards)")}:  # a journal from before
+            self._db.execute("ALTER TABLE shards ADD COLUMN time REAL")  # shards' stream times (issue 28)
         self._lock = threading.Lock()
         self._depth = 0
         self._in_group = False  # the open transaction is a savepoint in the open group
@@ -324,7 +326,7 @@ class Journal(JournalTables):
     def put_shard(self, s: ShardRecord) -> None:
         """Write a shard's row."""
         self._db.execute(
-            "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 s.id,
                 s.dataset,
@@ -339,6 +341,7 @@ class Journal(JournalTables):
                 _pairs(s.acks),
                 _pairs(sorted(s.acked_by.items())),
                 s.priority,
+                s.time,
             ),
         )
 
@@ -366,7 +369,7 @@ class Journal(JournalTables):
         """Every shard's record."""
         out = []
         for row in self._db.execute("SELECT * FROM shards"):
-            sid, ds, epoch, pindex, start, end, state, attempt, worker, acked_to, acks, acked_by, prio = row
+            sid, ds, epoch, pindex, start, end, state, attempt, worker, acked_to, acks, acked_by, prio, time = row
             out.append(
                 ShardRecord(
                     id=sid,
@@ -382,6 +385,7 @@ class Journal(JournalTables):
                     acks=[(a[0], a[1]) for a in json.loads(acks)],
                     acked_by={int(k): int(v) for k, v in json.loads(acked_by)},
                     priority=prio,
+                    time=time,
                 )
             )
         return out

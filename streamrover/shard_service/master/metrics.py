@@ -40,9 +40,9 @@ class JobCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """The metric families of this instant (called by the registry at each scrape)."""
         core = self._servicer.core
-        lag = _gauge("partition_lag_records", "records available in the source and not yet committed, per partition",
-                     ["dataset", "partition"])  # fmt: skip
-        ds_lag = _gauge("dataset_lag_records", "records available in a stream's source and not yet committed",
+        lag = _gauge("partition_lag_records", "records available in the source and not yet applied (acked), per "
+                     "partition", ["dataset", "partition"])  # fmt: skip
+        ds_lag = _gauge("dataset_lag_records", "records available in a stream's source and not yet applied (acked)",
                         ["dataset"])  # fmt: skip
         shards = _gauge("shards", "shards per state (committed: folded into the committed cursor)",
                         ["dataset", "state"])  # fmt: skip
@@ -54,6 +54,9 @@ class JobCollector(Collector):
         failed = _gauge("dataset_failed", "1 when the dataset cannot go on (see its error)", ["dataset"])
         lost = _gauge("dataset_lost_records", "records accounted as lost (deleted before they were trained; "
                       "sr.on_data_loss=skip)", ["dataset"])  # fmt: skip
+        skew = _gauge("dataset_time_skew_ms", "stream time the leased shards span: the newest leased shard's "
+                      "first record less the oldest shard not yet acked (at most sr.max_skew_ms)",
+                      ["dataset"])  # fmt: skip
         gaps = _gauge("dataset_commit_gaps", "staged commits a later commit of the same producer and part names as "
                       "its previous, not arrived (skipped: past sr.commit_gap_ms with sr.on_data_loss=skip)",
                       ["dataset", "state"])  # fmt: skip
@@ -99,6 +102,7 @@ class JobCollector(Collector):
                         lag.add_metric([name, plan.id], part_lag)
                         total += part_lag
                     ds_lag.add_metric([name], total)
+                    skew.add_metric([name], core.stream_time.skew_ms(core, name))
             workers.add_metric([], len(core.workers))
             for wid, w in sorted(core.workers.items()):
                 w_leases.add_metric([wid, w.name], len(w.leases))
@@ -118,7 +122,7 @@ class JobCollector(Collector):
             commit_time = core.cut_book.last_commit_time
             uptime = now - core.started
             nodes = core.kv.scan(NODES_PREFIX)
-        yield from (lag, ds_lag, shards, records, planned, dead, failed, lost, gaps, gap_age, finished, workers,
+        yield from (lag, ds_lag, skew, shards, records, planned, dead, failed, lost, gaps, gap_age, finished, workers,
                     w_leases, w_records, w_seen, events, acks, acked)  # fmt: skip
         yield GaugeMetricFamily(f"{PREFIX}_records_acked_per_second", "records acked per second, last few seconds",
                                 value=rps)  # fmt: skip

@@ -171,9 +171,15 @@ class StreamPoller:
             lost = core.streams.upstream.check(self.name, polled, core.acked_cursor)
             if lost:
                 raise _DataLost(lost)
-            if core.extend_stream(self.name, polled):
+            # a worker waiting for a shard gets the records there are now, not after sr.max_delay_ms (freshness)
+            waiting = self.servicer.lease_waiters[self.name] > 0
+            if core.extend_stream(self.name, polled, force=waiting, timed=source.record_times):
                 cond.notify_all()
-            planned = [p.id for p in core.dataset(self.name).partitions]
+            ds = core.dataset(self.name)
+            planned = [p.id for p in ds.partitions]
+            untimed = [(s.id, ds.partitions[s.pindex].id, s.start, s.end) for s in core.untimed(self.name)]
+        if untimed:
+            self._time(source, calls, untimed)
         gone = sorted(set(planned) - {p.id for p in polled})
         if gone:
             raise _Missing(f"planned partition(s) {', '.join(gone)} missing from the source")
@@ -181,6 +187,26 @@ class StreamPoller:
         with cond:
             core.streams.source_errors.pop(self.name, None)
         self._commit(source, calls)
+
+    def _time(self, source: MasterSource, calls: SourceThread, shards: list[tuple[str, str, int, int]]) -> None:
+        """Read the stream times of new shards (their first records' timestamps) and queue the shards with them.
+
+        A source that cannot say now leaves them to when the master planned them (a warning), so training never
+        waits on it; a stuck client is reopened as for any call.
+        """
+        try:
+            times = calls.call("reading record times", lambda: source.first_times([s[1:] for s in shards]))
+        except SourceStuckError:
+            raise
+        except SourceError as exc:
+            log.warning("dataset %s: record times of %d shards unread (%s): leased by planning order", self.name,
+                        len(shards), exc)  # fmt: skip
+            times = [None] * len(shards)
+        with self.servicer.cond:
+            if self._stop.is_set():
+                return
+            self.servicer.core.set_times(self.name, {s[0]: t for s, t in zip(shards, times)})
+            self.servicer.cond.notify_all()
 
     def _commit(self, source: MasterSource, calls: SourceThread) -> None:
         with self._commit_lock:

@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -94,7 +95,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         self.fatal = ""  # why the service stopped answering (a journal write failed)
         self._on_fatal = on_fatal
         self._fatal_lock = threading.Lock()
-        self._lease_waiters = 0  # LeaseShards calls waiting on cond for a shard (or END)
+        self.lease_waiters: Counter[str] = Counter()  # per dataset: LeaseShards calls waiting for a shard (or END)
         self._closed = False
         self._reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
         self._reaper.start()
@@ -179,7 +180,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         finally:
             source.close()
         with self.cond:
-            ds, created = self.core.register_dataset(spec, source.kind, partitions, schema_json)
+            ds, created = self.core.register_dataset(spec, source.kind, partitions, schema_json, source.record_times)
             if created and ds.kind is SourceKind.STREAM:
                 self._start_poller(ds.name)
             self.cond.notify_all()
@@ -271,11 +272,11 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 remaining = give_up - self.core.clock()
                 if outcome.status is not LeaseStatus.WAIT or remaining <= 0 or not context.is_active():
                     break
-                self._lease_waiters += 1
+                self.lease_waiters[request.dataset] += 1
                 try:
                     self.cond.wait(min(remaining, max(outcome.retry_after, 0.01)))
                 finally:
-                    self._lease_waiters -= 1
+                    self.lease_waiters[request.dataset] -= 1
             return pb.LeaseResponse(
                 status=convert.lease_status_to_pb(outcome.status),
                 leases=[convert.lease_to_pb(g) for g in outcome.leases],
@@ -358,7 +359,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         Only lease calls need it (called with the lock held): an ack moves no deadline earlier,
         so the reaper sleeps on; waking it on every ack cost CPU for nothing.
         """
-        if self._lease_waiters:
+        if self.lease_waiters.total():
             self.cond.notify_all()
 
     # ------------------------------------------------------------------- cursor

@@ -22,17 +22,18 @@ from streamrover.shard_service.api import (
     ShardState,
     shard_id_for,
 )
+from streamrover.shard_service.master import lease_order
 from streamrover.shard_service.master.bookkeeping import DatasetRecord, ShardRecord, WorkerRecord
 from streamrover.shard_service.master.journal import Journal
+from streamrover.shard_service.master.lease_order import TimeMarks
 from streamrover.shard_service.master.planner import PlannedShard, plan_epoch
 from streamrover.shard_service.master.tallies import AckRates, BoundedSet
 from streamrover.sources.api import SourceKind
+from streamrover.sources.staged import is_staged
 
 # shard ids discarded by restores that an ack is told about precisely ("revoked by a restore"); older
 # ones get the generic refusal. Memory only (a restarted master remembers none): refusals either way.
 MAX_RESTORE_REVOKED = 65_536
-# how many queued shards a lease looks past for one of a partition no other worker reads
-AFFINITY_SCAN = 64
 LEASE_SEQ_BLOCK = 1024  # lease attempt numbers reserved in the journal at a time (state.next_attempt)
 
 
@@ -63,6 +64,7 @@ class CoreState:
         self.queues: dict[str, list[tuple[float, str]]] = {}
         self.state_counts: dict[str, Counter[ShardState]] = {}
         self.leased: set[str] = set()
+        self.stream_time = lease_order.StreamTime(self.shards)  # the oldest shard not yet acked, per stream
         # lease affinity (core.lease): leased shards per (dataset, epoch, partition index), shards
         # waiting by (dataset, epoch, partition index, start), and per worker and dataset where the
         # last shard it was granted ends, (epoch, partition index, end). Memory only.
@@ -92,7 +94,11 @@ class CoreState:
         for w in self.journal.load_workers():
             w.last_seen = now
             self.workers[w.id] = w
-        for s in self.journal.load_shards():
+        shards = self.journal.load_shards()
+        staged = [s for s in shards if s.time is None and is_staged(self.datasets[s.dataset].spec.uri)]
+        for i, s in enumerate(sorted(staged, key=lambda s: s.priority)):  # from a journal before stream times: no
+            s.time = s.priority = now * 1000.0 + i / 1000.0  # poller reads a staged dataset's (a stream's are read)
+        for s in shards:
             self._index(s)
             if s.state is ShardState.LEASED:
                 s.deadline = now + self.lease_ttl
@@ -108,7 +114,8 @@ class CoreState:
         self.shards[s.id] = s
         self.by_dataset[s.dataset].add(s.id)
         self.state_counts[s.dataset][s.state] += 1
-        if s.state is ShardState.TODO:
+        self.stream_time.track(s)
+        if s.state is ShardState.TODO and not self.held(s):
             heapq.heappush(self.queues[s.dataset], (s.priority, s.id))
         elif s.state is ShardState.LEASED:
             self.leased.add(s.id)
@@ -216,14 +223,58 @@ class CoreState:
             raise NotFoundError(f"dataset {name!r} is not registered (registered: {known})")
         return ds
 
-    def add_planned(self, ds: DatasetRecord, planned: Iterable[PlannedShard]) -> None:
-        """Add planned shards to ``ds`` (TODO, at the back of its queue) and journal them."""
-        for p in planned:
+    def add_planned(
+        self,
+        ds: DatasetRecord,
+        planned: Iterable[PlannedShard],
+        times: TimeMarks | None = None,
+        hold: bool = False,
+        head: bool = False,
+    ) -> None:
+        """Add planned shards to ``ds`` (TODO, at the back of its queue) and journal them.
+
+        A stream's shards are queued by stream time (:mod:`.lease_order`): the time ``times`` gives their start, else
+        when they are planned (in the order given); ``hold``: their times are read from the source first
+        (:meth:`untimed`, :meth:`set_times`), they are not leased before; ``head``: shards at the stream's head of
+        a source that tells record times, planned in time order: they follow the newest time known, at once.
+        """
+        stream = ds.kind is SourceKind.STREAM
+        now = self.clock() * 1000.0
+        newest = self.stream_time.newest(ds.name) if head else None
+        for i, p in enumerate(planned):
             self._back += 1
             sid = shard_id_for(ds.name, p.epoch, p.partition.index, p.start, p.end)
             s = ShardRecord(sid, ds.name, p.epoch, p.partition.index, p.start, p.end, priority=self._back)
+            if stream and not hold:  # planned in this order: a microsecond apart
+                at = lease_order.time_at(times, p.partition.index, p.start) if times else None
+                if at is None:
+                    at = now + i / 1000.0 if newest is None else newest + (i + 1) / 1000.0
+                s.time = s.priority = at
             self._index(s)
             self.journal.put_shard(s)
+
+    def held(self, s: ShardRecord) -> bool:
+        """Whether ``s`` waits for its stream time to be read (not leased before)."""
+        return s.time is None and self.datasets[s.dataset].kind is SourceKind.STREAM
+
+    def untimed(self, name: str) -> list[ShardRecord]:
+        """The shards of stream dataset ``name`` whose time the poller is to read from the source."""
+        return [s for s in self.shards_of(name) if s.time is None and s.state is ShardState.TODO]
+
+    def set_times(self, name: str, times: dict[str, float | None]) -> None:
+        """Give held shards of ``name`` their stream times (ms; None: not known, then when the master planned them)
+        and queue them; journalled. Shards gone or timed meanwhile are skipped."""
+        now = self.clock() * 1000.0
+        with self.journal.transaction():
+            for i, (sid, t) in enumerate(times.items()):
+                s = self.shards.get(sid)
+                if s is None or s.time is not None or s.dataset != name:
+                    continue
+                s.time = s.priority = now + i / 1000.0 if t is None else float(t)
+                self.stream_time.track(s)
+                if s.state is ShardState.TODO:
+                    heapq.heappush(self.queues[name], (s.priority, s.id))
+                self.journal.put_shard(s)
 
     def key_of(self, s: ShardRecord) -> PartitionKey:
         """The cursor key of a shard's records: (dataset, epoch, partition id)."""
@@ -249,46 +300,8 @@ class CoreState:
 
     # ------------------------------------------------------------------ the queue
     def pop_todo(self, ds: DatasetRecord, w: WorkerRecord | None = None) -> ShardRecord | None:
-        """The next shard to lease: queue order, with lease affinity for ``w`` unless the dataset is shuffled.
-
-        Affinity: a worker gets the shard that starts where the last shard it was granted ends
-        (its reader is positioned there: a Kafka consumer keeps its prefetched records), unless
-        a returned shard waits (those go first); otherwise the first shard in queue order of a
-        partition that no other worker is reading, so that workers do not leapfrog along one
-        partition. Neither changes what is leased, only in which order and to whom.
-        """
-        queue = self.queues[ds.name]
-        prefer = w is not None and not ds.spec.shuffle
-        mine: Counter[tuple[str, int, int] | None] = Counter()  # w's leases per partition, counted once if needed
-        while True:
-            head = self._queue_head(queue)
-            if prefer and w is not None and (head is None or head[0] >= 0):  # (front priorities are < 0)
-                tail = self.tails.get((w.id, ds.name))
-                sid = self.todo_at.get((ds.name, *tail)) if tail is not None else None
-                if sid is not None:
-                    return self.shards[sid]  # its queue entry is now stale and skipped later
-            skipped: list[tuple[float, str]] = []
-            found: ShardRecord | None = None
-            while queue:
-                prio, sid = heapq.heappop(queue)
-                s = self.shards.get(sid)
-                if s is None or s.state is not ShardState.TODO or s.priority != prio:
-                    continue  # stale
-                if prefer and prio >= 0 and len(skipped) < AFFINITY_SCAN and self._read_by_others(s, w, mine):
-                    skipped.append((prio, sid))
-                    continue
-                found = s
-                break
-            if found is None and skipped:
-                found = self.shards[skipped.pop(0)[1]]
-            for item in skipped:
-                heapq.heappush(queue, item)
-            if found is not None:
-                return found
-            if ds.kind is SourceKind.BATCH and ds.epochs_planned < ds.spec.epochs:
-                self.plan_next_epoch(ds)
-                continue
-            return None
+        """The next shard to lease to ``w`` (None: none now): :func:`.lease_order.pop_todo`."""
+        return lease_order.pop_todo(self, ds, w)
 
     def share(self, ds: DatasetRecord, w: WorkerRecord, wanted: int) -> int:
         """How many of ``wanted`` leases ``w`` gets: at least one, at most its share of the shards left.
@@ -327,36 +340,6 @@ class CoreState:
             return 0 if s.dataset != name else ds.planned_in(s.pindex, s.start, s.end)
 
         return sum(map(planned, w.leases)), sum(planned(sid) for x in self.workers.values() for sid in x.leases)
-
-    def _queue_head(self, queue: list[tuple[float, str]]) -> tuple[float, str] | None:
-        """The first live entry of a queue (stale entries in front of it are dropped)."""
-        while queue:
-            prio, sid = queue[0]
-            s = self.shards.get(sid)
-            if s is not None and s.state is ShardState.TODO and s.priority == prio:
-                return prio, sid
-            heapq.heappop(queue)
-        return None
-
-    def _read_by_others(
-        self, s: ShardRecord, w: WorkerRecord | None, mine: Counter[tuple[str, int, int] | None]
-    ) -> bool:
-        """Whether another worker than ``w`` holds a lease on ``s``'s partition (in ``s``'s epoch).
-
-        ``mine``: ``w``'s leases per partition, filled here on first use (empty: not counted yet; the
-        caller keeps it for one lease, while ``w``'s leases do not change).
-        """
-        key = (s.dataset, s.epoch, s.pindex)
-        readers = self.reading.get(key, 0)
-        if readers == 0:
-            return False
-        if w is not None and not mine and w.leases:
-            mine.update(self._reading_key(sid) for sid in w.leases)
-        return readers > mine[key]
-
-    def _reading_key(self, sid: str) -> tuple[str, int, int] | None:
-        s = self.shards.get(sid)
-        return None if s is None else (s.dataset, s.epoch, s.pindex)
 
     # ------------------------------------------------------------------ acks and the committed cursor
     def add_acks(self, cursor: DataCursor, step: int | None = None) -> None:
@@ -401,6 +384,8 @@ class CoreState:
 
     def replan(self, ds: DatasetRecord, cursor: DataCursor, lost: DataCursor, shuffle: bool = True) -> int:
         """Discard ``ds``'s shards and plan anew what ``cursor`` and ``lost`` lack (in order unless ``shuffle``)."""
+        marks = lease_order.times_of(self.shards_of(ds.name))  # the re-planned shards keep their stream time
+        self.stream_time.forget(ds.name)
         for sid in sorted(self.by_dataset[ds.name]):
             self.restore_revoked.add(sid)
             self.drop_shard(sid)
@@ -417,7 +402,7 @@ class CoreState:
                 for e in range(ds.epochs_planned)
             )
         )
-        self.add_planned(ds, planned)
+        self.add_planned(ds, planned, marks)
         self.journal.put_dataset(ds)
         self.restore_revoked -= self.by_dataset[ds.name]
         return sum(p.records for p in planned)
@@ -446,5 +431,6 @@ class CoreState:
         del self.datasets[name]
         for index in (self.by_dataset, self.queues, self.state_counts):
             index.pop(name, None)
+        self.stream_time.forget(name)
         for key in [k for k in self.tails if k[1] == name]:
             del self.tails[key]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import replace
+from itertools import pairwise
 
 from streamrover.cursor import DataCursor, PartitionKey
 from streamrover.shard_service.api import PartitionPlan, ShardState
@@ -24,6 +25,9 @@ from streamrover.shard_service.master.upstream import Upstream
 from streamrover.sources.api import Partition, SourceKind
 from streamrover.sources.options import StreamPlanning, planning_options
 from streamrover.sources.positions import RecordRuns
+
+#: the fewest positions a partial shard is cut into for idle workers (split_partial)
+MIN_SPLIT = 500
 
 
 def stream_planning(ds: DatasetRecord) -> StreamPlanning:
@@ -58,6 +62,28 @@ def full_shards(
     return shards, start
 
 
+def split_partial(end: int, avail: int, idle: int, least: int, room: int) -> list[tuple[int, int]]:
+    """A partial shard ``[end, avail)``, cut into up to ``idle`` equal pieces so that a small backlog reaches every
+    worker (issue 28), none under ``least`` positions and no more than ``room`` (bounded: tiny shards do not flood
+    the master)."""
+    pieces = max(1, min(idle, room, (avail - end) // max(least, 1)))
+    cuts = [end + (avail - end) * k // pieces for k in range(pieces + 1)]
+    return list(pairwise(cuts))
+
+
+def _round_robin(cells: dict[int, list[tuple[int, int]]], room: int) -> dict[int, int]:
+    """How many of each partition's ``cells`` to take, at most ``room`` in all, a round across partitions at a time."""
+    taken = dict.fromkeys(cells, 0)
+    k = 0
+    while room > 0 and any(len(c) > k for c in cells.values()):
+        for index, c in cells.items():
+            if room > 0 and len(c) > k:
+                taken[index] += 1
+                room -= 1
+        k += 1
+    return taken
+
+
 class StreamPlanner:
     """Stream planning, a part of the core (``ShardCore.streams``): shards planned from polls, a dataset failed
     and resumed, lag, what to commit upstream, and (``upstream``) what polls say about deleted data.
@@ -77,8 +103,16 @@ class StreamPlanner:
         self.holds: dict[tuple[str, int], tuple[int, int]] = {}
         self.upstream = Upstream(table, cut_book, self.available)
 
-    def extend_stream(self, name: str, polled: list[Partition], force: bool = False) -> int:
-        """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned."""
+    def extend_stream(self, name: str, polled: list[Partition], force: bool = False, timed: bool = False) -> int:
+        """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned.
+
+        Backpressure (``sr.max_pending_shards``) takes the partitions' new shards a round at a time (the first of
+        each, then the second...), so a backlog is planned across partitions, as it is leased (stream-time
+        order, :mod:`.lease_order`). ``timed``: the source tells its records' times. Then the shards of a poll
+        that found a backlog (more than a shard's worth waiting in a partition), or the dataset's first shards,
+        are held until the poller has read their times (:meth:`CoreState.set_times`); at the stream's head,
+        where planning order is time order, shards are leased at once and follow the newest time known.
+        """
         ds = self.table.dataset(name)
         if ds.kind is not SourceKind.STREAM or ds.failed:
             return 0
@@ -106,29 +140,60 @@ class StreamPlanner:
                     changed = True
         changed = self._compact_runs(ds) or changed
         pending = self.table.state_counts[name][ShardState.TODO]
-        planned: list[PlannedShard] = []
         stage = self.stage(ds)
         history: list[PlannedShard] = []  # the current stage's shards: planned whole, shuffled if asked
-        for plan in list(ds.partitions):
-            key = (name, plan.index)
-            avail = self.available.get(key, plan.end)
-            hold, at = self.holds.get(key, (0, -1))
+        avails: dict[int, tuple[int, bool]] = {}  # partition index -> (where its records end for planning, staged)
+        for plan in ds.partitions:
+            avail = self.available.get((name, plan.index), plan.end)
+            hold, at = self.holds.get((name, plan.index), (0, -1))
             staged = stage is not None and at >= stage
-            if stage is not None and staged:  # the history first: a later stage or the live part waits
+            if staged and stage is not None:  # the history first: a later stage or the live part waits
                 avail = plan.end if at > stage else max(min(avail, hold), plan.end)
+            avails[plan.index] = (avail, staged)
+        waiting = max((avails[plan.index][0] - plan.end for plan in ds.partitions), default=0)
+        hold_times = timed and (waiting > size or self.table.stream_time.newest(name) is None)
+        cells: dict[int, list[tuple[int, int]]] = {}  # per live partition: the full shards it has room for
+        for plan in ds.partitions:
+            avail, staged = avails[plan.index]
             runs = ds.runs.get(plan.index)
             segments = None if runs is None else runs.between(plan.end, avail)
-            full, end = full_shards(plan.end, avail, size, segments, 1 << 62 if staged else max_pending - pending)
-            shards = [PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)) for a, b in full]
-            (history if staged else planned).extend(shards)
-            pending += len(full)
+            if staged:  # a known history: planned whole, now
+                full, end = full_shards(plan.end, avail, size, segments, 1 << 62)
+                history.extend(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)) for a, b in full)
+                pending += len(full)
+                if avail > end:
+                    history.append(PlannedShard(0, plan, end, avail, ds.records_in(plan.index, end, avail)))
+                    pending += 1
+                if avail != plan.end:
+                    ds.partitions[plan.index] = replace(plan, end=avail)
+                    changed = True
+                self.pending_since.pop((name, plan.index), None)
+                continue
+            cells[plan.index] = full_shards(plan.end, avail, size, segments, max_pending - pending)[0]
+        taken = _round_robin(cells, max_pending - pending)
+        planned: list[PlannedShard] = []
+        for k in range(max(taken.values(), default=0)):  # the k-th new shard of every partition, then the next
+            for plan in ds.partitions:
+                if k < taken.get(plan.index, 0):
+                    a, b = cells[plan.index][k]
+                    planned.append(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)))
+        pending += len(planned)
+        for plan in list(ds.partitions):
+            if plan.index not in cells:
+                continue
+            key = (name, plan.index)
+            avail = avails[plan.index][0]
+            n = taken[plan.index]
+            end = cells[plan.index][n - 1][1] if n else plan.end
             if avail > end:
                 since = self.pending_since.setdefault(key, now)
-                if staged or (pending < max_pending and (force or now - since >= max_delay)):  # a known history: now
-                    tail = PlannedShard(0, plan, end, avail, ds.records_in(plan.index, end, avail))
-                    (history if staged else planned).append(tail)
+                whole = n == len(cells[plan.index])  # a partial shard only once every full one is planned
+                if whole and pending < max_pending and (force or now - since >= max_delay):
+                    idle = len(self.table.workers) - pending  # workers the shards waiting would leave without work
+                    for a, b in split_partial(end, avail, idle, min(MIN_SPLIT, size), max_pending - pending):
+                        planned.append(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)))
+                        pending += 1
                     end = avail
-                    pending += 1
                     self.pending_since.pop(key, None)
             else:
                 self.pending_since.pop(key, None)
@@ -140,7 +205,8 @@ class StreamPlanner:
         planned = history + planned
         if planned or changed:
             with self.table.journal.transaction():
-                self.table.add_planned(ds, [replace(p, partition=ds.partitions[p.partition.index]) for p in planned])
+                fresh = [replace(p, partition=ds.partitions[p.partition.index]) for p in planned]
+                self.table.add_planned(ds, fresh, hold=hold_times, head=timed and not hold_times)
                 self.table.journal.put_dataset(ds)
                 self.table.save_counters()
         return len(planned)
@@ -239,12 +305,19 @@ class StreamPlanner:
         return True
 
     def lag(self, ds: DatasetRecord) -> list[tuple[int, int, int]]:
-        """Per partition: (available end, committed end, lag in records between them)."""
+        """Per partition: (available end, committed end, lag): the records available and not yet applied (acked or
+        committed), so the lag follows training, not the checkpoints (issue 28: it was a sawtooth from the last
+        committed cut). Counted from the end of the applied run from the partition's start."""
+        acked = self.cut_book.committed.copy()
+        self.table.add_acks(acked)
         out = []
         for plan in ds.partitions:
             committed_end = self.upstream.done_positions(ds, plan).prefix_end(plan.start)
+            applied = acked.get(PartitionKey(ds.name, 0, plan.id))
+            applied.update(self.upstream.lost.get_lost(PartitionKey(ds.name, 0, plan.id)))
+            applied_end = max(applied.prefix_end(plan.start), committed_end)
             avail = self.available.get((ds.name, plan.index), plan.end)
-            out.append((avail, committed_end, ds.records_in(plan.index, committed_end, avail)))
+            out.append((avail, committed_end, ds.records_in(plan.index, applied_end, avail)))
         return out
 
     def committed_positions(self, ds: DatasetRecord) -> dict[str, int]:

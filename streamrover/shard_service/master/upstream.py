@@ -151,7 +151,8 @@ class Upstream:
                 if rest < s.end:
                     part = ds.partitions[plan.index]
                     records = ds.records_in(plan.index, rest, s.end)
-                    self.table.add_planned(ds, [PlannedShard(0, part, rest, s.end, records)])
+                    marks = None if s.time is None else {s.pindex: [(s.start, s.time)]}  # its time, kept
+                    self.table.add_planned(ds, [PlannedShard(0, part, rest, s.end, records)], marks, s.time is None)
             current = ds.partitions[plan.index]
             if current.end < earliest:
                 ds.partitions[plan.index] = replace(current, end=earliest)

@@ -162,7 +162,7 @@ class PartitionInfo(google.protobuf.message.Message):
     committed_end: builtins.int
     """the end of the committed cursor's run from start"""
     lag: builtins.int
-    """streams: available_end - committed_end"""
+    """streams: records from the end of the applied (acked) run to available_end"""
     def __init__(
         self,
         *,
@@ -224,6 +224,7 @@ class DatasetInfo(google.protobuf.message.Message):
     DEAD_LETTERS_FIELD_NUMBER: builtins.int
     LOST_RECORDS_FIELD_NUMBER: builtins.int
     COMMIT_GAPS_FIELD_NUMBER: builtins.int
+    TIME_SKEW_MS_FIELD_NUMBER: builtins.int
     kind: global___DatasetKind.ValueType
     total_records: builtins.int
     """batch: records per epoch; stream: records planned so far"""
@@ -236,7 +237,7 @@ class DatasetInfo(google.protobuf.message.Message):
     """acked or committed, all epochs"""
     records_committed: builtins.int
     lag: builtins.int
-    """streams: records available in the source and not yet committed"""
+    """streams: records available in the source and not yet applied (acked)"""
     error: builtins.str
     """the source's last error ("" when healthy)"""
     failed: builtins.bool
@@ -248,6 +249,11 @@ class DatasetInfo(google.protobuf.message.Message):
     positions are in the lost part of every cut's cursor, never in its trained part. Counted in records where
     the source says where its records are (RocketMQ's dense offsets, Pulsar's runs); for Kafka, positions
     (records that were deleted cannot be counted: offsets have gaps).
+    """
+    time_skew_ms: builtins.float
+    """streams: the stream time the leased shards span, in ms: the newest leased shard's first record less the oldest
+    shard not yet acked (at most sr.max_skew_ms; 0 when nothing is leased). Kafka: broker timestamps; others:
+    when the master planned the shards.
     """
     @property
     def spec(self) -> global___DatasetSpec: ...
@@ -281,9 +287,10 @@ class DatasetInfo(google.protobuf.message.Message):
         dead_letters: builtins.int = ...,
         lost_records: builtins.int = ...,
         commit_gaps: collections.abc.Iterable[global___CommitGap] | None = ...,
+        time_skew_ms: builtins.float = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["shards", b"shards", "spec", b"spec"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["commit_gaps", b"commit_gaps", "dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "lost_records", b"lost_records", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "total_records", b"total_records"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["commit_gaps", b"commit_gaps", "dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "lost_records", b"lost_records", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "time_skew_ms", b"time_skew_ms", "total_records", b"total_records"]) -> None: ...
 
 global___DatasetInfo = DatasetInfo
 
