@@ -13,6 +13,7 @@ model holds every record once.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -26,8 +27,9 @@ from tests.trainers.cluster import TorchJob
 from tests.trainers.streams import SCHEMA, bodies
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-RECORDS = 3_200  # 50 steps of 64
+RECORDS = 6_400  # 100 steps of 64
 BATCH = 64
+STEP_SECONDS = os.environ.get("IDLE_STEP_SECONDS", "0.02")  # a step's modelled compute (ledger_train.py)
 
 
 def _one_partition_topic(broker: Any, records: int) -> str:
@@ -52,7 +54,7 @@ def _run(workdir: Path, uri: str, nproc: int) -> tuple[list[np.ndarray], list[np
     options = {"sr.format": "json", "sr.schema": SCHEMA, "sr.max_delay_ms": "200"}
     job = TorchJob(workdir, uri, options, records_per_shard=RECORDS)  # one shard: one rank gets every record
     script = ["--records", str(RECORDS), "--batch-size", str(BATCH), "--ckpt-every", "1000", "--out", str(job.out),
-              "--step-log", "--check-grads", "7"]  # fmt: skip
+              "--step-log", "--check-grads", "7", "--step-seconds", STEP_SECONDS]  # fmt: skip
     job.start()
     try:
         job.start_agent("n0", "1", nproc, script)

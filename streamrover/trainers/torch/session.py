@@ -48,6 +48,7 @@ from streamrover.shard_service import ShardClient
 from streamrover.trainers.api import flush_before_cut, restore_before_lease
 from streamrover.trainers.torch import env
 from streamrover.trainers.torch.dataset import StreamDataset, StreamStateLostError
+from streamrover.trainers.torch.lockstep import GradWeighting
 
 log = logging.getLogger(__name__)
 DEFAULT_CKPT_EVERY = 50
@@ -81,6 +82,7 @@ class StreamSession:
         retention: RetentionPolicy | None = None,
         exporter: Any | None = None,
         tracker: Any | None = None,
+        weigh_gradients: bool = True,
     ) -> None:
         """Join the shard service and restore (see the module docstring).
 
@@ -89,6 +91,9 @@ class StreamSession:
         else 50 steps and the newest 3 checkpoints; an argument given here wins over the environment.
         ``exporter``: a :class:`~streamrover.serving.TorchExporter` (its checkpoint URL is this session's);
         ``tracker``: a :class:`~streamrover.serving.RowTracker` of the served module (for table deltas).
+        ``weigh_gradients`` (with more than one rank): weigh each rank's gradient by its share of the step's
+        records before DDP averages it (:mod:`~streamrover.trainers.torch.lockstep`), so that a rank without
+        records neither dilutes the update nor adds a NaN; False leaves the gradients to DDP alone.
         """
         started = time.monotonic()
         self.timings: dict[str, float] = {}  # start-up phases in seconds (for logs and benchmarks)
@@ -114,6 +119,9 @@ class StreamSession:
         self.client.join()
         self.timings["connect"] = time.monotonic() - started
         self.datasets: list[StreamDataset] = []
+        self.weighting: GradWeighting | None = None
+        if weigh_gradients and self.world_size > 1 and hasattr(model, "parameters"):
+            self.weighting = GradWeighting(self.datasets, self.world_size).install(model.parameters())
         self.step = 0
         self._ckpt: TorchCheckpoint | None = None
         self.tracker = tracker
