@@ -48,7 +48,7 @@ class LedgerModel(nn.Module):
 
 
 def _grad_error(net: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, step: int) -> tuple[int, int, float]:
-    """(step, records of all ranks, relative error) of ``net``'s reduced gradient against the global batch's mean loss."""
+    """(step, all ranks' records, relative error) of ``net``'s reduced gradient against the global batch's mean loss."""
     local = torch.full((batch_size, 3), float("nan"))
     local[: len(x), 0], local[: len(x), 1], local[: len(x), 2] = x[:, 0], y[:, 0], 1.0
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]

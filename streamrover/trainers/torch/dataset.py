@@ -27,11 +27,18 @@ step, in the trainer) and whose positions the checkpoint cut would not see, so
 :meth:`__iter__` raises ``RuntimeError`` inside a loader worker. Reading overlaps
 training through ``prefetch`` batches read ahead by a thread of the trainer instead.
 
-**Synchronous data parallelism.** Every rank must take part in every step. With
-``idle_timeout`` set, when no record arrives for that long (the stream is idle, or the
-dataset has ended for this rank) the dataset yields an *empty* batch (zero rows, same
-columns) so the rank can still join the step's collectives; :attr:`ended` tells whether
-this rank has seen the end of a bounded dataset.
+**Synchronous data parallelism.** Every rank must take part in every step, and a stream gives
+ranks uneven inputs (a rank may have nothing to lease for a while, then get records again).
+Before each batch the ranks all-reduce what they have (:mod:`~streamrover.trainers.torch.lockstep`,
+one small collective): when any rank has records, every rank steps at once, a rank without records
+with an *empty* batch (zero rows, same columns), so it shadows the step's collectives and nobody waits
+for it. When no rank has records the ranks wait together; with ``idle_timeout`` set they step with
+empty batches once a rank has waited that long (so a loop can still check, checkpoint or stop on an idle
+stream, and keeps stepping with empty batches once every rank's bounded dataset ended); without it they
+wait for records, and the loop ends on every rank at the same step when every rank's dataset ended.
+:attr:`ended` tells whether this rank has seen the end of a bounded dataset. A
+:class:`~streamrover.trainers.torch.session.StreamSession` weighs each rank's gradient by its share of
+the step's records (:attr:`step_rows` of :attr:`step_total`), so an empty batch changes no update.
 """
 
 from __future__ import annotations

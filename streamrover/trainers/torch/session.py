@@ -20,6 +20,14 @@ contract (:mod:`streamrover.trainers.api`); for synchronous data parallelism:
 A per-record ledger or any other state that must be exact belongs in the model's state
 (a buffer), kept identical on all ranks (e.g. by all-reducing each step's update).
 
+**Uneven inputs.** A rank without records in a step steps at once with an empty batch (the datasets
+agree on it: :mod:`~streamrover.trainers.torch.lockstep`), so it never holds back the ranks that have
+records. With more than one rank the session weighs every rank's gradient by ``n_r * world / N`` (its
+records of the step's ``N``) before DDP averages it: for a loss that is the batch's mean, each step's
+gradient is the mean over all the step's records, as if one process had trained on them; an empty
+batch's gradient is zeroed (a NaN mean over no rows included). ``weigh_gradients=False`` turns that
+off (for gradients that are not averaged over the ranks, or a loss that is not a mean).
+
 Serving (``exporter=``, ``tracker=``: :mod:`streamrover.serving`): rank 0's checkpointer hands every durable
 checkpoint to the exporter; after the restore the exporter retires versions above the resumed step and
 exports durable checkpoints left without a version. A :class:`~streamrover.serving.RowTracker` stamps the
