@@ -222,12 +222,13 @@ class StreamDataset(IterableDataset):
                     quiet += 1
                     continue
                 batch = ready if ready is not None else self._empty_batch()
-                ready, quiet, idle_since = None, 0, time.monotonic()
+                ready, quiet = None, 0
                 self.step_batches += 1
                 self.step_rows += rows
                 self.step_total += total
                 self.records_yielded += rows
                 yield batch
+                idle_since = time.monotonic()  # idle time counts from the next batch asked for, not the step's
         finally:
             stop.set()
 
