@@ -36,6 +36,8 @@ for it. When no rank has records the ranks wait together; with ``idle_timeout`` 
 empty batches once a rank has waited that long (so a loop can still check, checkpoint or stop on an idle
 stream, and keeps stepping with empty batches once every rank's bounded dataset ended); without it they
 wait for records, and the loop ends on every rank at the same step when every rank's dataset ended.
+So under ``torch.distributed`` every rank iterates each dataset, one batch per step (a dataset read on
+one rank alone would wait for the others in that all-reduce).
 :attr:`ended` tells whether this rank has seen the end of a bounded dataset. A
 :class:`~streamrover.trainers.torch.session.StreamSession` weighs each rank's gradient by its share of
 the step's records (:attr:`step_rows` of :attr:`step_total`), so an empty batch changes no update.
