@@ -2,9 +2,10 @@
 
 Each rank leases shards of the ``clicks`` dataset through :class:`~streamrover.trainers.torch.StreamSession`.
 Per step: the batch is **scored before it is trained on** (the forward pass of the step is taken
-with the weights as they were before its update), then one Adam step (DDP averages the
-gradients). Then every rank's records of the step (id, score, oracle score, label, event time)
-are gathered on every rank and applied to the exactly-once state in the model
+with the weights as they were before its update), then one Adam step (its gradient is the
+mean over the step's records of all ranks: the session weighs each rank's share before DDP averages;
+a rank without records steps at once with an empty batch). Then every rank's records of the step (id,
+score, oracle score, label, event time) are gathered on every rank and applied to the exactly-once state in the model
 (examples/streaming_ctr/model.py): the ledger, the window rows of progressive validation and
 the freshness histogram (event time to the moment the step's update is in the model). The
 session acks the step's records and checkpoints every ``STREAMROVER_CKPT_EVERY`` steps.

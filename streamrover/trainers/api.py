@@ -30,6 +30,12 @@ server: the chief acks for every worker).
    is durable: the checkpointer's saver calls ``commit_cut`` when the manifest is published. A
    trainer never commits a cut itself, and never commits offsets to the broker (the shard service
    does, after the commit, up to the previous durable checkpoint).
+
+Uneven inputs (synchronous data parallelism): a rank with no records must not hold back the ranks
+that have some, and must not change the update. The torch trainer steps an idle rank at once with an
+empty batch (its datasets agree on every step with one small all-reduce) and weighs each rank's
+gradient by its share of the step's records (:mod:`streamrover.trainers.torch.lockstep`). The user's
+script changes nothing.
 """
 
 from __future__ import annotations

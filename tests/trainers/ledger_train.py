@@ -12,7 +12,11 @@ node's throughput is then batch/T, and a second node adds throughput as it would
 machine). ``--until-file F``: an open-ended stream; ``--records`` is the ledger's capacity, and
 training stops once the ledger holds the number of records written into F (the producer writes
 it, atomically, when it has produced its last record; every rank learns that it exists through
-the step's all-reduce, so all ranks stop at the same step). ``--hold-node N``: on node N, a worker
+the step's all-reduce, so all ranks stop at the same step). ``--step-log``: each rank saves
+``steps-rank{R}.npy``, one row per step (monotonic time after the step, this rank's records, the step's
+records on all ranks). ``--check-grads K``: every K steps each rank compares the gradient DDP reduced
+with the gradient of the mean loss over the step's records of all ranks, computed locally on the
+gathered batch (``grads-rank{R}.npy``: step, records, relative error). ``--hold-node N``: on node N, a worker
 of a group larger than one rank stops before ``init_process_group`` until it is signalled (a node
 that leaves while its group is still forming).
 """
@@ -20,6 +24,7 @@ that leaves while its group is still forming).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import signal
 import time
@@ -42,6 +47,25 @@ class LedgerModel(nn.Module):
         self.register_buffer("ledger", torch.zeros(records, dtype=torch.int32))
 
 
+def _grad_error(net: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, step: int) -> tuple[int, int, float]:
+    """(step, all ranks' records, relative error) of ``net``'s reduced gradient against the global batch's mean loss."""
+    local = torch.full((batch_size, 3), float("nan"))
+    local[: len(x), 0], local[: len(x), 1], local[: len(x), 2] = x[:, 0], y[:, 0], 1.0
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    rows = torch.cat(gathered)
+    rows = rows[rows[:, 2] == 1.0]
+    reference = copy.deepcopy(net)  # the weights before this step's update, no hooks
+    reference.zero_grad()
+    ((reference(rows[:, :1]) - rows[:, 1:2]) ** 2).sum().div(max(len(rows), 1)).backward()
+    error = 0.0
+    for mine, want in zip(net.parameters(), reference.parameters(), strict=True):
+        got = mine.grad if mine.grad is not None else torch.zeros_like(mine)
+        scale = float(want.grad.abs().max()) + 1e-12
+        error = max(error, float((got - want.grad).abs().max()) / scale)
+    return step, len(rows), error
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dataset", default="stream")
@@ -53,6 +77,8 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.0)
     parser.add_argument("--until-file", default=None)
     parser.add_argument("--hold-node", default=None, help="this node's workers of a 2-node group never join it")
+    parser.add_argument("--step-log", action="store_true")
+    parser.add_argument("--check-grads", type=int, default=0)
     args = parser.parse_args()
     if args.hold_node and os.environ.get("STREAMROVER_NODE_ID") == args.hold_node and os.environ["WORLD_SIZE"] != "1":
         (Path(args.out) / f"held-{args.hold_node}-rank{os.environ['RANK']}").write_text(str(os.getpid()))  # test waits
@@ -81,6 +107,8 @@ def main() -> None:
     target = args.records if until is None else None  # None: not known yet (the producer has not finished)
     done = target is not None and bool(model.ledger.sum() >= target)
     first = True
+    step_rows: list[tuple[float, int, int]] = []
+    grad_errors: list[tuple[int, int, float]] = []
     for batch in DataLoader(dataset, batch_size=None):
         if done:
             break
@@ -91,6 +119,8 @@ def main() -> None:
         loss = ((ddp(x) - y) ** 2).sum() / max(len(ids), 1)
         optimizer.zero_grad()
         loss.backward()
+        if args.check_grads and (session.step + 1) % args.check_grads == 0:  # the step number is the same on all ranks
+            grad_errors.append(_grad_error(model.net, x, y, args.batch_size, session.step + 1))
         optimizer.step()
         counts = torch.zeros(args.records + 1, dtype=torch.int32)  # the last slot: ranks that saw --until-file
         counts.index_add_(0, ids, torch.ones(len(ids), dtype=torch.int32))
@@ -102,6 +132,8 @@ def main() -> None:
         if args.step_seconds:
             time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))  # the step's modelled compute
         step = session.step_done()
+        if args.step_log:
+            step_rows.append((time.monotonic(), len(ids), int(counts[:-1].sum())))
         if log is not None and len(ids):
             if first:  # when this attempt's group trained its first step (the scale-out phases read it)
                 log.write(f"# first step at {time.time():.3f}\n")
@@ -110,6 +142,10 @@ def main() -> None:
             log.flush()
         done = target is not None and bool(model.ledger.sum() >= target)
     session.close()
+    if args.step_log:
+        np.save(out / f"steps-rank{rank}.npy", np.array(step_rows, dtype=np.float64).reshape(-1, 3))
+    if args.check_grads:
+        np.save(out / f"grads-rank{rank}.npy", np.array(grad_errors, dtype=np.float64).reshape(-1, 3))
     if rank == 0:
         np.save(out / "ledger.npy", model.ledger.numpy())
     dist.destroy_process_group()

@@ -27,7 +27,7 @@ PARTITIONS = 4
 SCHEMA = "id:int64,x:float64,y:float64"
 
 
-def _bodies(ids: np.ndarray) -> list[bytes]:
+def bodies(ids: np.ndarray) -> list[bytes]:
     table = records_table(ids)
     return [
         json.dumps({"id": i, "x": x, "y": y}).encode()
@@ -69,7 +69,7 @@ class KafkaTopic(BrokerTopic):
 
         # Idempotent: a send retried across a broker restart is stored once.
         producer = Producer(self.broker.client_config(**{"acks": "all", "enable.idempotence": True, "linger.ms": 20}))
-        for n, (i, body) in enumerate(zip(ids.tolist(), _bodies(ids))):
+        for n, (i, body) in enumerate(zip(ids.tolist(), bodies(ids))):
             producer.produce(self.topic, value=body, partition=i % PARTITIONS)
             if n % 2000 == 0:
                 producer.poll(0)
@@ -109,7 +109,7 @@ class PulsarTopic(BrokerTopic):
         try:  # non-batched: pulsar-lite does not persist acks of batched messages; round robin over partitions
             producer = client.create_producer(f"persistent://public/default/{self.topic}", batching_enabled=False,
                                               block_if_queue_full=True)  # fmt: skip
-            for body in _bodies(ids):
+            for body in bodies(ids):
                 producer.send_async(body, sent)
             producer.flush()
             producer.close()
@@ -144,7 +144,7 @@ class RocketMQTopic(BrokerTopic):
         producer.set_namesrv_addr(self.broker.namesrv_address)
         producer.start()
         try:
-            for body in _bodies(ids):
+            for body in bodies(ids):
                 msg = Message(self.topic)
                 dll.SetByteMessageBody(msg._handle, body, len(body))
                 producer.send_sync(msg)

@@ -27,11 +27,20 @@ step, in the trainer) and whose positions the checkpoint cut would not see, so
 :meth:`__iter__` raises ``RuntimeError`` inside a loader worker. Reading overlaps
 training through ``prefetch`` batches read ahead by a thread of the trainer instead.
 
-**Synchronous data parallelism.** Every rank must take part in every step. With
-``idle_timeout`` set, when no record arrives for that long (the stream is idle, or the
-dataset has ended for this rank) the dataset yields an *empty* batch (zero rows, same
-columns) so the rank can still join the step's collectives; :attr:`ended` tells whether
-this rank has seen the end of a bounded dataset.
+**Synchronous data parallelism.** Every rank must take part in every step, and a stream gives
+ranks uneven inputs (a rank may have nothing to lease for a while, then get records again).
+Before each batch the ranks all-reduce what they have (:mod:`~streamrover.trainers.torch.lockstep`,
+one small collective): when any rank has records, every rank steps at once, a rank without records
+with an *empty* batch (zero rows, same columns), so it shadows the step's collectives and nobody waits
+for it. When no rank has records the ranks wait together; with ``idle_timeout`` set they step with
+empty batches once a rank has waited that long (so a loop can still check, checkpoint or stop on an idle
+stream, and keeps stepping with empty batches once every rank's bounded dataset ended); without it they
+wait for records, and the loop ends on every rank at the same step when every rank's dataset ended.
+So under ``torch.distributed`` every rank iterates each dataset, one batch per step (a dataset read on
+one rank alone would wait for the others in that all-reduce).
+:attr:`ended` tells whether this rank has seen the end of a bounded dataset. A
+:class:`~streamrover.trainers.torch.session.StreamSession` weighs each rank's gradient by its share of
+the step's records (:attr:`step_rows` of :attr:`step_total`), so an empty batch changes no update.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from streamrover.shard_service import LeasedShard, LeaseLostError, LeaseStatus, ShardClient
 from streamrover.sources.api import open_source
+from streamrover.trainers.torch.lockstep import StepSync
 
 
 class StreamStateLostError(LeaseLostError):
@@ -61,6 +71,10 @@ class _Read:
     shard: LeasedShard | None
     end: int
     batch: dict[str, torch.Tensor] | None  # None: a position-only read (an empty tail of a shard)
+
+
+def _rows(batch: dict[str, torch.Tensor] | None) -> int:
+    return len(next(iter(batch.values()))) if batch else 0
 
 
 def to_tensors(records: pa.RecordBatch, columns: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -102,6 +116,9 @@ class StreamDataset(IterableDataset):
         self.prefetch = max(prefetch, 1)
         self.ended = False
         self.records_yielded = 0
+        self.step_batches = 0  # batches yielded since the last step_done (read by the session's GradWeighting)
+        self.step_rows = 0  # this rank's records in them
+        self.step_total = 0  # all ranks' records in them
         self._pending: dict[str, tuple[LeasedShard, int]] = {}  # yielded, not acked: shard id -> (shard, end)
         self._lock = threading.Lock()
         self._empty: dict[str, torch.Tensor] | None = None
@@ -152,6 +169,30 @@ class StreamDataset(IterableDataset):
             self._empty = to_tensors(empty, self.columns)
         return {k: v.clone() for k, v in self._empty.items()}
 
+    def _take(self, out: queue.Queue[_Read | None], wait: float | None, errors: list[BaseException]) -> tuple[
+        dict[str, torch.Tensor] | None, bool
+    ]:
+        """The next batch read for this rank within ``wait`` seconds (None: no limit), and whether reading ended.
+
+        Shards read up to a position without records (an empty tail) are noted for the next ack on the way.
+        """
+        end = None if wait is None else time.monotonic() + wait
+        while True:
+            left = None if end is None else end - time.monotonic()
+            try:
+                item = out.get_nowait() if left is not None and left <= 0 else out.get(timeout=left)
+            except queue.Empty:
+                return None, False
+            if item is None:
+                if errors:
+                    raise errors[0]
+                return None, True
+            if item.shard is not None:
+                with self._lock:
+                    self._pending[item.shard.shard_id] = (item.shard, item.end)
+            if item.batch is not None:
+                return item.batch, False
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if get_worker_info() is not None:
             raise RuntimeError(
@@ -163,33 +204,33 @@ class StreamDataset(IterableDataset):
         errors: list[BaseException] = []
         thread = threading.Thread(target=self._producer, args=(out, stop, errors), name="stream-read", daemon=True)
         thread.start()
+        sync = StepSync()  # every rank goes through the rounds below in lockstep (lockstep.py)
         idle_since = time.monotonic()
+        ready: dict[str, torch.Tensor] | None = None
+        finished = False
+        quiet = 0  # rounds in a row in which no rank had records
         try:
             while True:
-                timeout = None
-                if self.idle_timeout is not None:
-                    timeout = max(idle_since + self.idle_timeout - time.monotonic(), 0.0)
-                try:
-                    item = out.get(timeout=timeout)
-                except queue.Empty:
-                    item = _Read(None, 0, None)
-                if item is None:
-                    if errors:
-                        raise errors[0]
-                    if self.idle_timeout is None:
-                        return
-                    while True:  # ended for this rank: keep stepping with empty batches until the loop stops
-                        yield self._empty_batch()
-                if item.shard is not None:
-                    with self._lock:
-                        self._pending[item.shard.shard_id] = (item.shard, item.end)
-                if item.batch is not None:
-                    idle_since = time.monotonic()
-                    self.records_yielded += len(next(iter(item.batch.values()))) if item.batch else 0
-                    yield item.batch
-                elif self.idle_timeout is not None and time.monotonic() - idle_since >= self.idle_timeout:
-                    idle_since = time.monotonic()
-                    yield self._empty_batch()
+                if ready is None and not finished:
+                    idle_left = None if self.idle_timeout is None else idle_since + self.idle_timeout - time.monotonic()
+                    ready, finished = self._take(out, sync.poll(quiet, idle_left), errors)
+                rows = _rows(ready)
+                expired = self.idle_timeout is not None and time.monotonic() - idle_since >= self.idle_timeout
+                total, ended, expired_ranks = sync.reduce(rows, finished, expired)
+                all_ended = ended == sync.world
+                if total == 0 and all_ended and self.idle_timeout is None:
+                    return  # every rank's dataset ended: the loop ends on every rank at the same step
+                if total == 0 and not all_ended and not expired_ranks:
+                    quiet += 1
+                    continue
+                batch = ready if ready is not None else self._empty_batch()
+                ready, quiet = None, 0
+                self.step_batches += 1
+                self.step_rows += rows
+                self.step_total += total
+                self.records_yielded += rows
+                yield batch
+                idle_since = time.monotonic()  # idle time counts from the next batch asked for, not the step's
         finally:
             stop.set()
 
@@ -200,6 +241,7 @@ class StreamDataset(IterableDataset):
         Call after the optimizer step that applied them. Raises :class:`StreamStateLostError`
         if a lease was lost under records already applied.
         """
+        self.step_batches = self.step_rows = self.step_total = 0
         with self._lock:
             pending, self._pending = self._pending, {}
         for shard, end in pending.values():

@@ -20,6 +20,14 @@ contract (:mod:`streamrover.trainers.api`); for synchronous data parallelism:
 A per-record ledger or any other state that must be exact belongs in the model's state
 (a buffer), kept identical on all ranks (e.g. by all-reducing each step's update).
 
+**Uneven inputs.** A rank without records in a step steps at once with an empty batch (the datasets
+agree on it: :mod:`~streamrover.trainers.torch.lockstep`), so it never holds back the ranks that have
+records. With more than one rank the session weighs every rank's gradient by ``n_r * world / N`` (its
+records of the step's ``N``) before DDP averages it: for a loss that is the batch's mean, each step's
+gradient is the mean over all the step's records, as if one process had trained on them; an empty
+batch's gradient is zeroed (a NaN mean over no rows included). ``weigh_gradients=False`` turns that
+off (for gradients that are not averaged over the ranks, or a loss that is not a mean).
+
 Serving (``exporter=``, ``tracker=``: :mod:`streamrover.serving`): rank 0's checkpointer hands every durable
 checkpoint to the exporter; after the restore the exporter retires versions above the resumed step and
 exports durable checkpoints left without a version. A :class:`~streamrover.serving.RowTracker` stamps the
@@ -48,6 +56,7 @@ from streamrover.shard_service import ShardClient
 from streamrover.trainers.api import flush_before_cut, restore_before_lease
 from streamrover.trainers.torch import env
 from streamrover.trainers.torch.dataset import StreamDataset, StreamStateLostError
+from streamrover.trainers.torch.lockstep import GradWeighting
 
 log = logging.getLogger(__name__)
 DEFAULT_CKPT_EVERY = 50
@@ -81,6 +90,7 @@ class StreamSession:
         retention: RetentionPolicy | None = None,
         exporter: Any | None = None,
         tracker: Any | None = None,
+        weigh_gradients: bool = True,
     ) -> None:
         """Join the shard service and restore (see the module docstring).
 
@@ -89,6 +99,9 @@ class StreamSession:
         else 50 steps and the newest 3 checkpoints; an argument given here wins over the environment.
         ``exporter``: a :class:`~streamrover.serving.TorchExporter` (its checkpoint URL is this session's);
         ``tracker``: a :class:`~streamrover.serving.RowTracker` of the served module (for table deltas).
+        ``weigh_gradients`` (with more than one rank): weigh each rank's gradient by its share of the step's
+        records before DDP averages it (:mod:`~streamrover.trainers.torch.lockstep`), so that a rank without
+        records neither dilutes the update nor adds a NaN; False leaves the gradients to DDP alone.
         """
         started = time.monotonic()
         self.timings: dict[str, float] = {}  # start-up phases in seconds (for logs and benchmarks)
@@ -114,6 +127,9 @@ class StreamSession:
         self.client.join()
         self.timings["connect"] = time.monotonic() - started
         self.datasets: list[StreamDataset] = []
+        self.weighting: GradWeighting | None = None
+        if weigh_gradients and self.world_size > 1 and hasattr(model, "parameters"):
+            self.weighting = GradWeighting(self.datasets, self.world_size).install(model.parameters())
         self.step = 0
         self._ckpt: TorchCheckpoint | None = None
         self.tracker = tracker
