@@ -2,7 +2,10 @@
 
 Every file is written under a temporary name and renamed into place; on local disk it
 is fsync'd first and its directory after, so a file that exists under its final name
-is complete. Checksums are computed while writing, on a second core.
+is complete. Object stores (``s3://``, ``gs://``) have no rename (a "move" is a copy of
+every byte) but their uploads are atomic: an object appears whole when its (multipart)
+upload completes, or not at all, so files are written under their final name and a
+failed upload is aborted. Checksums are computed while writing, on a second core.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class _ParallelHasher:
 
 
 CHUNK = 32 << 20
+#: fsspec protocols whose uploads are atomic (a completed PUT or multipart upload, or nothing): written in place.
+ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 
 
 def _chunks(parts: Iterable[Any]) -> Iterable[memoryview]:
@@ -113,13 +118,16 @@ class Storage:
         if "://" in url:
             import fsspec
 
-            self.fs: Any = fsspec.filesystem(url.split("://", 1)[0], **self.storage_options)
+            protocol = url.split("://", 1)[0]
+            self.fs: Any = fsspec.filesystem(protocol, **self.storage_options)
             self.root = url
             self.local = False
+            self.atomic_uploads = protocol in ATOMIC_UPLOAD_PROTOCOLS
         else:
             self.fs = None
             self.root = os.path.abspath(url)
             self.local = True
+            self.atomic_uploads = False
 
     def join(self, *parts: str) -> str:
         """The path of ``parts`` under the storage root."""
@@ -131,6 +139,8 @@ class Storage:
     def write(self, path: str, parts: Iterable[Any], algo: str = CHECKSUM_ALGO) -> tuple[int, str]:
         """Write the concatenation of ``parts`` atomically to ``path``; return (bytes, checksum)."""
         hasher = _ParallelHasher(algo)
+        if self.atomic_uploads:
+            return self._upload(path, parts, hasher)
         tmp = self._tmp_name(path)
         written = 0
         try:
@@ -167,6 +177,31 @@ class Storage:
             raise
         digest = hasher.result()
         return written, digest
+
+    def _upload(self, path: str, parts: Iterable[Any], hasher: _ParallelHasher) -> tuple[int, str]:
+        """Upload to an object store under the final name: the object exists once the upload completes (on
+        ``close``); a failure aborts the multipart upload, so no partial object is ever visible at ``path``."""
+        written = 0
+        try:
+            fh = self.fs.open(path, "wb")
+        except BaseException:
+            hasher.result()
+            raise
+        try:
+            for chunk in _chunks(parts):
+                hasher.update(chunk)
+                fh.write(chunk)
+                written += len(chunk)
+            fh.close()  # completes the upload: the object appears whole
+        except BaseException:
+            hasher.result()
+            try:
+                fh.discard()  # abort the multipart upload (its parts are dropped by the server)
+            except Exception as exc:  # the store may be what failed; the upload stays invisible regardless
+                log.warning("checkpoint storage: could not abort the upload of %s: %s", path, exc)
+            fh.closed = True  # never completed: not by close(), not by the garbage collector
+            raise
+        return written, hasher.result()
 
     def write_bytes(self, path: str, data: bytes, algo: str = CHECKSUM_ALGO) -> str:
         """Write ``data`` atomically to ``path``; return its checksum."""
@@ -238,6 +273,7 @@ class Storage:
                         raise OSError(f"{path} shrank while being read")
                     got += n
                 return out
+        self.fs.invalidate_cache(path)  # another process (the saver) may have written it: no stale listing
         with self.fs.open(path, "rb") as fh:
             return bytearray(fh.read())
 
@@ -252,6 +288,7 @@ class Storage:
             except (FileNotFoundError, NotADirectoryError):
                 return False
             return True
+        self.fs.invalidate_cache(path)
         return bool(self.fs.exists(path))
 
     def listdir(self, path: str) -> list[str]:
@@ -264,6 +301,7 @@ class Storage:
                 return sorted(os.listdir(path))
             except FileNotFoundError:
                 return []
+        self.fs.invalidate_cache(path)
         if not self.fs.exists(path):
             return []
         return sorted(p.rstrip("/").rpartition("/")[2] for p in self.fs.ls(path, detail=False))
