@@ -96,6 +96,8 @@ class _ParallelHasher:
 
 
 CHUNK = 32 << 20
+#: Parts of one S3 upload in flight at once (memory: this many parts of s3fs's ``default_block_size``, 50 MiB).
+UPLOAD_CONCURRENCY = 4
 #: fsspec protocols whose uploads are atomic (a completed PUT or multipart upload, or nothing): written in place.
 ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 
@@ -115,15 +117,17 @@ class Storage:
         self.storage_options = dict(storage_options or {})
         self.read_attempts = READ_ATTEMPTS
         self.read_backoff = READ_BACKOFF
+        self.upload_concurrency = UPLOAD_CONCURRENCY
         if "://" in url:
             import fsspec
 
-            protocol = url.split("://", 1)[0]
+            self.protocol = protocol = url.split("://", 1)[0]
             self.fs: Any = fsspec.filesystem(protocol, **self.storage_options)
             self.root = url
             self.local = False
             self.atomic_uploads = protocol in ATOMIC_UPLOAD_PROTOCOLS
         else:
+            self.protocol = "file"
             self.fs = None
             self.root = os.path.abspath(url)
             self.local = True
@@ -181,6 +185,15 @@ class Storage:
     def _upload(self, path: str, parts: Iterable[Any], hasher: _ParallelHasher) -> tuple[int, str]:
         """Upload to an object store under the final name: the object exists once the upload completes (on
         ``close``); a failure aborts the multipart upload, so no partial object is ever visible at ``path``."""
+        if self.protocol in ("s3", "s3a"):  # several parts in flight (s3fs's file object sends one at a time)
+            from streamrover.ckpt import s3_upload
+
+            try:
+                written = s3_upload.upload(self.fs, path, _chunks(parts), hasher, concurrency=self.upload_concurrency,
+                                           part_size=max(int(self.fs.default_block_size), 5 << 20))  # fmt: skip
+            finally:
+                digest = hasher.result()
+            return written, digest
         written = 0
         try:
             fh = self.fs.open(path, "wb")

@@ -30,22 +30,22 @@ def state_at(step: int, mib: float) -> dict[str, Any]:
 
 
 def pause_uploads_after(parts: int, key_suffix: str, action: str) -> None:
-    """Patch s3fs: once an upload to a key ending ``key_suffix`` has ``parts`` parts, stop or hold this process."""
-    upload_chunk = s3fs.core.S3File._upload_chunk
-    done = [False]
+    """Patch s3fs: once ``parts`` parts of an upload to a key ending ``key_suffix`` are sent, stop or hold."""
+    call = s3fs.core.S3FileSystem._call_s3
+    sent = [0]
 
-    def patched(self: Any, final: bool = False) -> Any:
-        out = upload_chunk(self, final)
-        if not done[0] and self.key.endswith(key_suffix) and self.parts and len(self.parts) >= parts and not final:
-            done[0] = True
-            if action == "stop":
+    async def patched(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        out = await call(self, method, *args, **kwargs)
+        if method == "upload_part" and str(kwargs.get("Key", "")).endswith(key_suffix):
+            sent[0] += 1
+            if sent[0] == parts and action == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)  # the test SIGKILLs us here: the upload never completes
-            else:
-                print(f"held {self.mpu['UploadId']}", flush=True)
-                sys.stdin.readline()
+            elif sent[0] == parts:
+                print(f"held {kwargs['UploadId']}", flush=True)
+                sys.stdin.readline()  # blocks s3fs's event loop: the whole upload waits
         return out
 
-    s3fs.core.S3File._upload_chunk = patched
+    s3fs.core.S3FileSystem._call_s3 = patched
 
 
 def main() -> int:
