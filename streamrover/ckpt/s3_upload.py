@@ -29,6 +29,7 @@ def _parts(chunks: Iterable[memoryview], part_size: int, hasher: _Hasher) -> Ite
     """The concatenation of ``chunks`` cut into ``part_size`` bytes (the last one shorter), hashing as it goes."""
     pending: list[memoryview] = []
     size = 0
+    sent = False
     for chunk in chunks:
         hasher.update(chunk)
         while chunk:
@@ -38,8 +39,8 @@ def _parts(chunks: Iterable[memoryview], part_size: int, hasher: _Hasher) -> Ite
             chunk = chunk[len(take) :]
             if size == part_size:
                 yield b"".join(pending)
-                pending, size = [], 0
-    if pending or size == 0:
+                pending, size, sent = [], 0, True
+    if pending or not sent:  # the rest; or one empty part: an empty object
         yield b"".join(pending)
 
 
