@@ -52,7 +52,7 @@ def upload(fs: Any, path: str, chunks: Iterable[memoryview], hasher: _Hasher, *,
     if part_size < 5 << 20:
         raise ValueError(f"an S3 part must be at least 5 MiB, not {part_size} bytes")
     bucket, key, _ = fs.split_path(path)
-    written: int = sync(fs.loop, _upload(fs, bucket, key, _parts(chunks, part_size, hasher), concurrency))
+    written: int = sync(fs.loop, _upload, fs, bucket, key, _parts(chunks, part_size, hasher), concurrency)
     fs.invalidate_cache(path)
     return written
 

@@ -19,6 +19,9 @@ from tests.brokers._process import ChildProcess, MissingDependencyError, free_po
 ACCESS_KEY = "streamrover-test"
 SECRET_KEY = "streamrover-test-secret-0123456789"
 REGION = "us-east-1"
+#: The tests' one bucket, made at the first start (SeaweedFS grows a new volume for each bucket's first write:
+#: seconds; tests take a prefix each instead).
+BUCKET = "streamrover-tests"
 BUILD_TIMEOUT = 3600.0  # a cold build on a loaded 2-core machine
 
 
@@ -54,7 +57,7 @@ class SeaweedS3:
         }]}))  # fmt: skip
         self.proc = ChildProcess("seaweedfs", [
             str(weed), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
-            "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=16",
+            "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=16", "-master.electionTimeout=1s",
             f"-master.port={master}", f"-master.port.grpc={master_grpc}",
             f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
             "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
@@ -83,22 +86,22 @@ class SeaweedS3:
         return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
 
     def start(self, timeout: float = 120.0) -> None:
-        """Start and wait until a signed request is answered (a bucket listing)."""
+        """Start, and wait until an object can be written: the gateway answers only once the filer is up, and a
+        write needs a volume server registered with the master too (after a restart that comes seconds later)."""
         import s3fs
 
         self.proc.start()
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options(), config_kwargs={
+            "connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}})  # fmt: skip
 
-        def ready() -> bool:
-            try:
-                fs.invalidate_cache()
-                fs.ls("")
-                return True
-            except Exception:  # not listening yet, or the filer not yet up behind the gateway
-                return False
+        def writable() -> bool:
+            fs.invalidate_cache()
+            if BUCKET not in fs.ls(""):
+                fs.mkdir(BUCKET)
+            fs.pipe(f"{BUCKET}/probe", b"1")
+            return True
 
-        wait_until("the SeaweedFS S3 gateway answering a signed ListBuckets", ready, timeout=timeout,
-                   procs=[self.proc])  # fmt: skip
+        wait_until("the SeaweedFS S3 gateway taking a signed PUT", writable, timeout=timeout, procs=[self.proc])
 
     def stop(self) -> None:
         self.proc.stop(timeout=15)

@@ -36,14 +36,14 @@ def test_an_s3_parquet_backfill_is_exact_under_a_worker_kill(
     AWS variables. w0 stops itself after writing its 20th batch, before acking it, and is SIGKILLed there; two
     workers finish: every id is in the ledger exactly once."""
     ids = write_parquet_dataset(tmp_path / "data", ROWS, files=2, row_group_size=2_000)
-    bucket.fs.put(str(tmp_path / "data") + "/", f"{bucket.name}/data/", recursive=True)
+    bucket.fs.put(str(tmp_path / "data") + "/", bucket.path("data") + "/", recursive=True)
     ledger = tmp_path / "ledger.db"
     Ledger(ledger).close()
     admin = ShardClient(master.address, token=master.token, heartbeat=False, timeout=60)
     try:
         info = admin.register_dataset(DatasetSpec("rows", bucket.url("data", "*.parquet"), records_per_shard=1_000))
         assert len(info.dataset.partitions) == ROWS // 2_000  # a partition per row group, found over S3
-        assert all(p.id.startswith(f"s3://{bucket.name}/data/") for p in info.dataset.partitions)
+        assert all(p.id.startswith(bucket.url("data") + "/") for p in info.dataset.partitions)
         lone = start_ledger_worker(master, "rows", ledger, name="w0", batch_size=250, extra=["--pause-at-batch", "20"])
         wait_until(lambda: lone.poll() is not None or _stopped(lone.pid), 120, "w0 to stop after its 20th batch")
         assert lone.poll() is None, lone.communicate()[0].decode(errors="replace")

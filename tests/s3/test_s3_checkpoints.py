@@ -63,7 +63,7 @@ def test_a_saver_sigkilled_mid_multipart_upload_leaves_no_partial_checkpoint(roo
     wait_until(lambda: proc.poll() is not None or _stopped(proc.pid), 120, "the saver to stop mid-upload")
     assert proc.poll() is None, proc.communicate()
     # the server holds step 2's upload in progress, with a part: the kill lands in the middle of a multipart upload
-    tensors = f"ckpt/{step_dir(2)}/{part_names(0)[0]}"
+    tensors = bucket.key("ckpt", step_dir(2), part_names(0)[0])
     assert tensors in _uploads_in_progress(bucket)
     proc.kill()
     out, err = proc.communicate()
