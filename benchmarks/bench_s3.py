@@ -68,6 +68,7 @@ def run(mib: int, runs: int) -> int:
                     t3 = time.perf_counter()
                     fs.put_file(blob, f"{bucket}/put/blob-{i}")
                     puts.append(time.perf_counter() - t3)
+                    fs.rm(f"{bucket}/put/blob-{i}")
             finally:
                 ckpt.close(unlink=True)
                 purge_shared_memory(namespace_for(url))

@@ -96,8 +96,6 @@ class _ParallelHasher:
 
 
 CHUNK = 32 << 20
-#: Parts of one S3 upload in flight at once (memory: this many parts of s3fs's ``default_block_size``, 50 MiB).
-UPLOAD_CONCURRENCY = 4
 #: fsspec protocols whose uploads are atomic (a completed PUT or multipart upload, or nothing): written in place.
 ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 
@@ -117,7 +115,6 @@ class Storage:
         self.storage_options = dict(storage_options or {})
         self.read_attempts = READ_ATTEMPTS
         self.read_backoff = READ_BACKOFF
-        self.upload_concurrency = UPLOAD_CONCURRENCY
         if "://" in url:
             import fsspec
 
@@ -188,9 +185,11 @@ class Storage:
         if self.protocol in ("s3", "s3a"):  # several parts in flight (s3fs's file object sends one at a time)
             from streamrover.ckpt import s3_upload
 
+            part_size = max(int(self.fs.default_block_size), 5 << 20)
             try:
-                written = s3_upload.upload(self.fs, path, _chunks(parts), hasher, concurrency=self.upload_concurrency,
-                                           part_size=max(int(self.fs.default_block_size), 5 << 20))  # fmt: skip
+                written = s3_upload.upload(
+                    self.fs, path, _chunks(parts), hasher, part_size=part_size, concurrency=int(self.fs.max_concurrency)
+                )
             finally:
                 digest = hasher.result()
             return written, digest

@@ -57,7 +57,7 @@ class SeaweedS3:
         }]}))  # fmt: skip
         self.proc = ChildProcess("seaweedfs", [
             str(weed), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / 'data'}",
-            "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=16", "-master.electionTimeout=1s",
+            "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=0", "-master.electionTimeout=1s",
             f"-master.port={master}", f"-master.port.grpc={master_grpc}",
             f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
             "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
