@@ -2,10 +2,10 @@
 
 Every file is written under a temporary name and renamed into place; on local disk it
 is fsync'd first and its directory after, so a file that exists under its final name
-is complete. Object stores (``s3://``, ``gs://``) have no rename (a "move" is a copy of
-every byte) but their uploads are atomic: an object appears whole when its (multipart)
-upload completes, or not at all, so files are written under their final name and a
-failed upload is aborted. Checksums are computed while writing, on a second core.
+is complete. S3 (``s3://``) has no rename (a "move" is a copy of every byte), but its
+uploads are atomic: an object appears whole when its (multipart) upload completes, or not
+at all, so there files are uploaded under their final name (``s3_upload.py``) and a failed
+upload is aborted. Checksums are computed while writing, on a second core.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class _ParallelHasher:
 
 
 CHUNK = 32 << 20
-#: fsspec protocols whose uploads are atomic (a completed PUT or multipart upload, or nothing): written in place.
-ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
+#: fsspec protocols uploaded in place (atomic: a completed PUT or multipart upload, or nothing; s3fs's API).
+ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
 def _chunks(parts: Iterable[Any]) -> Iterable[memoryview]:
@@ -180,40 +180,18 @@ class Storage:
         return written, digest
 
     def _upload(self, path: str, parts: Iterable[Any], hasher: _ParallelHasher) -> tuple[int, str]:
-        """Upload to an object store under the final name: the object exists once the upload completes (on
-        ``close``); a failure aborts the multipart upload, so no partial object is ever visible at ``path``."""
-        if self.protocol in ("s3", "s3a"):  # several parts in flight (s3fs's file object sends one at a time)
-            from streamrover.ckpt import s3_upload
+        """Upload to S3 under the final name (``ckpt/s3_upload.py``): the object exists once its multipart upload
+        completes; a failure aborts the upload, so no partial object is ever visible at ``path``."""
+        from streamrover.ckpt import s3_upload
 
-            part_size = max(int(self.fs.default_block_size), 5 << 20)
-            try:
-                written = s3_upload.upload(
-                    self.fs, path, _chunks(parts), hasher, part_size=part_size, concurrency=int(self.fs.max_concurrency)
-                )
-            finally:
-                digest = hasher.result()
-            return written, digest
-        written = 0
+        part_size = max(int(self.fs.default_block_size), 5 << 20)
         try:
-            fh = self.fs.open(path, "wb")
-        except BaseException:
-            hasher.result()
-            raise
-        try:
-            for chunk in _chunks(parts):
-                hasher.update(chunk)
-                fh.write(chunk)
-                written += len(chunk)
-            fh.close()  # completes the upload: the object appears whole
-        except BaseException:
-            hasher.result()
-            try:
-                fh.discard()  # abort the multipart upload (its parts are dropped by the server)
-            except Exception as exc:  # the store may be what failed; the upload stays invisible regardless
-                log.warning("checkpoint storage: could not abort the upload of %s: %s", path, exc)
-            fh.closed = True  # never completed: not by close(), not by the garbage collector
-            raise
-        return written, hasher.result()
+            written = s3_upload.upload(
+                self.fs, path, _chunks(parts), hasher, part_size=part_size, concurrency=int(self.fs.max_concurrency)
+            )
+        finally:
+            digest = hasher.result()
+        return written, digest
 
     def write_bytes(self, path: str, data: bytes, algo: str = CHECKSUM_ALGO) -> str:
         """Write ``data`` atomically to ``path``; return its checksum."""
