@@ -12,7 +12,9 @@
 # Everything lives in ${STREAMROVER_CACHE:-$HOME/.cache/streamrover}/seaweedfs: bin-<version>/ (the weed
 # binary and a .complete marker), gomod/ and gocache/ (the Go module and build caches), build.log, and
 # build.status (the exit status of the last build, written when it ends; absent while one runs).
-# Needs Go >= 1.26.6 on PATH (or in /usr/local/go/bin): SeaweedFS's go.mod asks for it.
+# Needs Go >= 1.26.6 on PATH (or in /usr/local/go/bin): SeaweedFS's go.mod asks for it. Cold, niced, on a 2-core
+# machine at load ~15 (other builds and tests): 24 min wall, 7 CPU-min (364 s user, 58 s sys), peak RSS 2.2 GB;
+# the caches take 4 GB (gomod 2.2 GB, gocache 1.8 GB), the binary 164 MB.
 set -euo pipefail
 
 SW_V=v0.0.0-20261109003541-7506e5f91cd6   # github.com/seaweedfs/seaweedfs (it tags no Go-module releases)
