@@ -5,15 +5,15 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Extras the test suite needs; grows as issues land (kafka, torch, ...).
-TEST_EXTRAS ?= dev,ckpt,delta,iceberg,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s,ctr,spark,docs,serving
+TEST_EXTRAS ?= dev,ckpt,s3,delta,iceberg,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s,ctr,spark,docs,serving
 # pyspark is published as a source distribution only (pure Python and its jars, nothing is compiled): it cannot be
 # --only-binary; everything else that could backtrack into a failing source build is.
-PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,onnx,onnxruntime,ray,apache-beam,apache-flink,matplotlib,river,mkdocs,mkdocs-material,pyiceberg,sqlalchemy,pyroaring,mmh3
+PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,s3fs,aiobotocore,botocore,onnx,onnxruntime,ray,apache-beam,apache-flink,matplotlib,river,mkdocs,mkdocs-material,pyiceberg,sqlalchemy,pyroaring,mmh3
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
 
-.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s flink-sink image serving-venv
+.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s seaweedfs-build-start seaweedfs flink-sink image serving-venv
 
 # The operator image (deploy/docker/Dockerfile), tagged with the package's version: the tag deploy/k8s names.
 # Needs docker (BuildKit: it reads deploy/docker/Dockerfile.dockerignore) or podman; this project's CI machines
@@ -91,19 +91,27 @@ serving-venv:
 k8s-build-start:
 	bash scripts/build-k8s.sh --background
 
+# The S3 tests' object store (SeaweedFS's `weed`, tests/s3/) is built the same way into ~/.cache/streamrover/seaweedfs,
+# started beside the k8s build (both niced); the S3 fixture waits for it and fails naming the build log if it failed.
+seaweedfs-build-start:
+	bash scripts/build-seaweedfs.sh --background
+
+seaweedfs:
+	bash scripts/build-seaweedfs.sh --wait
+
 k8s:
 	bash scripts/build-k8s.sh --wait
 
 # Everything the suite needs, set up side by side: the steps are mostly downloads (pip, Maven, apt) and
 # independent of each other (the Flink sink has its own venv and Maven repository), so on a fresh machine
 # the set-up takes as long as its slowest step instead of their sum. The k8s build runs in the background.
-setup: k8s-build-start
+setup: k8s-build-start seaweedfs-build-start
 	$(MAKE) --no-print-directory -j4 --output-sync=target install jars browser flink-sink serving-venv
 
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
-bench: $(BENCH_STAMP) jars flink-sink serving-venv
+bench: $(BENCH_STAMP) jars flink-sink serving-venv seaweedfs
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 proto: install

@@ -2,7 +2,10 @@
 
 Every file is written under a temporary name and renamed into place; on local disk it
 is fsync'd first and its directory after, so a file that exists under its final name
-is complete. Checksums are computed while writing, on a second core.
+is complete. S3 (``s3://``) has no rename (a "move" is a copy of every byte), but its
+uploads are atomic: an object appears whole when its (multipart) upload completes, or not
+at all, so there files are uploaded under their final name (``s3_upload.py``) and a failed
+upload is aborted. Checksums are computed while writing, on a second core.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class _ParallelHasher:
 
 
 CHUNK = 32 << 20
+#: fsspec protocols uploaded in place (atomic: a completed PUT or multipart upload, or nothing; s3fs's API).
+ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
 def _chunks(parts: Iterable[Any]) -> Iterable[memoryview]:
@@ -113,13 +118,17 @@ class Storage:
         if "://" in url:
             import fsspec
 
-            self.fs: Any = fsspec.filesystem(url.split("://", 1)[0], **self.storage_options)
+            self.protocol = protocol = url.split("://", 1)[0]
+            self.fs: Any = fsspec.filesystem(protocol, **self.storage_options)
             self.root = url
             self.local = False
+            self.atomic_uploads = protocol in ATOMIC_UPLOAD_PROTOCOLS
         else:
+            self.protocol = "file"
             self.fs = None
             self.root = os.path.abspath(url)
             self.local = True
+            self.atomic_uploads = False
 
     def join(self, *parts: str) -> str:
         """The path of ``parts`` under the storage root."""
@@ -131,6 +140,8 @@ class Storage:
     def write(self, path: str, parts: Iterable[Any], algo: str = CHECKSUM_ALGO) -> tuple[int, str]:
         """Write the concatenation of ``parts`` atomically to ``path``; return (bytes, checksum)."""
         hasher = _ParallelHasher(algo)
+        if self.atomic_uploads:
+            return self._upload(path, parts, hasher)
         tmp = self._tmp_name(path)
         written = 0
         try:
@@ -166,6 +177,20 @@ class Storage:
             self._remove_quietly(tmp)
             raise
         digest = hasher.result()
+        return written, digest
+
+    def _upload(self, path: str, parts: Iterable[Any], hasher: _ParallelHasher) -> tuple[int, str]:
+        """Upload to S3 under the final name (``ckpt/s3_upload.py``): the object exists once its multipart upload
+        completes; a failure aborts the upload, so no partial object is ever visible at ``path``."""
+        from streamrover.ckpt import s3_upload
+
+        part_size = max(int(self.fs.default_block_size), 5 << 20)
+        try:
+            written = s3_upload.upload(
+                self.fs, path, _chunks(parts), hasher, part_size=part_size, concurrency=int(self.fs.max_concurrency)
+            )
+        finally:
+            digest = hasher.result()
         return written, digest
 
     def write_bytes(self, path: str, data: bytes, algo: str = CHECKSUM_ALGO) -> str:
@@ -238,6 +263,7 @@ class Storage:
                         raise OSError(f"{path} shrank while being read")
                     got += n
                 return out
+        self.fs.invalidate_cache(path)  # another process (the saver) may have written it: no stale listing
         with self.fs.open(path, "rb") as fh:
             return bytearray(fh.read())
 
@@ -252,6 +278,7 @@ class Storage:
             except (FileNotFoundError, NotADirectoryError):
                 return False
             return True
+        self.fs.invalidate_cache(path)
         return bool(self.fs.exists(path))
 
     def listdir(self, path: str) -> list[str]:
@@ -264,6 +291,7 @@ class Storage:
                 return sorted(os.listdir(path))
             except FileNotFoundError:
                 return []
+        self.fs.invalidate_cache(path)
         if not self.fs.exists(path):
             return []
         return sorted(p.rstrip("/").rpartition("/")[2] for p in self.fs.ls(path, detail=False))
