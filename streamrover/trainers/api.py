@@ -30,6 +30,18 @@ server: the chief acks for every worker).
    is durable: the checkpointer's saver calls ``commit_cut`` when the manifest is published. A
    trainer never commits a cut itself, and never commits offsets to the broker (the shard service
    does, after the commit, up to the previous durable checkpoint).
+
+Frameworks that own the training loop (Lightning, the Hugging Face ``Trainer``) keep the rules through
+their own hooks, with :class:`~streamrover.trainers.flash.FlashRun` doing the work:
+:class:`~streamrover.trainers.lightning.FlashCheckpoint` (a Lightning ``Callback``; its storage half is
+:class:`~streamrover.trainers.lightning.FlashCheckpointIO`) and :class:`~streamrover.trainers.hf.FlashTrainer`
+(a ``Trainer`` subclass). What they promise: the framework's whole checkpoint (weights, optimizer,
+scheduler, its loop state) is snapshotted into shared memory every ``every_n_steps`` global steps by
+rank 0 (one copy) and persisted by the node's saver; training resumes at the newest snapshot's global
+step, from shared memory after a worker restart on the same node, before the first batch is read (rule
+1); with a stream, each optimizer step acks its records with the global step (rule 2) and each
+snapshot is preceded by every rank's flush and a barrier (rule 3). A checkpoint path given to the
+framework by the user wins over the snapshot. Sharded states (FSDP, DeepSpeed) are not supported.
 """
 
 from __future__ import annotations

@@ -29,7 +29,14 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from streamrover.ckpt import Checkpointer, CursorBinder, LoadedCheckpoint, LoadedFrom, NoCheckpointError, RetentionPolicy
+from streamrover.ckpt import (
+    Checkpointer,
+    CursorBinder,
+    LoadedCheckpoint,
+    LoadedFrom,
+    NoCheckpointError,
+    RetentionPolicy,
+)
 from streamrover.ckpt.torch_adapter import _clone_tensors
 from streamrover.cursor import DataCursor
 from streamrover.shard_service import ShardClient
@@ -137,7 +144,9 @@ class FlashRun:
             meta_all, state = broadcast_state({"loaded": meta}, loaded.state if loaded is not None else {})
             if self.rank != 0 and meta_all["loaded"] is not None:
                 info = meta_all["loaded"]
-                loaded = LoadedCheckpoint(int(info["step"]), _clone_tensors(state), DataCursor(), LoadedFrom(info["from"]))
+                loaded = LoadedCheckpoint(
+                    int(info["step"]), _clone_tensors(state), DataCursor(), LoadedFrom(info["from"])
+                )
             dist.barrier()
         if loaded is not None:
             self.restored_from = f"{loaded.source.value}:{loaded.step}"

@@ -135,6 +135,7 @@ class FlashTrainer(Trainer):
         if state is None:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
+        assert self.optimizer is not None  # created before the Trainer loads a checkpoint's optimizer state
         self.optimizer.load_state_dict(_clone_tensors(state["optimizer"]))
         if self.lr_scheduler is not None and state.get("scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["scheduler"])
@@ -155,6 +156,7 @@ class FlashTrainer(Trainer):
     def _flash_state_now(self, state: Any) -> dict[str, Any]:
         if not self.args.should_save:  # another rank: the state is rank 0's
             return {}
+        assert self.optimizer is not None  # a step ended: the optimizer exists
         return {
             "model": _unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),

@@ -47,7 +47,9 @@ class FlashCheckpointIO(CheckpointIO):
         self.run.open(self.rank)
         self.run.save(int(checkpoint["global_step"]), checkpoint, flushed=True)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """The newest snapshot's checkpoint dictionary, whatever ``path`` says (a collective under DDP)."""
         self.run.open(self.rank)
         loaded = self.run.restore()

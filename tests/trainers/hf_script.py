@@ -40,7 +40,9 @@ def main() -> None:
     parser.add_argument("--pause-at", type=int, default=-1)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    )
     tokens = torch.randint(0, 64, (256, 16))
     train = [{"input_ids": t, "labels": t} for t in tokens]
     training_args = TrainingArguments(
