@@ -18,21 +18,21 @@ from streamrover.trainers.hf import FlashTrainer  # streamrover
 
 def main() -> None:
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
-    tokens = torch.randint(0, 256, (4_096, 64))
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    tokens = torch.randint(0, 128, (2_048, 32))
     train = [{"input_ids": t, "labels": t} for t in tokens]
     args = TrainingArguments(
         output_dir="/tmp/hf-example",
-        max_steps=2_000,
+        max_steps=500,
         per_device_train_batch_size=8,
         learning_rate=5e-4,
-        logging_steps=50,
+        logging_steps=25,
         save_strategy="no",
         report_to=[],
         use_cpu=True,
     )
     trainer = FlashTrainer(  # streamrover: was Trainer(
-        model=GPT2LMHeadModel(config), args=args, train_dataset=train, flash_every_n_steps=100
+        model=GPT2LMHeadModel(config), args=args, train_dataset=train, flash_every_n_steps=50
     )
     trainer.train()
 

@@ -25,9 +25,12 @@ same calls checkpoint the framework's state only. Imports torch.
 from __future__ import annotations
 
 import logging
+from collections import deque
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch.distributed as dist
+from torch.utils.data import IterableDataset
 
 from streamrover.ckpt import (
     Checkpointer,
@@ -39,7 +42,7 @@ from streamrover.ckpt import (
 )
 from streamrover.ckpt.torch_adapter import _clone_tensors
 from streamrover.cursor import DataCursor
-from streamrover.shard_service import ShardClient
+from streamrover.shard_service import LeaseLostError, ShardClient
 from streamrover.trainers.api import flush_before_cut, restore_before_lease
 from streamrover.trainers.torch import env
 from streamrover.trainers.torch.dataset import StreamDataset, StreamStateLostError
@@ -53,6 +56,70 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+class TrainedOnly(IterableDataset):
+    """A :class:`StreamDataset` acked only up to the batches the loop has trained on.
+
+    Frameworks read ahead: Lightning's fetcher and accelerate's loader hold the next batch before the
+    current one is trained (to know which batch is the last). :meth:`StreamDataset.step_done` acks
+    everything yielded, so a cut would hold a read-ahead batch that is not in the model. Here each
+    yielded batch keeps the positions it advanced; :meth:`batch_trained` (one call per trained batch, in
+    order) marks the oldest as trained, and :meth:`step_done` acks only those.
+
+    The inner dataset needs an ``idle_timeout``: the shard service says a bounded dataset has ended
+    only once every record is acked, and the read-ahead asks for the next batch before the last one
+    is trained (so acked); an idle stream yields an *empty* batch (zero rows) after ``idle_timeout``,
+    which lets the loop train the last batch. Iteration stops at the first empty batch after the end.
+    The training step must accept empty batches (Lightning on one device: return None to skip it).
+    """
+
+    def __init__(self, inner: StreamDataset) -> None:
+        super().__init__()
+        if inner.idle_timeout is None:
+            raise ValueError("a stream read ahead by the framework needs idle_timeout (seconds), see TrainedOnly")
+        self.inner = inner
+        self._yielded: deque[dict[str, tuple[Any, int]]] = deque()  # per yielded, untrained batch: its marks
+        self._trained: dict[str, tuple[Any, int]] = {}
+
+    @property
+    def ended(self) -> bool:
+        return self.inner.ended
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._yielded.clear()  # a new iterator: read-ahead batches of the previous one were never trained
+        seen: dict[str, tuple[Any, int]] = {}
+        for batch in self.inner:
+            with self.inner._lock:
+                pending = dict(self.inner._pending)
+            marks = {sid: mark for sid, mark in pending.items() if seen.get(sid) != mark}
+            if self.inner.ended and not marks and not any(len(v) for v in batch.values()):
+                return  # the dataset ended and every yielded batch was read: the epoch is over
+            self._yielded.append(marks)
+            seen = pending
+            yield batch
+
+    def batch_trained(self) -> None:
+        if self._yielded:
+            self._trained.update(self._yielded.popleft())
+
+    def step_done(self, step: int) -> int:
+        """Ack, with ``step``, the positions of the batches trained since the last call; returns the shards acked."""
+        trained, self._trained = self._trained, {}
+        for shard, end in trained.values():
+            try:
+                shard.ack(end, step=step, wait=False)
+            except LeaseLostError as exc:
+                raise StreamStateLostError(
+                    f"shard {shard.shard_id}: records up to {end} were applied at step {step} but the lease is gone "
+                    f"({exc}); restart from the last checkpoint"
+                ) from exc
+        with self.inner._lock:  # what is acked here no longer waits in the inner dataset's pending set
+            for sid, (_, end) in trained.items():
+                current = self.inner._pending.get(sid)
+                if current is not None and current[1] <= end:
+                    del self.inner._pending[sid]
+        return len(trained)
+
+
 class FlashRun:
     """Flash checkpoints (and stream acks) of one rank of a framework-driven loop; see the module docstring.
 
@@ -63,6 +130,7 @@ class FlashRun:
         ckpt_dir: checkpoint root (default ``STREAMROVER_CKPT_DIR``, which ``dlrover-run --ckpt-dir`` sets).
         master, token: the shard service (default ``STREAMROVER_MASTER``/``_TOKEN``); None: no stream.
         keep_last: checkpoints kept on storage (default ``STREAMROVER_CKPT_KEEP``, else 3).
+        stream: False: never join a shard service (the loop reads no stream; snapshots carry no cut).
     """
 
     def __init__(
@@ -74,6 +142,7 @@ class FlashRun:
         master: str | None = None,
         token: str | None = None,
         keep_last: int | None = None,
+        stream: bool = True,
     ) -> None:
         cfg = env.from_env()
         self.every = every_n_steps if every_n_steps is not None else (cfg.ckpt_every or DEFAULT_EVERY)
@@ -88,12 +157,12 @@ class FlashRun:
         self.root = root
         self._cfg = cfg
         self._keep = keep_last or cfg.ckpt_keep or 3
-        address = master or cfg.master
+        address = (master or cfg.master) if stream else None
         self.client: ShardClient | None = None
         if address:
             self.client = ShardClient(address, token=cfg.token if token is None else token, name=f"flash@{cfg.node_id}")
             self.client.join()
-        self.datasets: list[StreamDataset] = []
+        self.datasets: list[TrainedOnly] = []
         self.checkpointer: Checkpointer | None = None
         self.rank = 0
         self.restored_from: str | None = None  # "memory:STEP" / "storage:STEP" / None (a fresh start)
@@ -119,13 +188,19 @@ class FlashRun:
             job=cfg.ckpt_job,
         )
 
-    def dataset(self, name: str, batch_size: int = 256, **kwargs: Any) -> StreamDataset:
-        """A :class:`StreamDataset` of ``name`` acked by :meth:`step_done` (use ``DataLoader(ds, batch_size=None)``)."""
+    def dataset(self, name: str, batch_size: int = 256, **kwargs: Any) -> TrainedOnly:
+        """A stream dataset of ``name`` whose batches are acked once trained (``DataLoader(ds, batch_size=None)``)."""
         if self.client is None:
             raise ValueError("no shard service: run under dlrover-run --shard-service HOST:PORT, or pass master=")
-        ds = StreamDataset(self.client, name, batch_size, **kwargs)
+        kwargs.setdefault("idle_timeout", 1.0)  # see TrainedOnly
+        ds = TrainedOnly(StreamDataset(self.client, name, batch_size, **kwargs))
         self.datasets.append(ds)
         return ds
+
+    def batch_trained(self) -> None:
+        """The loop has trained on (run forward and backward over) the oldest batch not yet reported."""
+        for ds in self.datasets:
+            ds.batch_trained()
 
     def restore(self) -> LoadedCheckpoint | None:
         """Rule 1 on every rank: the newest checkpoint (its state a fresh copy), or None; a collective."""
@@ -157,7 +232,8 @@ class FlashRun:
 
     # -- per step ------------------------------------------------------------------------------
     def step_done(self, step: int) -> bool:
-        """After the optimizer step numbered ``step``: ack its records; True when a snapshot is due now."""
+        """After the optimizer step numbered ``step``: ack the batches trained (:meth:`batch_trained`) since the
+        previous step; True when a snapshot is due now."""
         if step <= self._acked_step:  # no optimizer step since (gradient accumulation): nothing to ack
             return False
         self._acked_step = step

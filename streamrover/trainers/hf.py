@@ -15,7 +15,8 @@ a worker restart on the same node, storage otherwise) through the Trainer's own 
 global step, epoch and learning-rate schedule go on from the snapshot's and the data loader skips
 the batches already trained in the current epoch (unless ``ignore_data_skip``). A
 ``resume_from_checkpoint`` given by the user wins. The Trainer's own ``save_steps`` checkpoints are
-left as they are. With a stream, build the training set from :meth:`FlashTrainer.flash_dataset`.
+left as they are. Streams do not feed it yet (the Trainer builds its own loader): the snapshots carry no cut,
+and a shard service given to ``dlrover-run`` is left alone.
 Sharded setups (FSDP, DeepSpeed) are not supported: rank 0 holds the one copy.
 
 Imports transformers and torch.
@@ -35,7 +36,6 @@ from transformers import Trainer, TrainerCallback
 
 from streamrover.ckpt.torch_adapter import _clone_tensors
 from streamrover.trainers.flash import FlashRun
-from streamrover.trainers.torch.dataset import StreamDataset
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's name for it
 
@@ -60,8 +60,7 @@ class FlashTrainer(Trainer):
     """``transformers.Trainer`` with flash checkpoints; see the module docstring.
 
     Keyword arguments besides the Trainer's: ``flash_every_n_steps`` (default ``STREAMROVER_CKPT_EVERY``,
-    else 50), ``flash_persist_every`` (1), ``flash_dir`` (default ``STREAMROVER_CKPT_DIR``), ``flash_master`` /
-    ``flash_token`` (default ``STREAMROVER_MASTER``/``_TOKEN``: a stream), ``flash_keep_last``.
+    else 50), ``flash_persist_every`` (1), ``flash_dir`` (default ``STREAMROVER_CKPT_DIR``), ``flash_keep_last``.
     """
 
     def __init__(
@@ -70,8 +69,6 @@ class FlashTrainer(Trainer):
         flash_every_n_steps: int | None = None,
         flash_persist_every: int = 1,
         flash_dir: str | None = None,
-        flash_master: str | None = None,
-        flash_token: str | None = None,
         flash_keep_last: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -79,8 +76,7 @@ class FlashTrainer(Trainer):
             every_n_steps=flash_every_n_steps,
             persist_every=flash_persist_every,
             ckpt_dir=flash_dir,
-            master=flash_master,
-            token=flash_token,
+            stream=False,
             keep_last=flash_keep_last,
         )
         super().__init__(*args, **kwargs)
@@ -92,10 +88,6 @@ class FlashTrainer(Trainer):
     def restored_from(self) -> str | None:
         """``"memory:STEP"`` or ``"storage:STEP"`` when ``train()`` resumed a snapshot, else None."""
         return self.flash.restored_from
-
-    def flash_dataset(self, name: str, batch_size: int = 256, **kwargs: Any) -> StreamDataset:
-        """A stream dataset acked after each optimizer step."""
-        return self.flash.dataset(name, batch_size, **kwargs)
 
     # -- resume -------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:

@@ -31,8 +31,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from streamrover.trainers.flash import FlashRun
-from streamrover.trainers.torch.dataset import StreamDataset
+from streamrover.trainers.flash import FlashRun, TrainedOnly
 
 
 class FlashCheckpointIO(CheckpointIO):
@@ -81,8 +80,9 @@ class FlashCheckpoint(Callback):
         """``"memory:STEP"`` or ``"storage:STEP"`` when ``fit`` resumed a snapshot, else None."""
         return self.run.restored_from
 
-    def dataset(self, name: str, batch_size: int = 256, **kwargs: Any) -> StreamDataset:
-        """A stream dataset acked after each optimizer step (``DataLoader(ds, batch_size=None)``)."""
+    def dataset(self, name: str, batch_size: int = 256, **kwargs: Any) -> TrainedOnly:
+        """A stream dataset whose batches are acked at the optimizer step that applied them
+        (``DataLoader(ds, batch_size=None)``; ``kwargs`` as :class:`StreamDataset`'s)."""
         return self.run.dataset(name, batch_size, **kwargs)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -97,6 +97,7 @@ class FlashCheckpoint(Callback):
             trainer._checkpoint_connector._loaded_checkpoint = loaded.state
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.run.batch_trained()
         step = int(trainer.global_step)
         if self.run.step_done(step):
             self.run.flush()  # every rank's acks are in before rank 0 takes the cut

@@ -14,11 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from streamrover.ckpt import list_checkpoints
 from streamrover.testing.procs import python_env
 from tests.helpers import wait_until
+from tests.trainers.cluster import TorchJob, records_table
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -65,3 +69,31 @@ def test_lightning_script_resumes_from_shared_memory_after_a_sigkill(tmp_path: P
 
 def test_hf_trainer_script_resumes_from_shared_memory_after_a_sigkill(tmp_path: Path) -> None:
     _killed_mid_epoch(tmp_path, "hf_script.py")
+
+
+def test_lightning_fed_by_a_stream_resumes_at_the_cursor_and_the_ledger_is_exact(tmp_path: Path) -> None:
+    """The stream half: each step acks its records, each snapshot carries the cut, the resume resets the cursor."""
+    records = 3_000
+    root = tmp_path / "data"
+    root.mkdir()
+    ids = np.random.default_rng(1).permutation(records)
+    for i, part in enumerate(np.array_split(ids, 2)):
+        pq.write_table(pa.table(records_table(part)), root / f"part-{i}.parquet", row_group_size=500)
+    job = TorchJob(tmp_path, str(root), records_per_shard=500)
+    job.start()
+    try:
+        job.start_agent("n0", "1", 1, ["--records", str(records), "--out", str(job.out), "--pause-at", str(PAUSE_AT)],
+                        script=HERE / "lightning_stream.py")  # fmt: skip
+        paused = job.out / "paused"
+        wait_until(lambda: paused.exists() and paused.read_text() != "", 240, f"step {PAUSE_AT}")
+        os.kill(int(paused.read_text()), signal.SIGKILL)
+        wait_until(lambda: job.agents["n0"].poll() is not None, 240, "the agent to finish")
+        assert job.agents["n0"].returncode == 0, job.logs()
+        ledger = job.ledger()
+        assert ledger is not None and ledger.shape == (records,), job.logs()
+        assert np.all(ledger == 1), f"{int((ledger == 0).sum())} missing, {int((ledger > 1).sum())} duplicated"
+        assert f"rank 0 resumes at step {PAUSE_AT // EVERY * EVERY} from memory" in job.logs()
+        with job.admin() as admin:
+            assert admin.get_cursor()[0].size() == records, "the final checkpoint's cut covers every record"
+    finally:
+        job.stop()
