@@ -18,8 +18,10 @@ each optimizer step acks its records and each snapshot takes the cut of its step
 :class:`FlashCheckpointIO` is the storage half alone, for ``Trainer(plugins=[FlashCheckpointIO()])``:
 every ``trainer.save_checkpoint(path)`` (``ModelCheckpoint``'s too) becomes a flash save, numbered by the
 checkpoint's global step, and any ``fit(ckpt_path=...)`` loads the newest snapshot (the path only says
-"resume"); retention is the checkpointer's, so ``remove_checkpoint`` is a no-op. Strategies that
-shard the state (FSDP, DeepSpeed) are not supported: rank 0 holds the one copy.
+"resume"); retention is the checkpointer's, so ``remove_checkpoint`` is a no-op. It is for loops without
+a stream: Lightning calls it on rank 0 alone, so it cannot flush every rank's acks before the cut (the
+callback does). Strategies that shard the state (FSDP, DeepSpeed) are not supported: rank 0 holds the one
+copy.
 
 Imports lightning and torch.
 """
