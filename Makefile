@@ -5,10 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Extras the test suite needs; grows as issues land (kafka, torch, ...).
-TEST_EXTRAS ?= dev,ckpt,s3,delta,iceberg,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s,ctr,spark,docs,serving
+TEST_EXTRAS ?= dev,ckpt,s3,delta,iceberg,kafka,pulsar,rocketmq,torch,tf,platform,ray,k8s,ctr,spark,docs,serving,lightning,hf
 # pyspark is published as a source distribution only (pure Python and its jars, nothing is compiled): it cannot be
 # --only-binary; everything else that could backtrack into a failing source build is.
-PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,s3fs,aiobotocore,botocore,onnx,onnxruntime,ray,apache-beam,apache-flink,matplotlib,river,mkdocs,mkdocs-material,pyiceberg,sqlalchemy,pyroaring,mmh3
+PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,s3fs,aiobotocore,botocore,onnx,onnxruntime,ray,apache-beam,apache-flink,matplotlib,river,mkdocs,mkdocs-material,pyiceberg,sqlalchemy,pyroaring,mmh3,lightning,pytorch-lightning,transformers,accelerate,tokenizers
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench

@@ -36,6 +36,18 @@ that have some, and must not change the update. The torch trainer steps an idle 
 empty batch (its datasets agree on every step with one small all-reduce) and weighs each rank's
 gradient by its share of the step's records (:mod:`streamrover.trainers.torch.lockstep`). The user's
 script changes nothing.
+
+Frameworks that own the training loop (Lightning, the Hugging Face ``Trainer``) keep the rules through
+their own hooks, with :class:`~streamrover.trainers.flash.FlashRun` doing the work:
+:class:`~streamrover.trainers.lightning.FlashCheckpoint` (a Lightning ``Callback``; its storage half is
+:class:`~streamrover.trainers.lightning.FlashCheckpointIO`) and :class:`~streamrover.trainers.hf.FlashTrainer`
+(a ``Trainer`` subclass). What they promise: the framework's whole checkpoint (weights, optimizer,
+scheduler, its loop state) is snapshotted into shared memory every ``every_n_steps`` global steps by
+rank 0 (one copy) and persisted by the node's saver; training resumes at the newest snapshot's global
+step, from shared memory after a worker restart on the same node, before the first batch is read (rule
+1); with a stream, each optimizer step acks its records with the global step (rule 2) and each
+snapshot is preceded by every rank's flush and a barrier (rule 3). A checkpoint path given to the
+framework by the user wins over the snapshot. Sharded states (FSDP, DeepSpeed) are not supported.
 """
 
 from __future__ import annotations
