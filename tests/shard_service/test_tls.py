@@ -136,8 +136,9 @@ def test_the_cli_speaks_tls_from_the_environment(tmp_path: Path, certs: Certs) -
         master.stop()
 
 
-def test_master_stop_needs_the_admin_token_and_stops_the_master(tmp_path: Path, certs: Certs,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_master_stop_needs_the_admin_token_and_stops_the_master(
+    tmp_path: Path, certs: Certs, capsys: pytest.CaptureFixture[str]
+) -> None:
     from streamrover.cli import main
     from streamrover.tokens import worker_token
 
