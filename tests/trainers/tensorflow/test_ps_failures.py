@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from streamrover.shard_service import ShardClient, ShardServiceError
 from tests.helpers import wait_until
 from tests.trainers.cluster import records_table
 from tests.trainers.tensorflow.job import TFJob
@@ -56,6 +57,9 @@ def test_worker_sigkill_rolls_back_to_the_flash_checkpoint_and_the_ledger_is_exa
     job = _job(tmp_path, tls=True)  # over TLS: tf-ps-run --tls-ca, its chief, PS and workers all speak it
     try:
         job.start(2, 2, ["--records", str(RECORDS), "--batch-size", "32", "--ckpt-every", "25"])
+        plain = ShardClient(job.master.address, token=job.master.token, heartbeat=False, timeout=1, tls=None)
+        with plain, pytest.raises(ShardServiceError, match="set STREAMROVER_TLS_CA"):  # the master speaks TLS only
+            plain.status()
         for fraction, worker in ((0.25, 0), (0.6, 1)):
             wait_until(lambda f=fraction: job.acked() >= f * RECORDS, 300, f"{fraction:.0%} acked\n{job.logs()}")
             job.kill("workers", worker)
