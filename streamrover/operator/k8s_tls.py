@@ -24,10 +24,12 @@ import base64
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrover.operator.api import LaunchError
-from streamrover.shard_service.client.tls import ClientTls
+
+if TYPE_CHECKING:
+    from streamrover.shard_service.client.tls import ClientTls
 
 TLS_MOUNT = "/var/run/streamrover/tls"
 CLIENT_TLS_MOUNT = "/var/run/streamrover/client-tls"
@@ -59,6 +61,8 @@ class K8sTls:
 
     def node_env(self) -> dict[str, str]:
         """``STREAMROVER_TLS_*`` of a node pod."""
+        from streamrover.shard_service.client.tls import ClientTls
+
         cert, key = (f"{CLIENT_TLS_MOUNT}/{CRT}", f"{CLIENT_TLS_MOUNT}/{KEY}") if self.client_secret else (None, None)
         return ClientTls(f"{TLS_MOUNT}/{CA}", cert, key, self.server_name).env()
 
@@ -79,6 +83,8 @@ class K8sTls:
     def fetch(self, core: Any, namespace: str, folder: Path) -> ClientTls:
         """The controller's client settings: the Secrets read through the API into ``folder`` (0600 files);
         :class:`LaunchError` naming a Secret or key that is missing."""
+        from streamrover.shard_service.client.tls import ClientTls
+
         folder.mkdir(parents=True, exist_ok=True)
         ca = _write(folder / "ca.crt", _read(core, namespace, self.secret, CA))
         if not self.client_secret:

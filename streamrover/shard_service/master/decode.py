@@ -50,6 +50,7 @@ def strict(handler: grpc.RpcMethodHandler, call: str) -> grpc.RpcMethodHandler:
         su = handler.stream_unary
         return grpc.stream_unary_rpc_method_handler(lambda raws, ctx: su(each(raws, ctx), ctx), None, out)
     ss = handler.stream_stream
+    assert ss is not None
     return grpc.stream_stream_rpc_method_handler(lambda raws, ctx: ss(each(raws, ctx), ctx), None, out)
 
 
@@ -70,7 +71,7 @@ class _Registrar:
 
 def add_servicer(servicer: pb_grpc.ShardServiceServicer, server: grpc.Server) -> None:
     """``add_ShardServiceServicer_to_server``, with the requests decoded here (INVALID_ARGUMENT when they are not)."""
-    pb_grpc.add_ShardServiceServicer_to_server(servicer, _Registrar(server))
+    pb_grpc.add_ShardServiceServicer_to_server(servicer, _Registrar(server))  # type: ignore[arg-type]
 
 
 __all__ = ["add_servicer", "strict"]
