@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    m = sub.add_parser("master", help="run the job master (shard service)")
+    m = sub.add_parser("master", help="run the job master (shard service); `master stop` stops a running one")
     m.add_argument("--state-dir", required=True, help="directory of the durable journal (and the token file)")
     m.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1 only)")
     m.add_argument("--port", type=int, default=7070, help="port (0 = pick a free one)")
@@ -147,6 +147,24 @@ def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key, os.environ.get("STREAMROVER_TLS_SERVER_NAME") or None)
     return ShardClient(args.master, token=token, heartbeat=False, timeout=args.timeout,
                        tls=tls if args.tls_ca else None)  # fmt: skip
+
+
+def _stop_master(argv: list[str]) -> int:
+    """``streamrover master stop``: the Stop call (admin token only); the master ends its RPCs and exits."""
+    parser = argparse.ArgumentParser(prog="streamrover master stop",
+                                     description="stop a running master (the admin token's Stop call)")  # fmt: skip
+    parser.add_argument("--reason", default="streamrover master stop", help="recorded in the master's log")
+    _client_args(parser)
+    args = parser.parse_args(argv)
+    console = _console()
+    try:
+        with _client(args) as client:
+            client.stop(args.reason)
+    except (ShardServiceError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    console.print(f"master {args.master} stopping ({args.reason})")
+    return 0
 
 
 def _run_master(args: argparse.Namespace) -> int:
@@ -302,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         from streamrover.trainers.tensorflow.launcher import main as tf_ps_run
 
         return tf_ps_run(argv[1:])
+    if argv[:2] == ["master", "stop"]:  # not `master`'s flags: that one runs a master
+        return _stop_master(argv[2:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(message)s")
     console = _console()

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrover.operator.api import MasterLaunch, NodeState, Platform
 from streamrover.operator.autoscaler import Autoscaler
@@ -31,6 +31,9 @@ from streamrover.operator.jobs import JobDir, write_atomic
 from streamrover.operator.registry import create_platform
 from streamrover.operator.spec import JobSpec
 from streamrover.operator.supervisor import JobPhase, Supervisor
+
+if TYPE_CHECKING:
+    from streamrover.shard_service.client.tls import ClientTls
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,18 @@ class JobController:
         """The job's token (the k8s operator keeps it in a Secret instead)."""
         return resolve_token(self.spec, self.state_dir)
 
+    def tls(self) -> tuple[tuple[str, ...], ClientTls | None, dict[str, str] | None]:
+        """``master.tls`` as the master's flags, this controller's client settings and the nodes' environment (the
+        files of the spec; the Kubernetes controller mounts Secrets instead)."""
+        from streamrover.shard_service.client.tls import ClientTls
+
+        tls = self.spec.master.tls
+        if tls is None:
+            return (), None, None
+        args = tls.master_args()  # refuses a Secret here
+        client_tls = ClientTls(tls.ca or "", tls.client_cert, tls.client_key)
+        return args, client_tls, client_tls.env()
+
     def _health(self, client: Any) -> Any:
         from streamrover.trainers.torch.agent import read_health  # torch only when a torch job runs
 
@@ -105,15 +120,20 @@ class JobController:
     def run(self) -> int:
         """Run the job until it ends; returns the process exit code."""
         from streamrover.shard_service import DatasetSpec, ShardClient
-        from streamrover.shard_service.client.tls import ClientTls
 
         write_atomic(self.job.pid_path, f"{os.getpid()}\n")
         token = self.resolve_token()
-        tls = self.spec.master.tls
-        launch = MasterLaunch(self.spec.name, self.state_dir, token, self.spec.master.host, self.spec.master.port,
-                              self.spec.master.lease_ttl, tls.master_args() if tls else ())  # fmt: skip
-        client_tls = ClientTls(tls.ca, tls.client_cert, tls.client_key) if tls else None
         self._write({"job": self.spec.name, "phase": "starting", "platform": self.platform.name, "nodes": []})
+        try:
+            master_args, client_tls, node_tls = self.tls()
+        except Exception as exc:  # a Secret on a platform of files, a Secret not found...
+            self._write({"job": self.spec.name, "phase": "failed", "reason": f"the master did not start: {exc}",
+                         "platform": self.platform.name, "nodes": []})  # fmt: skip
+            self.platform.close()
+            self.job.pid_path.unlink(missing_ok=True)
+            raise
+        launch = MasterLaunch(self.spec.name, self.state_dir, token, self.spec.master.host, self.spec.master.port,
+                              self.spec.master.lease_ttl, master_args)  # fmt: skip
         reaped = getattr(self.platform, "reaped", [])
         if reaped:
             log.warning("ended what the job's previous controller left running: pids %s", reaped)
@@ -134,7 +154,7 @@ class JobController:
             sup = self.supervisor = Supervisor(
                 self.spec, self.platform, run_id=self.run_id, master_address=master.address, token=token,
                 ckpt_url=self.ckpt_url, health=self._health(client),
-                client_env=client_tls.env() if client_tls else None,
+                client_env=node_tls,
             )  # fmt: skip
             reaped = getattr(self.platform, "reaped", [])
             if reaped:

@@ -9,7 +9,8 @@ the supervisor's decisions, the same as on the other platforms.
 * master: pod ``<job>-master-<gen>`` running ``streamrover master`` with its journal on a volume
   (a PersistentVolumeClaim ``<job>-journal`` by default, or a host directory), a Service
   ``<job>-master`` in front of it, the token in a Secret ``<job>-token`` (pods read it by
-  ``secretKeyRef``; it never appears in a pod spec);
+  ``secretKeyRef``; it never appears in a pod spec); with ``master.tls.secret`` the certificates mounted from
+  Secrets (:mod:`streamrover.operator.k8s_tls`);
 * node: pod ``<job>-<node id>`` (``n1.2`` -> ``n1-2``), ``restartPolicy: Never`` (a relaunch is a new
   node id), memory as the container's limit, CPU as its request;
 * observed: the pod's phase; ``OOMKilled`` -> ``oom_killed``; deleted, evicted or killed by a signal -> ``lost``.
@@ -38,6 +39,7 @@ from streamrover.operator.api import (
     Resources,
     UnknownNodeError,
 )
+from streamrover.operator.k8s_tls import K8sTls
 from streamrover.tokens import worker_token
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class K8sPlatform(Platform):
         self._abandoned = False
         self._resources: tuple[float, Resources] | None = None
         self._files: dict[str, str] = dict((owner.get("spec") or {}).get("files") or {})  # see k8s_files
+        self.tls = K8sTls.of(owner)  # master.tls.secret: see k8s_tls
         self.reaped = self._reap()
 
     # -- objects ---------------------------------------------------------------------------
@@ -176,9 +179,10 @@ class K8sPlatform(Platform):
 
     # -- the master -------------------------------------------------------------------------
     def launch_master(self, launch: MasterLaunch) -> MasterInfo:
-        if launch.args:  # TLS files name paths on this machine, not in a pod (a Secret mount is issue 33's rest)
-            raise LaunchError("master.tls is not supported on Kubernetes yet: files on this machine are not in the "
-                              "master's pod; run without master.tls inside the cluster network")  # fmt: skip
+        if launch.args and self.tls is None:  # files on this machine are not in the master's pod
+            raise LaunchError("master.tls on Kubernetes names Secrets, not files: master.tls.secret (tls.crt, "
+                              "tls.key, ca.crt: cert-manager's layout) and, for mutual TLS, "
+                              "master.tls.client_secret")  # fmt: skip
         port = launch.port or DEFAULT_PORT
         self._create("secret", {"apiVersion": "v1", "kind": "Secret", "stringData": {TOKEN_KEY: launch.token,
                                 WORKER_TOKEN_KEY: worker_token(launch.token)},
@@ -206,8 +210,10 @@ class K8sPlatform(Platform):
         name = f"{self.job}-master-{self._master_gen}"
         command = [self.python, "-m", "streamrover.cli", "master", "--state-dir", state_dir, "--host",
                    self.config.master_bind, "--port", str(port), "--lease-ttl", str(launch.lease_ttl)]  # fmt: skip
-        body = self._pod(name, "master", "", command, {"STREAMROVER_TOKEN": launch.token},
-                         self.config.master_node_selector, {}, [volume], [{"name": "journal", "mountPath": state_dir}])
+        tls_volumes, tls_mounts = self.tls.volumes("master") if self.tls else ([], [])
+        body = self._pod(name, "master", "", [*command, *launch.args], {"STREAMROVER_TOKEN": launch.token},
+                         self.config.master_node_selector, {}, [volume, *tls_volumes],
+                         [{"name": "journal", "mountPath": state_dir}, *tls_mounts])  # fmt: skip
         self._create("pod", body)
         self._master_pod, self._master_stopped = name, False
         host = self.config.master_host or f"{self.job}-master.{self.ns}.svc"
@@ -242,6 +248,9 @@ class K8sPlatform(Platform):
             resources.setdefault("requests", {})["cpu"] = str(launch.cpu)
         command = [self.python if c == _local_python() else c for c in launch.command]
         volumes, mounts = self._shipped_files()
+        if self.tls:  # the master's CA (not its key) and the job's client certificate
+            tls_volumes, tls_mounts = self.tls.volumes("node")
+            volumes, mounts = [*volumes, *tls_volumes], [*mounts, *tls_mounts]
         body = self._pod(pod_name(self.job, launch.node_id), "node", launch.node_id, command, launch.env,
                          self.config.node_selector, resources, volumes, mounts)  # fmt: skip
         self._create("pod", body)

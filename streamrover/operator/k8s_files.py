@@ -9,6 +9,7 @@
 * a relative ``checkpoint.url`` or dataset ``uri`` is **refused**: every pod reads and writes them while the
   job runs, so they must be URLs every pod reaches (``s3://``, ``kafka://``...) or absolute paths on a
   volume every pod mounts. (Locally and on Ray they resolve against the spec file's directory.)
+* ``master.tls`` files are **refused**: on Kubernetes it names Secrets (:mod:`streamrover.operator.k8s_tls`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def for_pods(spec: JobSpec, base: Path, source: str) -> tuple[JobSpec, dict[str,
         if _local_relative(ds.uri):
             problems.append((f"datasets[{i}].uri", f"{ds.uri!r} is a path on this machine; on Kubernetes every "
                                                    f"pod reads it, so it must be {every_pod}"))  # fmt: skip
+    tls = spec.master.tls
+    if tls is not None and not tls.secret:
+        problems.append(("master.tls", "cert, key and ca are files on this machine, not in the pods: on Kubernetes "
+                                       "name Secrets (master.tls.secret, cert-manager's layout: tls.crt, tls.key, "
+                                       "ca.crt; client_secret for mutual TLS)"))  # fmt: skip
     files: dict[str, str] = {}
     script = spec.trainer.script
     if _local_relative(script):

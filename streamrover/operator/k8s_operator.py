@@ -31,12 +31,13 @@ from typing import Any
 
 import kopf
 
+from streamrover.operator.api import LaunchError
 from streamrover.operator.controller import JobController
 from streamrover.operator.jobs import JobDir
-from streamrover.operator.k8s import GROUP, PLURAL, TOKEN_KEY, VERSION, K8sConfig, K8sPlatform
+from streamrover.operator.k8s import GROUP, PLURAL, TOKEN_KEY, VERSION, WORKER_TOKEN_KEY, K8sConfig, K8sPlatform
 from streamrover.operator.k8s_jobs import stop_requested
 from streamrover.operator.spec import JobSpec, SpecError, parse_spec
-from streamrover.tokens import new_token
+from streamrover.tokens import new_token, worker_token
 
 log = logging.getLogger(__name__)
 STATUS_EVERY = 5.0  # seconds between unchanged status writes
@@ -125,6 +126,21 @@ class K8sJobController(JobController):
     def resolve_token(self) -> str:
         return self._token
 
+    def tls(self) -> tuple[tuple[str, ...], Any, dict[str, str] | None]:
+        """``master.tls.secret``: the Secrets mounted into the pods, read into the job's directory for this
+        controller (files named by the spec are not in the pods: refused)."""
+        tls = self.spec.master.tls
+        if tls is None:
+            return (), None, None
+        assert isinstance(self.platform, K8sPlatform)
+        k8s_tls = self.platform.tls
+        if k8s_tls is None:
+            raise LaunchError("master.tls on Kubernetes names Secrets, not files: master.tls.secret (tls.crt, "
+                              "tls.key, ca.crt, cert-manager's layout) and, for mutual TLS, "
+                              "master.tls.client_secret")  # fmt: skip
+        client_tls = k8s_tls.fetch(self.platform.core, self.platform.ns, self.job.path / "tls")
+        return k8s_tls.master_args(), client_tls, k8s_tls.node_env()
+
     def _status(self) -> dict[str, Any]:
         doc = super()._status()
         if self.client is not None and time.monotonic() - self._sampled > 2.0:
@@ -140,19 +156,26 @@ class K8sJobController(JobController):
 
 
 def job_token(api: Any, namespace: str, name: str) -> str:
-    """The job's token: from its Secret if a previous operator made one (a resumed job), else a new one."""
+    """The job's token: from its Secret if a previous operator made one (a resumed job; the worker token added when
+    that operator predates it), else a new one."""
     import base64
 
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
+    core = client.CoreV1Api(api)
     try:
-        secret: Any = client.CoreV1Api(api).read_namespaced_secret(f"{name}-token", namespace)
-        return base64.b64decode(secret.data[TOKEN_KEY]).decode()
+        secret: Any = core.read_namespaced_secret(f"{name}-token", namespace)
     except ApiException as exc:
         if exc.status != 404:
             raise
-    return new_token()
+        return new_token()
+    token = base64.b64decode(secret.data[TOKEN_KEY]).decode()
+    if WORKER_TOKEN_KEY not in (secret.data or {}):  # made before the roles (issue 33): node pods need the key
+        patch = {"stringData": {WORKER_TOKEN_KEY: worker_token(token)}}
+        core.patch_namespaced_secret(f"{name}-token", namespace, patch)
+        log.warning("added %s to Secret %s/%s-token (made by an older operator)", WORKER_TOKEN_KEY, namespace, name)
+    return token
 
 
 def run_job(api: Any, body: dict[str, Any], stopped: Any, config: K8sConfig, workdir: Path) -> None:

@@ -119,17 +119,32 @@ class TokenSource(_Model):
 
 
 class TlsSpec(_Model):
-    """TLS for the master (files on the machine it runs on; local and Ray): see the guide's security page."""
+    """TLS for the master: files on the machine it runs on (local, Ray) or, on Kubernetes, Secrets in cert-manager's
+    layout (``tls.crt``, ``tls.key``, ``ca.crt``) the operator mounts: see the guide's security page."""
 
-    cert: str = Field(min_length=1, description="the master's certificate (PEM), for gRPC and the dashboard")
-    key: str = Field(min_length=1, description="its private key (PEM)")
-    ca: str = Field(min_length=1, description="the CA the controller and the trainers verify the master by")
+    cert: str | None = Field(None, description="the master's certificate (PEM), for gRPC and the dashboard")
+    key: str | None = Field(None, description="its private key (PEM)")
+    ca: str | None = Field(None, description="the CA the controller and the trainers verify the master by")
     client_ca: str | None = Field(None, description="mutual TLS: clients must present a certificate it signed")
     client_cert: str | None = Field(None, description="the certificate the controller and trainers present")
     client_key: str | None = Field(None, description="its key (PEM, PKCS#8 for the Java Flink committer)")
+    secret: str | None = Field(None, description="Kubernetes: the Secret of the master's certificate (tls.crt, "
+                               "tls.key, ca.crt), for the name <job>-master.<namespace>.svc; in place of the files")
+    client_secret: str | None = Field(None, description="Kubernetes, mutual TLS: the Secret of the job's client "
+                                      "certificate (same layout); the master requires certificates its ca.crt signed")
 
     @model_validator(mode="after")
     def _client_pair(self) -> TlsSpec:
+        files = {k: v for k, v in self.model_dump().items() if v and not k.endswith("secret")}
+        if self.secret:
+            if files:
+                raise ValueError(f"give the Secret or the files, not both (secret with {', '.join(files)})")
+            return self
+        if self.client_secret:
+            raise ValueError("client_secret goes with secret (Kubernetes)")
+        missing = [k for k in ("cert", "key", "ca") if not getattr(self, k)]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} missing: give cert, key and ca (files), or secret (Kubernetes)")
         if bool(self.client_cert) != bool(self.client_key):
             raise ValueError("client_cert and client_key go together")
         if self.client_ca and not self.client_cert:
@@ -137,7 +152,10 @@ class TlsSpec(_Model):
         return self
 
     def master_args(self) -> tuple[str, ...]:
-        """The ``streamrover master`` flags."""
+        """The ``streamrover master`` flags (the files; a Secret's are the Kubernetes platform's)."""
+        if self.secret or not self.cert or not self.key:
+            raise PlatformError(f"master.tls.secret {self.secret!r} is a Kubernetes Secret: on this platform give "
+                                "master.tls.cert, key and ca (files)")  # fmt: skip
         extra = ("--tls-client-ca", self.client_ca) if self.client_ca else ()
         return ("--tls-cert", self.cert, "--tls-key", self.key, *extra)
 
@@ -150,7 +168,7 @@ class MasterSpec(_Model):
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     token: TokenSource = Field(default_factory=lambda: TokenSource(), description="default: generated, 0600 file")
     lease_ttl: float = Field(10.0, gt=0, description="seconds a lease lives without a heartbeat")
-    tls: TlsSpec | None = Field(None, description="serve TLS (local and Ray; needed when host is not loopback)")
+    tls: TlsSpec | None = Field(None, description="serve TLS (needed when host is not loopback)")
 
 
 class DatasetEntry(_Model):

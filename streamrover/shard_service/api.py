@@ -29,7 +29,7 @@ attempt already made is answered OK with no effect (``AckResult.duplicate``): re
 **Errors.** Every refusal is a :class:`ShardServiceError` whose ``code`` is the gRPC status
 the server answers with:
 
-- :class:`InvalidArgumentError`: the request is malformed (a position outside the shard, a bad spec);
+- :class:`InvalidArgumentError`: the request is malformed (a position outside the shard, a bad spec, bad bytes);
 - :class:`NotFoundError`: it names what the service does not know (dataset, shard, worker, cut);
 - :class:`AlreadyExistsError`: a dataset name is taken by another spec;
 - :class:`FailedPreconditionError`: well-formed but the state forbids it; its

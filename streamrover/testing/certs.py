@@ -28,12 +28,13 @@ def make_ca(folder: Path, name: str = "ca") -> Pair:
     return Pair(cert, key)
 
 
-def issue(ca: Pair, folder: Path, name: str, *, server: bool = True) -> Pair:
-    """A certificate signed by ``ca``: for a server (localhost, 127.0.0.1) or a client."""
+def issue(ca: Pair, folder: Path, name: str, *, server: bool = True, dns: tuple[str, ...] = ()) -> Pair:
+    """A certificate signed by ``ca``: for a server (localhost, 127.0.0.1 and the names ``dns``) or a client."""
     folder.mkdir(parents=True, exist_ok=True)
     key, csr, cert, ext = (folder / f"{name}{s}" for s in (".key", ".csr", ".pem", ".ext"))
     usage = "serverAuth" if server else "clientAuth"
-    san = "subjectAltName=DNS:localhost,IP:127.0.0.1\n" if server else ""
+    names = "".join(f",DNS:{d}" for d in dns)
+    san = f"subjectAltName=DNS:localhost,IP:127.0.0.1{names}\n" if server else ""
     ext.write_text(f"{san}extendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n")
     _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", f"/CN={name}",
              "-keyout", str(key), "-out", str(csr), cwd=folder)  # fmt: skip

@@ -16,6 +16,7 @@ import yaml
 
 from streamrover.operator.jobs import JobDir
 from streamrover.shard_service import ShardClient
+from streamrover.shard_service.client.tls import ClientTls
 from streamrover.testing.procs import python_env
 from tests.helpers import wait_until
 from tests.trainers.cluster import records_table
@@ -88,6 +89,7 @@ class RunningJob:
         self.spec_path = tmp_path / "job.yaml"
         self.spec_path.write_text(yaml.safe_dump(spec))
         self.name = spec["name"]
+        self.spec = spec
         self.out = Path(spec["trainer"]["args"][spec["trainer"]["args"].index("--out") + 1])
         self.out.mkdir(parents=True, exist_ok=True)
         self.env = {**python_env(), "STREAMROVER_HOME": str(self.home), **(env or {})}
@@ -118,7 +120,9 @@ class RunningJob:
         if "master" not in doc or "state_dir" not in doc:
             return 0
         token = (Path(doc["state_dir"]) / "token").read_text().strip()
-        with ShardClient(doc["master"], token=token, heartbeat=False, timeout=30) as admin:
+        tls = self.spec["master"].get("tls")  # the spec's files (local, Ray)
+        client_tls = ClientTls(tls["ca"], tls.get("client_cert"), tls.get("client_key")) if tls else True
+        with ShardClient(doc["master"], token=token, heartbeat=False, timeout=30, tls=client_tls) as admin:
             return admin.get_cursor()[1].size()
 
     def kill_agent(self, node_id: str) -> int:

@@ -4,7 +4,8 @@ Ray nodes are real raylets (``ray.cluster_utils.Cluster``: a head with no CPUs f
 two worker nodes with two CPUs each). Each trainer node is a Ray actor hosting a
 ``dlrover-run`` agent, one per bundle of the job's placement group (SPREAD). Mid-run the
 Ray node hosting trainer node n1 is removed: its actor dies with it, the supervisor
-relaunches the trainer node, and Ray places it on the other Ray node. The ledger is exact.
+relaunches the trainer node, and Ray places it on the other Ray node. The ledger is exact. The master
+serves mutual TLS (``master.tls``): the controller and every agent and worker reach it only over TLS.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from streamrover.testing.certs import issue, make_ca
 from tests.helpers import wait_until
 from tests.operator.runner import RunningJob, kafka_topic, ledger_spec
 
@@ -53,6 +55,12 @@ def test_a_removed_ray_node_s_trainer_node_is_relaunched_on_the_other(
     topic = kafka_topic(kafka_broker, RECORDS)
     spec = ledger_spec("on-ray", f"kafka://{kafka_broker.bootstrap}/{topic}", RECORDS, tmp_path / "out",
                        nodes="2:2")  # fmt: skip
+    pki = tmp_path / "pki"  # the master (an actor on the head node) serves mutual TLS; the actors' agents present
+    ca = make_ca(pki)  # the job's client certificate (files every Ray node reads: here one machine)
+    server, client = issue(ca, pki, "master"), issue(ca, pki, "client", server=False)
+    spec["master"]["tls"] = {"cert": str(server.cert), "key": str(server.key), "ca": str(ca.cert),
+                             "client_ca": str(ca.cert), "client_cert": str(client.cert),
+                             "client_key": str(client.key)}  # fmt: skip
     job = RunningJob(tmp_path, spec, env={"RAY_ADDRESS": ray_cluster.address})
     job.start(platform="ray")
     try:

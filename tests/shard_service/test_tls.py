@@ -134,3 +134,25 @@ def test_the_cli_speaks_tls_from_the_environment(tmp_path: Path, certs: Certs) -
         assert plain.returncode != 0 and "set STREAMROVER_TLS_CA" in plain.stdout + plain.stderr
     finally:
         master.stop()
+
+
+def test_master_stop_needs_the_admin_token_and_stops_the_master(
+    tmp_path: Path, certs: Certs, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamrover.cli import main
+    from streamrover.tokens import worker_token
+
+    token = new_token()
+    master = MasterServer(tmp_path / "state", token, tls=_served(tmp_path / "tls", certs.server))
+    try:
+        stop = ["master", "stop", "--master", master.address, "--timeout", "5", "--reason", "maintenance", "--tls-ca",
+                str(certs.ca.cert)]  # fmt: skip
+        assert main([*stop, f"--token={worker_token(token)}"]) == 2
+        out = " ".join(capsys.readouterr().out.split())
+        assert "Stop" in out and "worker role" in out and not master.servicer.stopping, out
+        assert main([*stop, f"--token={token}"]) == 0
+        assert f"master {master.address} stopping (maintenance)" in capsys.readouterr().out
+        master.wait()  # the Stop call ended it
+        assert master.servicer.stopping
+    finally:
+        master.stop()

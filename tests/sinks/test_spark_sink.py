@@ -4,7 +4,8 @@ The Spark driver is SIGKILLed twice, mid-batch, and started again from its check
 once after a batch's files were staged and before their commit (the batch runs again: new files,
 the first attempt's collected), once after a batch's commit and before Spark recorded the batch
 as done (the batch is replayed: its commit is answered already_committed and adds nothing). The
-ledger in the trained model must hold every record exactly once.
+ledger in the trained model must hold every record exactly once. The master serves TLS: the driver's
+``ShardClient`` and the trainers reach it with ``STREAMROVER_TLS_CA``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pyarrow as pa
 import pytest
 
 from streamrover.sources.staged import encode_schema
+from streamrover.testing.certs import issue, make_ca
 from streamrover.testing.procs import python_env
 from tests.helpers import wait_until
 from tests.trainers.cluster import TorchJob
@@ -37,6 +39,7 @@ def run_driver(job: TorchJob, topic: KafkaTopic, work: Path, *extra: str) -> tup
     env = python_env()
     env["PYTHONPATH"] = os.pathsep.join([str(JOB.parents[2]), env.get("PYTHONPATH", "")])
     env["PYSPARK_PYTHON"] = sys.executable
+    env.update(job.env)  # STREAMROVER_TLS_CA: the driver's ShardClient speaks TLS
     cmd = [
         sys.executable, str(JOB), "--bootstrap", topic.broker.bootstrap, "--topic", topic.topic,
         "--master", job.master.address, "--token", job.master.token, "--staging", str(work / "staging"),
@@ -51,7 +54,11 @@ def test_spark_query_trains_exactly_once_across_driver_kills(tmp_path: Path, kaf
     topic = KafkaTopic(kafka_broker)
     topic.produce(np.arange(RECORDS))
     options = {"sr.staging_dir": str(tmp_path / "staging"), "sr.schema": encode_schema(SCHEMA)}
-    job = TorchJob(tmp_path, "staged://stream", options, records_per_shard=500)
+    ca = make_ca(tmp_path / "pki")  # the master serves TLS: the trainers and the Spark driver are given the CA
+    server = issue(ca, tmp_path / "pki", "master")
+    job = TorchJob(tmp_path, "staged://stream", options, records_per_shard=500,
+                   master_args=["--tls-cert", str(server.cert), "--tls-key", str(server.key)],
+                   env={"STREAMROVER_TLS_CA": str(ca.cert)})  # fmt: skip
     script = ["--records", str(RECORDS), "--batch-size", "128", "--ckpt-every", "10", "--out", str(job.out)]
     try:
         job.start()  # the trainers start first: the dataset is registered (staged, its schema declared)

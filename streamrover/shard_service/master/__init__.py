@@ -7,7 +7,8 @@
 - Serving: :mod:`.server` (``ShardServicer``, the gRPC service) with :mod:`.session`, :mod:`.kv_rpc`,
   :mod:`.staged_rpc`, :mod:`.info`; :mod:`.web` and :mod:`.metrics` (dashboard, Prometheus ``/metrics``).
 - Security: :mod:`.auth` (the admin and worker tokens, reloaded from files; the role check) and :mod:`.tls`
-  (certificates for gRPC and HTTPS, reloaded when their files change; the off-loopback warning).
+  (certificates for gRPC and HTTPS, reloaded when their files change; the off-loopback warning), :mod:`.decode`
+  (requests decoded by the master: bytes that are no message are INVALID_ARGUMENT).
 - :mod:`.process` (``MasterServer``): a master in this process, what ``streamrover master`` runs.
 
 Nothing here is imported by :mod:`streamrover.shard_service.client` (an import-linter contract in

@@ -12,12 +12,12 @@ import grpc
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, InvalidArgumentError
 from streamrover.shard_service.master.auth import RoleAuth, Tokens
 from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.decode import add_servicer
 from streamrover.shard_service.master.journal import Journal
 from streamrover.shard_service.master.server import ShardServicer
 from streamrover.shard_service.master.statelock import StateDirLock
 from streamrover.shard_service.master.tls import ServerTls, TlsFiles, plaintext_warning
 from streamrover.shard_service.master.web import Dashboard, write_address
-from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
 from streamrover.tokens import new_token
 
 #: The largest request the master reads (gRPC's max_receive_message_length); a larger one is refused
@@ -79,7 +79,7 @@ class MasterServer:
             interceptors=[RoleAuth(self.tokens)],
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes)],
         )
-        pb_grpc.add_ShardServiceServicer_to_server(self.servicer, self._server)
+        add_servicer(self.servicer, self._server)  # garbage bytes: INVALID_ARGUMENT, not gRPC's INTERNAL
         if self.tls is not None:
             self.port = self._server.add_secure_port(f"{host}:{port}", self.tls.grpc_credentials())
         else:

@@ -20,9 +20,10 @@ for the pods the scheduler binds to it what a kubelet would, through the real AP
   finishes the deletion (``grace_period_seconds=0``) as the kubelet does.
 
 Volumes are not mounted: a hostPath volume works only when it is mounted at its own path (the
-operator's ``STREAMROVER_K8S_JOURNAL_HOST_DIR`` layout does that). A ConfigMap volume is written into
-the pod's own directory (``<workdir>/<namespace>/<pod>/mounts/<mountPath>``, read from the API as a
-kubelet would), and the command's arguments under its ``mountPath`` are pointed there: no mount
+operator's ``STREAMROVER_K8S_JOURNAL_HOST_DIR`` layout does that). A ConfigMap or Secret volume is written
+into the pod's own directory (``<workdir>/<namespace>/<pod>/mounts/<mountPath>``, read from the API as a
+kubelet would, a Secret's ``items`` only when it lists them), and the command's arguments and environment
+values under its ``mountPath`` are pointed there: no mount
 namespace here, but a pod sees only what its spec and the API give it, not the submitter's files.
 Pods are polled every 0.2 s (a stand-in: simpler than a watch, and the API server does not mind).
 """
@@ -166,7 +167,7 @@ class NodeAgent:
                 Path(volume.host_path.path).mkdir(parents=True, exist_ok=True)
         cwd = self.workdir / pod.metadata.namespace / pod.metadata.name
         cwd.mkdir(parents=True, exist_ok=True)
-        argv = self._mount_config_maps(pod, container, cwd, argv)
+        argv = self._mount_config_maps(pod, container, cwd, argv, env)
         limits = (container.resources.limits if container.resources else None) or {}
         memory = parse_memory(limits["memory"]) if "memory" in limits else None
         cgroup = None
@@ -184,19 +185,36 @@ class NodeAgent:
         state = {"running": {"startedAt": started}}
         self._report(pod, "Running", container.name, state, ready=True, started=started)
 
-    def _mount_config_maps(self, pod: Any, container: Any, cwd: Path, argv: list[str]) -> list[str]:
-        """Write the container's ConfigMap volumes under ``cwd/mounts``; ``argv`` with their paths pointed there."""
-        maps = {v.name: v.config_map.name for v in pod.spec.volumes or [] if v.config_map is not None}
+    def _mount_config_maps(self, pod: Any, container: Any, cwd: Path, argv: list[str],
+                           env: dict[str, str]) -> list[str]:  # fmt: skip
+        """Write the container's ConfigMap and Secret volumes under ``cwd/mounts`` (a Secret's ``items`` only, when
+        given); ``argv`` and ``env`` values with their paths pointed there."""
+        volumes = {v.name: v for v in pod.spec.volumes or [] if v.config_map is not None or v.secret is not None}
+        ns = pod.metadata.namespace
         for mount in container.volume_mounts or []:
-            if mount.name not in maps:
+            volume = volumes.get(mount.name)
+            if volume is None:
                 continue
             target = cwd / "mounts" / mount.mount_path.lstrip("/")
             target.mkdir(parents=True, exist_ok=True)
-            data = self.core.read_namespaced_config_map(maps[mount.name], pod.metadata.namespace).data or {}
-            for key, text in data.items():
-                (target / key).write_text(text)
+            if volume.config_map is not None:
+                data = {k: v.encode() for k, v in (self.core.read_namespaced_config_map(
+                    volume.config_map.name, ns).data or {}).items()}  # fmt: skip
+                items = volume.config_map.items
+            else:
+                secret = self.core.read_namespaced_secret(volume.secret.secret_name, ns)
+                data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+                items = volume.secret.items
+            paths = {i.key: i.path for i in items} if items else {k: k for k in data}
+            for key, path in paths.items():
+                (target / path).write_bytes(data[key])
+                if volume.secret is not None:
+                    (target / path).chmod(0o600)
             prefix = mount.mount_path.rstrip("/") + "/"
             argv = [str(target / a[len(prefix):]) if a.startswith(prefix) else a for a in argv]
+            for name, value in env.items():
+                if value.startswith(prefix):
+                    env[name] = str(target / value[len(prefix):])
         return argv
 
     def _ended(self, pod: Any, run: _Running) -> None:

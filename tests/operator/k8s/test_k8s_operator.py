@@ -13,7 +13,10 @@
   torch ledger job trains from Kafka to an exact ledger; its worker pod deleted mid-run is relaunched;
   then a worker allocates past the pod's memory limit: the kernel OOM-kills it, the agent reports the
   container ``OOMKilled`` (exit 137) as a kubelet would, and the operator relaunches the node in a pod
-  with twice the limit; the ledger is still exact.
+  with twice the limit; the ledger is still exact. That job's master serves mutual TLS from Secrets in
+  cert-manager's layout (``master.tls.secret``/``client_secret``): the workers and the operator's controller
+  reach it only through TLS with the job's client certificate;
+* a ``<job>-token`` Secret made by an operator older than the roles gets its ``worker-token`` on resume.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ import pytest
 import yaml
 
 from streamrover.operator.k8s import GROUP, LABEL_JOB, LABEL_NODE, LABEL_ROLE, PLURAL, VERSION, pod_name, submit
+from streamrover.operator.k8s_tls import server_name
 from streamrover.operator.spec import parse_spec
+from streamrover.testing.certs import issue, make_ca
 from tests.brokers._process import free_port
 from tests.helpers import wait_until, write_parquet_dataset
 from tests.operator.k8s.cluster import ControlPlane
@@ -198,6 +203,8 @@ def test_the_ledger_job_trains_exactly_through_k8s_and_survives_its_pod_deleted(
     spec["restart"] = {"oom": {"factor": 2, "max_memory": "3Gi"}}
     spec["checkpoint"]["url"] = str(tmp_path / "ckpt")
     spec["master"]["port"] = free_port()
+    # the master serves mutual TLS from cert-manager-style Secrets; workers and the controller train through it
+    spec["master"]["tls"] = tls_secrets(k8s, ns, name, tmp_path / "pki")
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     operator = Operator(k8s, ns, "streamrover.io/agent=true")
     operator.start()
@@ -218,6 +225,7 @@ def test_the_ledger_job_trains_exactly_through_k8s_and_survives_its_pod_deleted(
     try:
         wait_until(lambda: (status().get("recordsAcked") or 0) >= 0.3 * RECORDS, 400,
                    f"30% of the records acked\n{operator.logs()}")  # fmt: skip
+        assert_served_over_tls(k8s, ns, name, tmp_path / "pki", spec["master"]["port"])
         k8s.core().delete_namespaced_pod(pod_name(name, "n0"), ns, grace_period_seconds=0)
         started = time.monotonic()
         wait_until(lambda: _names(_pods(k8s, ns, name)) == {pod_name(name, "n0.1")}, 120, "n0 relaunched as n0.1")
@@ -250,3 +258,51 @@ def test_the_ledger_job_trains_exactly_through_k8s_and_survives_its_pod_deleted(
         if run.poll() is None:
             run.kill()
         operator.proc.stop(timeout=60)
+
+
+def tls_secrets(k8s: ControlPlane, ns: str, job: str, pki: Path) -> dict[str, str]:
+    """The Secrets cert-manager would make (tls.crt, tls.key, ca.crt): the master's for ``<job>-master.<ns>.svc``
+    and the job's client certificate; the spec's ``master.tls`` naming them."""
+    ca = make_ca(pki)
+    pairs = {"master-tls": issue(ca, pki, "master", dns=(server_name(job, ns),)),
+             "client-tls": issue(ca, pki, "client", server=False)}  # fmt: skip
+    for secret, pair in pairs.items():
+        data = {"tls.crt": pair.cert.read_text(), "tls.key": pair.key.read_text(), "ca.crt": ca.cert.read_text()}
+        k8s.core().create_namespaced_secret(ns, {"metadata": {"name": f"{job}-{secret}"}, "type": "kubernetes.io/tls",
+                                                 "stringData": data})  # fmt: skip
+    return {"secret": f"{job}-master-tls", "client_secret": f"{job}-client-tls"}
+
+
+def assert_served_over_tls(k8s: ControlPlane, ns: str, job: str, pki: Path, port: int) -> None:
+    """The master pod serves the Secret's certificate (mutual TLS); a worker pod has the CA and the client
+    certificate mounted, never the master's key."""
+    import socket
+    import ssl
+
+    (master,) = _pods(k8s, ns, job, "master")
+    assert "--tls-cert" in master.spec.containers[0].command, master.spec.containers[0].command
+    (worker,) = _pods(k8s, ns, job)
+    env = {e.name: e.value for e in worker.spec.containers[0].env}
+    assert env["STREAMROVER_TLS_CA"] == "/var/run/streamrover/tls/ca.crt", env
+    assert env["STREAMROVER_TLS_SERVER_NAME"] == server_name(job, ns), env
+    secrets = {v.secret.secret_name: v.secret for v in worker.spec.volumes if v.secret is not None}
+    assert [i.key for i in secrets[f"{job}-master-tls"].items] == ["ca.crt"], secrets
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    ctx.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+    with ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                         server_hostname=server_name(job, ns)) as tls:  # fmt: skip
+        assert tls.version() in ("TLSv1.2", "TLSv1.3")
+
+
+def test_a_token_secret_left_by_an_older_operator_gets_the_worker_token(k8s: ControlPlane) -> None:
+    import base64
+
+    from streamrover.operator.k8s_operator import job_token
+    from streamrover.tokens import worker_token
+
+    core = k8s.core()
+    core.create_namespaced_secret("training", {"metadata": {"name": "old-token"}, "stringData": {"token": "adm1n"}})
+    assert job_token(k8s.api(), "training", "old") == "adm1n"
+    data = core.read_namespaced_secret("old-token", "training").data
+    assert base64.b64decode(data["worker-token"]).decode() == worker_token("adm1n")
+    assert base64.b64decode(data["token"]).decode() == "adm1n"

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from streamrover.shard_service import DatasetSpec, ShardClient
+from streamrover.shard_service.client.tls import ClientTls
+from streamrover.testing.certs import issue, make_ca
 from streamrover.testing.procs import MasterProcess, python_env
 
 HERE = Path(__file__).resolve().parent
@@ -26,11 +28,20 @@ class TFJob:
     uri: str
     options: dict[str, str] = field(default_factory=dict)
     records_per_shard: int = 1000
+    tls: bool = False  # the master serves TLS; tf-ps-run is given the CA with --tls-ca (and passes it on)
     master: MasterProcess = field(init=False)
     launcher: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
-        self.master = MasterProcess(self.workdir / "master", lease_ttl=10.0)
+        self.client_tls: ClientTls | None = None
+        extra: list[str] = []
+        if self.tls:
+            pki = self.workdir / "pki"
+            ca = make_ca(pki)
+            server = issue(ca, pki, "master")
+            self.client_tls = ClientTls(str(ca.cert))
+            extra = ["--tls-cert", str(server.cert), "--tls-key", str(server.key)]
+        self.master = MasterProcess(self.workdir / "master", lease_ttl=10.0, extra_args=extra)
         self.out = self.workdir / "out"
         self.out.mkdir(parents=True, exist_ok=True)
         self.ckpt = self.workdir / "ckpt"
@@ -49,14 +60,17 @@ class TFJob:
             sys.executable, "-m", "streamrover.cli", "tf-ps-run", "--ps", str(ps), "--workers", str(workers),
             "--shard-service", self.master.address, "--token", self.master.token, "--ckpt-dir", str(self.ckpt),
             "--ckpt-job", self.workdir.name, "--log-dir", str(self.logs_dir), "--status-file", str(self.status_file),
-            "--events", str(self.events_file), str(LEDGER_SCRIPT), *script_args, "--out", str(self.out),
+            "--events", str(self.events_file),
+            *(["--tls-ca", self.client_tls.ca] if self.client_tls else []),
+            str(LEDGER_SCRIPT), *script_args, "--out", str(self.out),
         ]  # fmt: skip
         log = open(self.workdir / "launcher.log", "ab")
         self.launcher = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
     def admin(self) -> ShardClient:
-        return ShardClient(self.master.address, token=self.master.token, heartbeat=False, timeout=90)
+        return ShardClient(self.master.address, token=self.master.token, heartbeat=False, timeout=90,
+                           tls=self.client_tls or True)  # fmt: skip
 
     def status(self) -> dict[str, Any]:
         try:

@@ -4,7 +4,8 @@ A killed worker: the coordinator re-runs its closure (which may have pushed part
 updates already); the chief sees the re-run, rolls the PS variables and the cursor back to the
 last flash checkpoint, and the ledger (a PS variable updated by the step) counts every record
 once. A killed parameter server and a killed chief: the chief restarts and restores from the
-flash checkpoint in this host's shared memory (the events say so), before leasing anything.
+flash checkpoint in this host's shared memory (the events say so), before leasing anything. The first job's
+master serves TLS: ``tf-ps-run --tls-ca`` and every process it starts reach it only over TLS.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from streamrover.shard_service import ShardClient, ShardServiceError
 from tests.helpers import wait_until
 from tests.trainers.cluster import records_table
 from tests.trainers.tensorflow.job import TFJob
@@ -28,13 +30,13 @@ pytestmark = [
 RECORDS = 40_000
 
 
-def _job(tmp_path: Path, records: int = RECORDS) -> TFJob:
+def _job(tmp_path: Path, records: int = RECORDS, tls: bool = False) -> TFJob:
     data = tmp_path / "data"
     data.mkdir()
     ids = np.random.default_rng(3).permutation(records)
     for i, part in enumerate(np.array_split(ids, 2)):
         pq.write_table(pa.table(records_table(part)), data / f"part-{i}.parquet", row_group_size=2_000)
-    return TFJob(tmp_path, str(data), records_per_shard=1_000)
+    return TFJob(tmp_path, str(data), records_per_shard=1_000, tls=tls)
 
 
 def _check_exact(job: TFJob, rc: int) -> np.ndarray:
@@ -52,9 +54,12 @@ def _check_exact(job: TFJob, rc: int) -> np.ndarray:
 
 
 def test_worker_sigkill_rolls_back_to_the_flash_checkpoint_and_the_ledger_is_exact(tmp_path: Path) -> None:
-    job = _job(tmp_path)
+    job = _job(tmp_path, tls=True)  # over TLS: tf-ps-run --tls-ca, its chief, PS and workers all speak it
     try:
         job.start(2, 2, ["--records", str(RECORDS), "--batch-size", "32", "--ckpt-every", "25"])
+        plain = ShardClient(job.master.address, token=job.master.token, heartbeat=False, timeout=1, tls=None)
+        with plain, pytest.raises(ShardServiceError, match="set STREAMROVER_TLS_CA"):  # the master speaks TLS only
+            plain.status()
         for fraction, worker in ((0.25, 0), (0.6, 1)):
             wait_until(lambda f=fraction: job.acked() >= f * RECORDS, 300, f"{fraction:.0%} acked\n{job.logs()}")
             job.kill("workers", worker)
