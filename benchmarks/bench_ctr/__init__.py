@@ -104,6 +104,8 @@ def main(argv: list[str]) -> int:
         print(f"prefilled {args.records:,} records in {time.monotonic() - t:.1f} s", flush=True)
         eo, _ = run_demo(DemoConfig(records=args.records, drift_at=args.records, kill_at=None, oracle=False,
                                     produce=False, bootstrap=broker.bootstrap, topic="prefilled",
+                                    # training alone: no model server beside it, a checkpoint every 20 steps
+                                    serve=False, ckpt_every=20,
                                     workdir=work / "exactly-once"), quiet, live=False)  # fmt: skip
         print(f"exactly once: {eo.records_per_second:,.0f} records/s (ledger exact: {eo.exact})", flush=True)
         plain = _plain(broker.bootstrap, "prefilled", args.records, work, 256)
@@ -113,6 +115,7 @@ def main(argv: list[str]) -> int:
             paced = None
         else:
             paced_cfg = DemoConfig(records=args.paced_records, drift_at=drift, rate=args.rate, kill_at=None,
+                                   serve=False,  # event to applied here; `python -m benchmarks serving`: to served
                                    bootstrap=broker.bootstrap, topic="paced", workdir=work / "paced")  # fmt: skip
             paced, paced_dir = run_demo(paced_cfg, quiet, live=False)
             ours = metrics.merged(np.load(paced_dir / "out" / "windows.npy"))
