@@ -127,8 +127,11 @@ def test_a_backlog_is_trained_in_stream_time_order(tmp_path: Path, kafka_broker:
     report = f"{out_of_place} records out of place, worst {int(displaced.max())} records away, in {took:.1f}s"
     print(f"time order (max_skew_ms {skew_ms}): {report}")
     assert out_of_place <= 2 * WORKERS * SHARD, report
-    assert displaced.max() <= 2 * WORKERS * SHARD, report  # no record at all further from its place
     if skew_ms is not None:
+        # with the bound, no record at all lies further from its place than a shard's span of the timeline plus
+        # the bound: each record trained before it is in a shard leased at most skew_ms after its own shard's
+        # time. (Without one, a worker the machine starves for a while may fall back that far: CI saw 2,017.)
+        assert displaced.max() <= PARTITIONS * SHARD + skew_ms // GAP_MS, report
         worst = 0
         for i, (a0, a1, first_a) in enumerate(shards):
             for b0, b1, first_b in shards[i + 1:]:
