@@ -37,7 +37,10 @@ def build_sink() -> Path:
 class FlinkJob:
     """One PyFlink job: ``start()`` (or resume from a checkpoint), ``kill()`` (SIGKILL), REST status."""
 
-    def __init__(self, workdir: Path, jar: Path, args: list[str], rest_port: int) -> None:
+    def __init__(
+        self, workdir: Path, jar: Path, args: list[str], rest_port: int, env: dict[str, str] | None = None
+    ) -> None:
+        self.env = dict(env or {})  # more environment for the job (STREAMROVER_TLS_CA for the committer)
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.jar = jar
@@ -57,6 +60,7 @@ class FlinkJob:
         env["PATH"] = f"{FLINK_VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # its Python workers run `python`
         env["PYTHONPATH"] = str(ROOT)
         env["STREAMROVER_FLINK_SINK_JAR"] = str(self.jar)
+        env.update(self.env)
         self.runs += 1
         # the mini cluster's log (not the venv's), one folder per run: a run would overwrite the one before's
         env["FLINK_LOG_DIR"] = str(self.workdir / "flink-logs" / f"run-{self.runs}")

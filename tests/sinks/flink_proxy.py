@@ -16,12 +16,18 @@ mid-call, UNAVAILABLE ("Network closed for unknown reason" on its FIN, "io excep
 reset, UNAVAILABLE ("io exception"); an answer without its trailers then FIN or RST, UNAVAILABLE; a
 garbled frame, INTERNAL ("http2 exception"). grpc-java's UNKNOWN "channel closed" (a write racing the
 connection's close, as seen with a master killed directly) could not be produced on demand through a proxy.
+
+With ``tls`` (issue 33) the proxy terminates the committer's TLS with the master's own certificate files (read
+at each connection, so a certificate swapped in place is served at the next handshake, as the master does) and
+speaks TLS to the master, verifying it against the CA: it reads the same HTTP/2 frames in between. TLS runs
+over memory BIOs, so the selector still sees the raw sockets and a cut is still a real FIN or RST.
 """
 
 from __future__ import annotations
 
 import selectors
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -82,6 +88,99 @@ def _without_trailers(chunk: bytes) -> bytes:
     return chunk
 
 
+@dataclass(frozen=True)
+class ProxyTls:
+    """The master's certificate files (served to the committer) and the CA the master is verified against."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def server_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.set_alpn_protocols(["h2"])  # grpc-java insists on ALPN h2
+        for attempt in range(3):  # a swap between the two renames pairs a new key with the old certificate
+            try:
+                ctx.load_cert_chain(self.cert, self.key)
+                break
+            except ssl.SSLError:
+                if attempt == 2:
+                    raise
+                threading.Event().wait(0.05)  # (pacing a re-read of files being replaced, not a synchronisation)
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca)
+        ctx.set_alpn_protocols(["h2"])
+        return ctx
+
+
+class _Plain:
+    """A raw socket's side of a connection."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def handshake(self) -> None:
+        pass
+
+    def recv(self) -> bytes | None:
+        """What arrived (b"" at the peer's end; raises OSError on a reset)."""
+        return self.sock.recv(65536)
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+
+class _Tls(_Plain):
+    """TLS over a raw socket through memory BIOs: ``recv`` after the socket is readable gives the plaintext that
+    arrived (None: none yet, a partial record)."""
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, server_side: bool) -> None:
+        super().__init__(sock)
+        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        hostname = None if server_side else "127.0.0.1"
+        self.obj = ctx.wrap_bio(self.incoming, self.outgoing, server_side=server_side, server_hostname=hostname)
+
+    def _flush(self) -> None:
+        data = self.outgoing.read()
+        if data:
+            self.sock.sendall(data)
+
+    def handshake(self) -> None:
+        while True:
+            try:
+                self.obj.do_handshake()
+                self._flush()
+                return
+            except ssl.SSLWantReadError:
+                self._flush()
+                data = self.sock.recv(65536)
+                if not data:
+                    raise ConnectionResetError("the peer closed during the TLS handshake") from None
+                self.incoming.write(data)
+
+    def recv(self) -> bytes | None:
+        data = self.sock.recv(65536)
+        if not data:
+            return b""
+        self.incoming.write(data)
+        plain = []
+        try:
+            while True:
+                plain.append(self.obj.read(65536))
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLZeroReturnError:  # close_notify: the peer's end
+            return b"".join(plain) or b""
+        self._flush()  # (post-handshake messages: TLS 1.3 session tickets, key updates)
+        return b"".join(plain) or None
+
+    def sendall(self, data: bytes) -> None:
+        self.obj.write(data)
+        self._flush()
+
+
 class _Connection:
     """One proxied connection, pumped both ways by one thread (so that a close is a real close: RST or FIN)."""
 
@@ -89,10 +188,21 @@ class _Connection:
         self.proxy = proxy
         self.client = client
         self.upstream = upstream
+        self.client_side, self.upstream_side = _Plain(client), _Plain(upstream)
         self.cut: _Armed | None = None  # this connection's call being cut: its answer is not forwarded
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
+        try:  # the client's handshake, then the master's (each blocking, before any frame is pumped)
+            if (tls := self.proxy.tls) is not None:
+                self.client_side = _Tls(self.client, tls.server_context(), True)
+                self.upstream_side = _Tls(self.upstream, tls.client_context(), False)
+            self.client_side.handshake()
+            self.upstream_side.handshake()
+        except (OSError, ssl.SSLError):  # a handshake refused or cut: the connection ends as the master's would
+            _reset(self.client)
+            _reset(self.upstream)
+            return
         with selectors.DefaultSelector() as sel:
             sel.register(self.client, selectors.EVENT_READ, self._request)
             sel.register(self.upstream, selectors.EVENT_READ, self._answer)
@@ -105,48 +215,52 @@ class _Connection:
 
     def _request(self) -> bool:
         try:
-            chunk = self.client.recv(65536)
+            chunk = self.client_side.recv()
+            if chunk is None:  # a partial TLS record
+                return True
             if not chunk:  # the client closed
                 self.upstream.close()
                 self.client.close()
                 return False
             if self.cut is None and _ends_a_request(chunk):
                 self.cut = self.proxy._take_armed()
-            self.upstream.sendall(chunk)
+            self.upstream_side.sendall(chunk)
             if self.cut is not None and self.cut.mode.startswith("kill") and not self.cut.fired.is_set():
                 self.cut.action()  # the master dies with the request in flight
                 if self.cut.mode == "kill-garble":  # and the client reads garbage before the connection's end
-                    self.client.sendall(GARBLED_FRAME)
+                    self.client_side.sendall(GARBLED_FRAME)
                 self.proxy.cuts.append(self.cut.mode)
                 self.cut.fired.set()
             return True
-        except OSError:
+        except (OSError, ssl.SSLError):
             _reset(self.upstream)
             _reset(self.client)
             return False
 
     def _answer(self) -> bool:
         try:
-            chunk = self.upstream.recv(65536)
-        except OSError:  # the master's side was reset: so is the client's
+            chunk = self.upstream_side.recv()
+        except (OSError, ssl.SSLError):  # the master's side was reset: so is the client's
             _reset(self.client)
             self.upstream.close()
             return False
+        if chunk is None:  # a partial TLS record
+            return True
         if not chunk:  # the master's side ended (FIN): so does the client's
             self.client.close()
             self.upstream.close()
             return False
         if self.cut is None or (self.cut.mode in ("reset", "garble") and not _is_an_answer(chunk)):
             try:  # (a cut waits for a whole answer with a message, a success; pings, settings, errors pass)
-                self.client.sendall(chunk)
-            except OSError:
+                self.client_side.sendall(chunk)
+            except (OSError, ssl.SSLError):
                 _reset(self.upstream)
                 self.client.close()
                 return False
             return True
         if self.cut.mode in ("reset", "garble"):  # the master answered: the commit landed
             if self.cut.mode == "garble":  # the answer but its trailers, then a frame header that is garbage
-                self.client.sendall(_without_trailers(chunk) + GARBLED_FRAME)
+                self.client_side.sendall(_without_trailers(chunk) + GARBLED_FRAME)
             self.proxy.cuts.append(self.cut.mode)
             _reset(self.client)
             self.upstream.close()
@@ -156,10 +270,12 @@ class _Connection:
 
 
 class CutProxy:
-    """Listens on 127.0.0.1 (``address``) and forwards each connection to ``upstream()`` (host:port)."""
+    """Listens on 127.0.0.1 (``address``) and forwards each connection to ``upstream()`` (host:port), through TLS
+    on both sides with ``tls``."""
 
-    def __init__(self, upstream: Callable[[], str]) -> None:
+    def __init__(self, upstream: Callable[[], str], tls: ProxyTls | None = None) -> None:
         self.upstream = upstream
+        self.tls = tls
         self.server = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
         self.cuts: list[str] = []  # the cuts made, in order

@@ -21,6 +21,12 @@ frame (grpc-java: INTERNAL, which the committer before issue 26 dropped: failedC
 dlrover-run trainer rides the same kills. The committer must log each retry with its gRPC status, never count
 a committable as failed (Flink's ``failedCommittables`` stays 0), and lose nothing.
 
+All of it runs over TLS (issue 33): the master serves a certificate of a test CA; the trainer, the committer
+(through the proxy, which terminates and re-originates TLS with the master's own files) and the test's clients
+verify it, and the trainer and the committer hold the worker token only. When Flink is SIGKILLed the master's
+certificate is renewed in place (a new key, the same CA, as cert-manager does); every later handshake, the
+restarted master's, the proxy's and the resumed job's, must take it and lose nothing.
+
 The ledger in the model must then hold every id exactly once, and the dataset exactly RECORDS records.
 """
 
@@ -28,7 +34,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sqlite3
+import ssl
 import sys
 import threading
 from collections import Counter
@@ -39,11 +47,13 @@ import pyarrow as pa
 import pytest
 
 from streamrover.sources.staged import encode_schema
+from streamrover.testing.certs import issue, make_ca, serial
+from streamrover.tokens import worker_token
 from tests.brokers._process import free_port
 from tests.helpers import wait_until
 from tests.sinks.flink import FlinkJob, build_sink
 from tests.sinks.flink_master_chaos import MasterChaos
-from tests.sinks.flink_proxy import CutProxy
+from tests.sinks.flink_proxy import CutProxy, ProxyTls
 from tests.trainers.cluster import TorchJob
 from tests.trainers.streams import KafkaTopic
 
@@ -86,10 +96,20 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
     topic.produce(ids[: RECORDS // 2])
     staging = tmp_path / "staging"
     options = {"sr.staging_dir": str(staging), "sr.schema": encode_schema(SCHEMA)}
-    job = TorchJob(tmp_path, "staged://stream", options, records_per_shard=1_000)
+    ca = make_ca(tmp_path / "pki")
+    first, renewed = issue(ca, tmp_path / "pki", "server"), issue(ca, tmp_path / "pki", "renewed")
+    served = tmp_path / "tls"  # the files the master serves, replaced whole mid-run
+    served.mkdir()
+    shutil.copy(first.cert, served / "tls.crt")
+    shutil.copy(first.key, served / "tls.key")
+    tls_env = {"STREAMROVER_TLS_CA": str(ca.cert)}
+    tls_args = ["--tls-cert", str(served / "tls.crt"), "--tls-key", str(served / "tls.key")]
+    job = TorchJob(tmp_path, "staged://stream", options, records_per_shard=1_000, worker_role=True, env=tls_env,
+                   master_args=tls_args)  # fmt: skip
     marker = tmp_path / "map-failed"
-    flink = FlinkJob(tmp_path, flink_sink_jar, [], free_port())
-    proxy = CutProxy(lambda: job.master.address)  # the committer reaches the master through it
+    flink = FlinkJob(tmp_path, flink_sink_jar, [], free_port(), env=tls_env)
+    proxy_tls = ProxyTls(str(served / "tls.crt"), str(served / "tls.key"), str(ca.cert))
+    proxy = CutProxy(lambda: job.master.address, proxy_tls)  # the committer reaches the master through it
     chaos = MasterChaos(job.master, proxy, flink, KILLS, MID_CALL, RESETS, SEED)
 
     def produce_later() -> None:  # the second half in small steps while the chaos lasts (commits go on), the rest after
@@ -120,7 +140,7 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
     try:
         job.start()
         flink.args = ["--bootstrap", kafka_broker.bootstrap, "--topic", topic.topic,  # type: ignore[attr-defined]
-                      "--master", proxy.address, "--token", job.master.token, "--staging", str(staging),
+                      "--master", proxy.address, f"--token={worker_token(job.master.token)}", "--staging", str(staging),
                       "--fail-after", str(FAIL_AFTER), "--fail-marker", str(marker)]  # fmt: skip
         flink.start()
         script = ["--records", str(RECORDS), "--batch-size", "128", "--ckpt-every", "10", "--out", str(job.out)]
@@ -140,6 +160,9 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         flink.kill()
         retained = flink.latest_retained()
         assert retained is not None, f"no retained checkpoint under {flink.checkpoints}\n{flink.logs()}"
+        for name in ("tls.key", "tls.crt"):  # the certificate renewed in place, as a Secret volume's files are
+            shutil.copy(renewed.cert if name == "tls.crt" else renewed.key, served / f"{name}.new")
+            (served / f"{name}.new").rename(served / name)
         print(f"SIGKILLed Flink at {before} committed; resuming from {retained}", file=sys.stderr)
         flink.start(restore=retained)
 
@@ -162,6 +185,9 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         assert chaos.failed_committables == 0 == (flink.committer_metric("failedCommittables") or 0)
         with chaos.quiet, job.admin() as admin:
             assert list(admin.describe_dataset("stream").commit_gaps) == [], "a subtask's checkpoint was skipped"
+        host, port = job.master.address.rsplit(":", 1)  # the master serves the renewed certificate
+        (served / "seen.crt").write_text(ssl.get_server_certificate((host, int(port)), ca_certs=str(ca.cert)))
+        assert serial(served / "seen.crt") == serial(renewed.cert)
         job.master.stop()  # the journal is the master's alone while it runs
         named, unnamed, chains = previous_epochs(job.master.state_dir / "journal.db")
         print(f"commits naming their previous epoch: {named}, naming none: {unnamed} ({chains} producer/parts)",
