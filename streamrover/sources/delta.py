@@ -23,7 +23,7 @@ when the dataset is registered.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import pyarrow as pa
 from deltalake import DeltaTable
@@ -32,7 +32,6 @@ from pydantic import ConfigDict, Field
 
 from streamrover.sources.api import (
     Partition,
-    ReadBatch,
     Source,
     SourceError,
     SourceKind,
@@ -42,7 +41,7 @@ from streamrover.sources.api import (
 )
 from streamrover.sources.delta_log import DeltaLog
 from streamrover.sources.options import OptionError, StreamPlanning
-from streamrover.sources.table_files import TableFiles, row_groups
+from streamrover.sources.table_files import TableSource, row_groups
 
 _UNSUPPORTED = {"deletionVectors": "deletion vectors", "columnMapping": "column mapping"}
 
@@ -58,13 +57,11 @@ class DeltaOptions(StreamPlanning):
     )
 
 
-class DeltaSource(Source):
+class DeltaSource(TableSource):
     """One version of a Delta table; partitions are its data files' row groups (module docstring)."""
 
-    kind = SourceKind.BATCH
-    dense_positions = True
-
     def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
+        super().__init__()
         self.uri = uri
         self.path = uri.removeprefix("delta://")
         self.options = DeltaOptions.parse(dict(options or {}), "Delta")
@@ -76,9 +73,7 @@ class DeltaSource(Source):
                 )
             self.kind = SourceKind.STREAM
         self._log: DeltaLog | None = None
-        self._files = TableFiles()
         self._parts: list[Partition] | None = None
-        self._schema: pa.Schema | None = None
 
     def _table(self) -> DeltaTable:
         try:
@@ -124,20 +119,6 @@ class DeltaSource(Source):
             return self._parts + self._log.follow()
         return self._parts
 
-    def poll(self) -> list[Partition]:
-        return self.partitions()
-
-    def schema(self) -> pa.Schema:
-        if self._schema is None:
-            self.partitions()
-        assert self._schema is not None
-        return self._schema
-
-    def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
-        yield from self._files.read(partition, start, end, batch_size)  # SourceNotFoundError: the file was vacuumed
-
-    def close(self) -> None:
-        self._files.close()
 
 
 def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:

@@ -24,10 +24,9 @@ passed to ``pyiceberg.catalog.load_catalog`` as they are (``type=sql``, ``uri=sq
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import pyarrow as pa
 from pydantic import ConfigDict, Field
 from pyiceberg.catalog import load_catalog
 from pyiceberg.exceptions import NoSuchTableError
@@ -35,7 +34,6 @@ from pyiceberg.manifest import ManifestEntryStatus
 
 from streamrover.sources.api import (
     Partition,
-    ReadBatch,
     Source,
     SourceError,
     SourceKind,
@@ -44,7 +42,7 @@ from streamrover.sources.api import (
     register_source,
 )
 from streamrover.sources.options import PREFIX, OptionError, StreamPlanning
-from streamrover.sources.table_files import TableFiles, row_groups
+from streamrover.sources.table_files import TableSource, row_groups
 
 RELOAD_EVERY = 1.0  # seconds: a followed table's metadata is loaded at most this often (a poll is every 100 ms)
 
@@ -61,13 +59,11 @@ class IcebergOptions(StreamPlanning):
     catalog: str = Field("default", alias="sr.catalog", min_length=1, description="the catalog's name")
 
 
-class IcebergSource(Source):
+class IcebergSource(TableSource):
     """One snapshot of an Iceberg table, or the table followed from it (module docstring)."""
 
-    kind = SourceKind.BATCH
-    dense_positions = True
-
     def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
+        super().__init__()
         opts = dict(options or {})
         self.options = IcebergOptions.parse(opts, "Iceberg")
         self.identifier = uri.removeprefix("iceberg://").strip("/")
@@ -80,10 +76,8 @@ class IcebergSource(Source):
         self.properties = {k: v for k, v in opts.items() if not k.startswith(PREFIX)}
         self._catalog: Any = None
         self._parts: list[Partition] | None = None
-        self._schema: pa.Schema | None = None
         self._followed: int | None = None  # the last snapshot turned into partitions
         self._loaded = 0.0  # when the followed table was last loaded (time.monotonic)
-        self._files = TableFiles()
 
     def _table(self) -> Any:
         if self._catalog is None:
@@ -166,20 +160,6 @@ class IcebergSource(Source):
                 parts += self._files_of(f"s{child.snapshot_id}", added)
             self._followed = child.snapshot_id  # replace (compaction): nothing new
 
-    def poll(self) -> list[Partition]:
-        return self.partitions()
-
-    def schema(self) -> pa.Schema:
-        if self._schema is None:
-            self.partitions()
-        assert self._schema is not None
-        return self._schema
-
-    def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
-        yield from self._files.read(partition, start, end, batch_size)  # SourceNotFoundError: the file expired
-
-    def close(self) -> None:
-        self._files.close()
 
 
 def _factory(uri: str, format: str, options: Mapping[str, str]) -> Source:

@@ -16,7 +16,15 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from streamrover.sources.api import Partition, ReadBatch, SourceError, SourceNotFoundError, SourceUnreadableError
+from streamrover.sources.api import (
+    Partition,
+    ReadBatch,
+    Source,
+    SourceError,
+    SourceKind,
+    SourceNotFoundError,
+    SourceUnreadableError,
+)
 from streamrover.sources.files import FileSource
 
 PART_ID = re.compile(r"^(?P<tag>[a-z][0-9]+):(?P<path>.+)#rg(?P<rg>[0-9]+)$")
@@ -71,3 +79,31 @@ class TableFiles:
         for files in self._files.values():
             files.close()
         self._files.clear()
+
+
+class TableSource(Source):
+    """What a table source (Delta, Iceberg) shares: partitions are data files' row groups, read by
+    :class:`TableFiles`; a poll lists the partitions again; the schema is known once they are listed.
+    A subclass sets ``_schema`` in :meth:`partitions` (a STREAM ``kind`` when it follows the table)."""
+
+    kind = SourceKind.BATCH
+    dense_positions = True
+
+    def __init__(self) -> None:
+        self._files = TableFiles()
+        self._schema: pa.Schema | None = None
+
+    def poll(self) -> list[Partition]:
+        return self.partitions()
+
+    def schema(self) -> pa.Schema:
+        if self._schema is None:
+            self.partitions()
+        assert self._schema is not None
+        return self._schema
+
+    def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
+        yield from self._files.read(partition, start, end, batch_size)  # SourceNotFoundError: the file is gone
+
+    def close(self) -> None:
+        self._files.close()
