@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -203,6 +204,65 @@ def wait_until(what: str, condition: Callable[[], bool], *, timeout: float,
             logs = "\n".join(f"--- tail of {p.log_path} ---\n{p.log_tail()}" for p in procs)
             raise BrokerStartError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last}).\n{logs}")
         time.sleep(interval)
+
+
+class Lifecycle:
+    """``restart`` and ``cleanup`` of a broker, from its ``start``, ``stop`` and ``kill``."""
+
+    workdir: Path
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 30.0) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def restart(self, *, hard: bool = False) -> None:
+        """Stop (or kill, if ``hard``) and start again on the same ports and data."""
+        if hard:
+            self.kill()
+        else:
+            self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        """Stop and delete the work directory."""
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class OneProcessBroker(Lifecycle):
+    """A broker that is one child process (``_proc``): it is launched, waited for, stopped and killed alike."""
+
+    _proc: ChildProcess
+    startup_timeout: float
+    startup_seconds: float | None
+    stop_timeout = 10.0
+
+    def is_running(self) -> bool:
+        return self._proc.running()
+
+    def _launch(self, what: str, ready: Callable[[], bool], interval: float = 0.1) -> None:
+        """Start ``_proc`` (its argv set) and wait until ``ready``; killed again when it never is."""
+        t0 = time.monotonic()
+        self._proc.start()
+        try:
+            wait_until(what, ready, timeout=self.startup_timeout, procs=[self._proc], interval=interval)
+        except BrokerStartError:
+            self._proc.kill()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Controlled shutdown (SIGTERM), SIGKILL after ``timeout`` s."""
+        self._proc.stop(self.stop_timeout if timeout is None else timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: the broker dies without flushing or closing anything."""
+        self._proc.kill()
 
 
 def cache_root() -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,14 +21,13 @@ from pathlib import Path
 from tests.brokers._process import (
     LOOPBACK,
     BrokerError,
-    BrokerStartError,
     ChildProcess,
     MissingDependencyError,
+    OneProcessBroker,
     free_ports,
     jars_dir,
     port_accepting,
     rss_bytes,
-    wait_until,
 )
 
 KAFKA_VERSION = "4.4.0"  # keep in step with tests/brokers/jars/kafka/pom.xml
@@ -60,13 +58,15 @@ def _random_cluster_id() -> str:
             return cid
 
 
-class KafkaBroker:
+class KafkaBroker(OneProcessBroker):
     """One Kafka 4.x KRaft node: ``start``, ``stop`` (SIGTERM), ``kill`` (SIGKILL), ``restart``.
 
     ``workdir`` holds ``data/`` (the log dir, kept across restarts), ``server.properties``,
     ``log4j2.properties`` and ``kafka.log`` (stdout and stderr of every run, appended).
     ``properties`` are added to / override the generated server.properties.
     """
+
+    stop_timeout = 30.0
 
     def __init__(self, workdir: Path, *, heap: str = "512m", startup_timeout: float = 90.0,
                  properties: Mapping[str, str] | None = None, java: str = "java") -> None:
@@ -106,9 +106,6 @@ class KafkaBroker:
     def rss_bytes(self) -> int:
         return rss_bytes([self.pid])
 
-    def is_running(self) -> bool:
-        return self._proc.running()
-
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Start the broker (formatting storage on first start) and wait until it serves metadata."""
@@ -116,36 +113,8 @@ class KafkaBroker:
         self._write_config()
         if not self._formatted:
             self._format()
-        t0 = time.monotonic()
         self._proc.argv = self._argv()
-        self._proc.start()
-        try:
-            wait_until(f"Kafka on {self.bootstrap}", self._ready, timeout=self.startup_timeout, procs=[self._proc])
-        except BrokerStartError:
-            self._proc.kill()
-            raise
-        self.startup_seconds = time.monotonic() - t0
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Controlled shutdown (SIGTERM), SIGKILL after ``timeout`` s."""
-        self._proc.stop(timeout)
-
-    def kill(self) -> None:
-        """SIGKILL: the broker dies without flushing or closing anything."""
-        self._proc.kill()
-
-    def restart(self, *, hard: bool = False) -> None:
-        """Stop (or kill, if ``hard``) and start again on the same ports and log dir."""
-        if hard:
-            self.kill()
-        else:
-            self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        """Stop and delete the work directory."""
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._launch(f"Kafka on {self.bootstrap}", self._ready)
 
     # ----------------------------------------------------------------- internals
     def _classpath(self) -> str:

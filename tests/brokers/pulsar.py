@@ -22,22 +22,19 @@ Readiness: the port accepts and a Pulsar binary-protocol CONNECT is answered wit
 
 from __future__ import annotations
 
-import shutil
 import socket
 import struct
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from tests.brokers._process import (
     LOOPBACK,
-    BrokerStartError,
     ChildProcess,
     MissingDependencyError,
+    OneProcessBroker,
     free_port,
     port_accepting,
     rss_bytes,
-    wait_until,
 )
 
 _CMD_CONNECT = 2
@@ -108,8 +105,10 @@ def pulsar_handshake(host: str, port: int, timeout: float = 2.0) -> bool:
     return len(body) >= 2 and body[0] == 0x08 and body[1] == _CMD_CONNECTED
 
 
-class PulsarLiteBroker:
+class PulsarLiteBroker(OneProcessBroker):
     """A pulsar-lite broker on 127.0.0.1:<free port> (kept across restarts) with RocksDB under ``workdir``."""
+
+    stop_timeout = 10.0
 
     def __init__(self, workdir: Path, *, default_partitions: int = 4, log_level: str = "info",
                  config: Mapping[str, object] | None = None, startup_timeout: float = 30.0) -> None:
@@ -146,9 +145,6 @@ class PulsarLiteBroker:
     def rss_bytes(self) -> int:
         return rss_bytes([self.pid])
 
-    def is_running(self) -> bool:
-        return self._proc.running()
-
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         config: dict[str, object] = {
@@ -162,33 +158,7 @@ class PulsarLiteBroker:
         conf.write_text(_toml(config))
         self._proc.argv = [str(pulsar_lite_binary()), "--config", str(conf), "--addr", self.address,
                            "--db-path", str(self.db_path), "--log-level", self.log_level]
-        t0 = time.monotonic()
-        self._proc.start()
-        try:
-            wait_until(f"pulsar-lite on {self.address}", self._ready, timeout=self.startup_timeout,
-                       procs=[self._proc], interval=0.02)
-        except BrokerStartError:
-            self._proc.kill()
-            raise
-        self.startup_seconds = time.monotonic() - t0
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._proc.stop(timeout)
-
-    def kill(self) -> None:
-        self._proc.kill()
-
-    def restart(self, *, hard: bool = False) -> None:
-        """Stop (or kill) and start again on the same port and RocksDB directory."""
-        if hard:
-            self.kill()
-        else:
-            self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._launch(f"pulsar-lite on {self.address}", self._ready, 0.02)
 
     def _ready(self) -> bool:
         return port_accepting(self.port) and pulsar_handshake(LOOPBACK, self.port)

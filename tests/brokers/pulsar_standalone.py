@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -25,14 +24,13 @@ from pathlib import Path
 
 from tests.brokers._process import (
     LOOPBACK,
-    BrokerStartError,
     ChildProcess,
     MissingDependencyError,
+    OneProcessBroker,
     free_ports,
     jars_dir,
     port_accepting,
     rss_bytes,
-    wait_until,
 )
 
 PULSAR_VERSION = "4.0.7"  # keep in step with tests/brokers/jars/pulsar/pom.xml
@@ -50,8 +48,10 @@ logger.standalone.level = info
 """
 
 
-class PulsarStandalone:
+class PulsarStandalone(OneProcessBroker):
     """One Pulsar standalone: ``start``, ``stop`` (SIGTERM), ``kill`` (SIGKILL), ``restart``; data in ``workdir``."""
+
+    stop_timeout = 30.0
 
     def __init__(self, workdir: Path, *, entries_per_ledger: int = 50, heap: str = "384m",
                  config: Mapping[str, object] | None = None, startup_timeout: float = 120.0,
@@ -85,9 +85,6 @@ class PulsarStandalone:
     def rss_bytes(self) -> int:
         return rss_bytes([self.pid])
 
-    def is_running(self) -> bool:
-        return self._proc.running()
-
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         conf = self.workdir / "standalone.conf"
@@ -105,32 +102,7 @@ class PulsarStandalone:
             "--bookkeeper-dir", str(self.workdir / "data" / "bookkeeper"),
             "--bookkeeper-port", str(self.bookie_port),
         ]
-        t0 = time.monotonic()
-        self._proc.start()
-        try:
-            wait_until(f"Pulsar standalone on {self.service_url}", self._ready, timeout=self.startup_timeout,
-                       procs=[self._proc], interval=0.2)
-        except BrokerStartError:
-            self._proc.kill()
-            raise
-        self.startup_seconds = time.monotonic() - t0
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._proc.stop(timeout)
-
-    def kill(self) -> None:
-        self._proc.kill()
-
-    def restart(self, *, hard: bool = False) -> None:
-        if hard:
-            self.kill()
-        else:
-            self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._launch(f"Pulsar standalone on {self.service_url}", self._ready, 0.2)
 
     def admin(self, method: str, path: str, body: object | None = None) -> object:
         """One admin REST call (``path`` under /admin/v2); returns the decoded JSON answer (None if empty)."""

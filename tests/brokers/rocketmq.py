@@ -37,6 +37,7 @@ from tests.brokers._process import (
     BrokerError,
     BrokerStartError,
     ChildProcess,
+    Lifecycle,
     MissingDependencyError,
     free_port,
     jars_dir,
@@ -80,7 +81,7 @@ def _broker_port() -> int:
     raise BrokerError("found no free port p on 127.0.0.1 with p-2 and p+1 free as well")
 
 
-class RocketMQBroker:
+class RocketMQBroker(Lifecycle):
     """RocketMQ 5.x: name server + broker, on 127.0.0.1 free ports kept across restarts.
 
     ``workdir`` holds ``store/`` (commit log, consume queues: durable across ``stop``/``kill``/``restart``),
@@ -166,18 +167,6 @@ class RocketMQBroker:
     def kill_broker(self) -> None:
         """SIGKILL only the broker JVM (the name server keeps running)."""
         self._broker.kill()
-
-    def restart(self, *, hard: bool = False) -> None:
-        """Stop (or kill) and start again on the same ports and store."""
-        if hard:
-            self.kill()
-        else:
-            self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
     # ----------------------------------------------------------------- admin
     def create_topic(self, topic: str, queues: int, *, timeout: float = 30.0) -> None:

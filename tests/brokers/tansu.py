@@ -21,19 +21,16 @@ Readiness: the port accepts and a metadata request through confluent-kafka answe
 from __future__ import annotations
 
 import os
-import shutil
-import time
 from pathlib import Path
 
 from tests.brokers._process import (
     LOOPBACK,
-    BrokerStartError,
     ChildProcess,
     MissingDependencyError,
+    OneProcessBroker,
     free_port,
     port_accepting,
     rss_bytes,
-    wait_until,
 )
 
 _TANSU_ENV = ("CLUSTER_ID", "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "SCHEMA_REGISTRY",
@@ -54,8 +51,10 @@ def tansu_binary() -> Path:
     return path
 
 
-class TansuBroker:
+class TansuBroker(OneProcessBroker):
     """A tansu broker with memory storage on 127.0.0.1:<free port> (kept across restarts)."""
+
+    stop_timeout = 10.0
 
     def __init__(self, workdir: Path, *, storage_engine: str = "memory://tansu/",
                  cluster_id: str = "streamrover-tests", startup_timeout: float = 30.0) -> None:
@@ -98,42 +97,13 @@ class TansuBroker:
     def rss_bytes(self) -> int:
         return rss_bytes([self.pid])
 
-    def is_running(self) -> bool:
-        return self._proc.running()
-
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         url = f"tcp://{LOOPBACK}:{self.port}"
         self._proc.argv = [str(tansu_binary()), "broker", "--cluster-id", self.cluster_id, "--listener-url", url,
                            "--advertised-listener-url", url, "--storage-engine", self.storage_engine]
         self._proc.env = {k: v for k, v in os.environ.items() if k not in _TANSU_ENV}
-        t0 = time.monotonic()
-        self._proc.start()
-        try:
-            wait_until(f"tansu on {self.bootstrap}", self._ready, timeout=self.startup_timeout,
-                       procs=[self._proc], interval=0.02)
-        except BrokerStartError:
-            self._proc.kill()
-            raise
-        self.startup_seconds = time.monotonic() - t0
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._proc.stop(timeout)
-
-    def kill(self) -> None:
-        self._proc.kill()
-
-    def restart(self, *, hard: bool = False) -> None:
-        """Stop (or kill) and start again on the same port. With memory storage all data is gone."""
-        if hard:
-            self.kill()
-        else:
-            self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._launch(f"tansu on {self.bootstrap}", self._ready, 0.02)
 
     def _ready(self) -> bool:
         if not port_accepting(self.port):
