@@ -245,6 +245,17 @@ class OneProcessBroker(Lifecycle):
     def is_running(self) -> bool:
         return self._proc.running()
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self._proc.log_path
+
+    def rss_bytes(self) -> int:
+        return rss_bytes([self.pid])
+
     def _launch(self, what: str, ready: Callable[[], bool], interval: float = 0.1) -> None:
         """Start ``_proc`` (its argv set) and wait until ``ready``; killed again when it never is."""
         t0 = time.monotonic()

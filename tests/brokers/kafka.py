@@ -27,7 +27,6 @@ from tests.brokers._process import (
     free_ports,
     jars_dir,
     port_accepting,
-    rss_bytes,
 )
 
 KAFKA_VERSION = "4.4.0"  # keep in step with tests/brokers/jars/kafka/pom.xml
@@ -91,20 +90,9 @@ class KafkaBroker(OneProcessBroker):
     def data_dir(self) -> Path:
         return self.workdir / "data"
 
-    @property
-    def log_path(self) -> Path:
-        return self._proc.log_path
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
-
     def client_config(self, **overrides: object) -> dict[str, object]:
         """A librdkafka config dict pointing at this broker (plus ``overrides``)."""
         return {"bootstrap.servers": self.bootstrap, **overrides}
-
-    def rss_bytes(self) -> int:
-        return rss_bytes([self.pid])
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:

@@ -34,7 +34,6 @@ from tests.brokers._process import (
     OneProcessBroker,
     free_port,
     port_accepting,
-    rss_bytes,
 )
 
 _CMD_CONNECT = 2
@@ -133,17 +132,6 @@ class PulsarLiteBroker(OneProcessBroker):
     @property
     def db_path(self) -> Path:
         return self.workdir / "db"
-
-    @property
-    def log_path(self) -> Path:
-        return self._proc.log_path
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
-
-    def rss_bytes(self) -> int:
-        return rss_bytes([self.pid])
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,6 @@ from tests.brokers._process import (
     free_ports,
     jars_dir,
     port_accepting,
-    rss_bytes,
 )
 
 PULSAR_VERSION = "4.0.7"  # keep in step with tests/brokers/jars/pulsar/pom.xml
@@ -73,17 +72,6 @@ class PulsarStandalone(OneProcessBroker):
     @property
     def admin_url(self) -> str:
         return f"http://{LOOPBACK}:{self.web_port}/admin/v2"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self._proc.log_path
-
-    def rss_bytes(self) -> int:
-        return rss_bytes([self.pid])
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)

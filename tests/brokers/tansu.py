@@ -30,7 +30,6 @@ from tests.brokers._process import (
     OneProcessBroker,
     free_port,
     port_accepting,
-    rss_bytes,
 )
 
 _TANSU_ENV = ("CLUSTER_ID", "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "SCHEMA_REGISTRY",
@@ -71,14 +70,6 @@ class TansuBroker(OneProcessBroker):
         """``bootstrap.servers`` for clients: ``127.0.0.1:<port>``."""
         return f"{LOOPBACK}:{self.port}"
 
-    @property
-    def log_path(self) -> Path:
-        return self._proc.log_path
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
-
     def client_config(self, **overrides: object) -> dict[str, object]:
         """A librdkafka config dict pointing at this broker (plus ``overrides``)."""
         return {"bootstrap.servers": self.bootstrap, **overrides}
@@ -93,9 +84,6 @@ class TansuBroker(OneProcessBroker):
         """
         idempotent = {"acks": "all", "enable.idempotence": True}
         return self.client_config(**{"linger.ms": 0, "batch.num.messages": 1, **idempotent, **overrides})
-
-    def rss_bytes(self) -> int:
-        return rss_bytes([self.pid])
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
