@@ -15,10 +15,8 @@ a 1-64-1 MLP, a checkpoint every 10 steps.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,50 +24,29 @@ import numpy as np
 import pytest
 
 from tests.helpers import wait_until
-from tests.trainers.cluster import TorchJob, records_table
+from tests.trainers.cluster import TorchJob
+from tests.trainers.streams import KafkaTopic
 
 pytestmark = pytest.mark.slow
 RECORDS = 200_000
-PARTITIONS = 4
 
-
-def _topic(broker: Any) -> str:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    topic = f"torch-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    for f in admin.create_topics([NewTopic(topic, PARTITIONS, 1)]).values():
-        f.result(30)
-    return topic
-
-
-def _produce(broker: Any, topic: str, ids: np.ndarray) -> None:
-    from confluent_kafka import Producer
-
-    producer = Producer(broker.client_config(**{"acks": "all", "enable.idempotence": True, "linger.ms": 20}))
-    table = records_table(ids)
-    for i, x, y in zip(table["id"].tolist(), table["x"].tolist(), table["y"].tolist()):
-        producer.produce(topic, value=json.dumps({"id": i, "x": x, "y": y}).encode(), partition=i % PARTITIONS)
-        if i % 2000 == 0:
-            producer.poll(0)
-    assert producer.flush(60) == 0
 
 
 def test_elastic_ddp_on_kafka_is_exact_under_chaos(tmp_path: Path, kafka_broker: Any) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    topic = _topic(kafka_broker)
+    topic = KafkaTopic(kafka_broker)
     ids = np.arange(RECORDS)
-    _produce(kafka_broker, topic, ids[: RECORDS // 2])
+    topic.produce(ids[: RECORDS // 2])
     options = {"sr.format": "json", "sr.schema": "id:int64,x:float64,y:float64", "sr.max_delay_ms": "200"}
-    job = TorchJob(tmp_path, f"kafka://{kafka_broker.bootstrap}/{topic}", options, records_per_shard=2_000)
+    job = TorchJob(tmp_path, topic.uri, options, records_per_shard=2_000)
     script = ["--records", str(RECORDS), "--batch-size", "128", "--ckpt-every", "10", "--out", str(job.out)]
     events: list[str] = []
     try:
         job.start()
         job.start_agent("n0", "2:3", 2, script)
         job.start_agent("n1", "2:3", 2, script)
-        later = threading.Thread(target=_produce, args=(kafka_broker, topic, ids[RECORDS // 2 :]))
+        later = threading.Thread(target=topic.produce, args=(ids[RECORDS // 2 :],))
         later.start()
 
         def kill_worker() -> None:

@@ -11,11 +11,9 @@ committed cut covers every record, and the loss has fallen.
 from __future__ import annotations
 
 import importlib.util
-import json
 import random
 import signal
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import wait_until
-from tests.trainers.cluster import records_table
+from tests.trainers.streams import KafkaTopic
 from tests.trainers.tensorflow.job import TFJob
 
 pytestmark = [
@@ -32,41 +30,19 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="tensorflow-cpu is not installed"),
 ]
 RECORDS = 200_000
-PARTITIONS = 4
 
-
-def _topic(broker: Any) -> str:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    topic = f"tfps-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
-    for f in admin.create_topics([NewTopic(topic, PARTITIONS, 1)]).values():
-        f.result(30)
-    return topic
-
-
-def _produce(broker: Any, topic: str, ids: np.ndarray) -> None:
-    from confluent_kafka import Producer
-
-    producer = Producer(broker.client_config(**{"acks": "all", "enable.idempotence": True, "linger.ms": 20}))
-    table = records_table(ids)
-    for i, x, y in zip(table["id"].tolist(), table["x"].tolist(), table["y"].tolist()):
-        producer.produce(topic, value=json.dumps({"id": i, "x": x, "y": y}).encode(), partition=i % PARTITIONS)
-        if i % 2000 == 0:
-            producer.poll(0)
-    assert producer.flush(60) == 0
 
 
 def test_tf_ps_on_kafka_is_exact_under_chaos(tmp_path: Path, kafka_broker: Any) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    topic = _topic(kafka_broker)
+    topic = KafkaTopic(kafka_broker)
     ids = np.arange(RECORDS)
-    _produce(kafka_broker, topic, ids[: RECORDS // 2])
+    topic.produce(ids[: RECORDS // 2])
     options = {"sr.format": "json", "sr.schema": "id:int64,x:float64,y:float64", "sr.max_delay_ms": "200"}
-    job = TFJob(tmp_path, f"kafka://{kafka_broker.bootstrap}/{topic}", options, records_per_shard=2_000)
+    job = TFJob(tmp_path, topic.uri, options, records_per_shard=2_000)
     events: list[str] = []
-    later = threading.Thread(target=_produce, args=(kafka_broker, topic, ids[RECORDS // 2 :]))
+    later = threading.Thread(target=topic.produce, args=(ids[RECORDS // 2 :],))
     try:
         job.start(2, 3, ["--records", str(RECORDS), "--batch-size", "64", "--ckpt-every", "25", "--stop-at-records"])
         later.start()
