@@ -14,6 +14,8 @@ import statistics
 import time
 from pathlib import Path
 
+import pytest
+
 from streamrover.cursor import DataCursor, IntervalSet, PartitionKey
 from streamrover.shard_service.api import DatasetSpec, FailedPreconditionError
 from streamrover.shard_service.master.bookkeeping import AckItem
@@ -83,3 +85,32 @@ def test_journal_and_cut_commit_stay_flat_from_50_to_5000_files(tmp_path: Path) 
     assert len(list(ds.partitions)) <= PER_COMMIT, "compacted files are not held after a restart"
     committed = again.committed
     assert committed.size() == 5050 * ROWS and len(committed.keys()) <= PER_COMMIT + 1
+
+
+def test_a_cursor_from_before_compaction_restores_exactly_or_is_refused(tmp_path: Path) -> None:
+    core = _core(tmp_path)
+    files = [FileFacts(f"/staged/s/0/f{i}.parquet", ROWS, SCHEMA) for i in range(4)]
+    core.commit_staged("s", "job", "0", 0, files)
+    w = core.join("w").id
+    core.ack_batch([AckItem(w, g.shard_id, g.attempt, g.end) for g in core.lease(w, "s", 10).leases])
+    core.cut_commit(core.cut_prepare().id)
+    before = core.committed  # a checkpoint's cursor: file by file
+    assert len(before.keys()) == 4
+    core.cut_commit(core.cut_prepare().id)  # a second durable checkpoint: no restore this master takes needs them
+    assert len(core.committed.keys()) == 1 and core.committed.size() == 4 * ROWS, "compacted into one interval"
+    assert len(list(core.dataset("s").partitions)) == 0
+
+    assert core.restore(cursor=before) == (0, 0), "the files' records are all in it: nothing to read again"
+    assert core.committed.size() == 4 * ROWS
+    partial = DataCursor({k: v for k, v in before.items() if k.partition != files[0].uri})
+    with pytest.raises(FailedPreconditionError, match="compacted its first 80 records .* holds 60 of them"):
+        core.restore(cursor=partial)
+    with pytest.raises(FailedPreconditionError, match="compacted its first 80 records"):
+        core.restore(cursor=DataCursor(), discard_committed=True)
+    bad = DataCursor({PartitionKey("s", 0, "<compacted>"): IntervalSet([(0, 81)])})
+    with pytest.raises(FailedPreconditionError, match="holds 81 of them"):
+        core.restore(cursor=bad)
+    later = FileFacts("/staged/s/1/g.parquet", ROWS, SCHEMA)  # the dataset goes on after the compaction
+    core.commit_staged("s", "job", "0", 1, [later])
+    (g,) = core.lease(w, "s", 10).leases
+    assert (g.partition.id, g.partition.index, g.start, g.end) == (later.uri, 4, 0, ROWS)
