@@ -185,7 +185,17 @@ def pop_todo(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None = None)
 def _horizon(queue: list[tuple[float, str]], table: CoreState) -> float:
     """The time of the oldest shard waiting, give or take SAME_TIME_MS (inf when none waits): a stream's affinity
     picks only among shards this old (those planned together at the head), so a backlog goes in time order."""
-    live = min((e for e in queue if e[0] >= 0 and _live(table, e)), default=None)
+    live: tuple[float, str] | None = None  # the least live entry of priority >= 0: a walk down the heap that
+    stack = [0] if queue else []  # skips every subtree whose root is no less than the best found (heap order),
+    while stack:  # so it visits the front entries and the stale ones before it, not the whole queue
+        i = stack.pop()
+        e = queue[i]
+        if live is not None and e >= live:
+            continue
+        if e[0] >= 0 and _live(table, e):
+            live = e  # its subtree holds nothing less
+            continue
+        stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(queue))
     return live[0] + SAME_TIME_MS if live is not None else float("inf")
 
 

@@ -27,6 +27,7 @@ from streamrover.shard_service.api import (
 )
 from streamrover.shard_service.master.auth import Tokens, role_in
 from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.compaction import expand
 from streamrover.shard_service.master.core import AckItem, ShardCore
 from streamrover.shard_service.master.group_commit import CommitLock
 from streamrover.shard_service.master.info import dataset_info
@@ -401,7 +402,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 "Restore to a cut or discarding committed progress: the worker role may not; it needs the admin token"
             )
         with self.cond:
-            if worker and not self.core.cut_book.issued(convert.cursor_from_pb(request.cursor)):
+            asked = expand(convert.cursor_from_pb(request.cursor), self.core.datasets) if worker else None
+            if asked is not None and not self.core.cut_book.issued(asked):
                 raise PermissionDeniedError(
                     "Restore to a cursor this master did not issue (not the committed or durable cursor, nor a "
                     "cut it remembers): the worker role may not; it needs the admin token"
