@@ -40,19 +40,28 @@ class MasterChaos(threading.Thread):
         self.retried_committables = 0
         self.error: BaseException | None = None
         self.cuts = 0
+        self.retries = mid_call  # a mid-call cut missed (no commit came in time: a loaded machine, Flink restarting)
+        # is tried again later, this many times in all, so that the run still cuts MID_CALL commits
 
     def run(self) -> None:
         try:
-            for step in self.plan:
+            plan = list(self.plan)
+            while plan:
+                step = plan.pop(0)
                 if self.stop.wait(self.rng.uniform(0.1, 0.8)):  # a random point, not a synchronisation
                     return
                 with self.quiet:
-                    self._step(step)
+                    missed = self._step(step)
+                if missed and step == "mid-call" and self.retries > 0:
+                    self.retries -= 1
+                    plan.append(step)
                 self._sample()
         except BaseException as exc:  # reported by the test
             self.error = exc
 
-    def _step(self, step: str) -> None:
+    def _step(self, step: str) -> bool:
+        """Run one step of the plan; True when it was a cut that no commit came to take."""
+        missed = False
         if step == "random":
             self.master.kill()
         else:
@@ -63,6 +72,7 @@ class MasterChaos(threading.Thread):
                 taken = not self.proxy.disarm()
                 if not (taken and fired.wait(30)):  # no commit came: kill at this random point instead
                     self.done[f"missed {step}"] += 1
+                    missed = True
                     step = "random" if step == "mid-call" else "missed"
                     if step == "random":
                         self.master.kill()
@@ -71,6 +81,7 @@ class MasterChaos(threading.Thread):
             started = time.monotonic()
             self.master.start()
             print(f"master chaos: {step}: restarted in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        return missed
 
     def _sample(self) -> None:
         try:
