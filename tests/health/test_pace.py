@@ -36,7 +36,8 @@ print(json.dumps({"wall": time.monotonic() - t0, "busy": thread_busy() - b0, "cp
 
 
 def _probe(throttle: CpuThrottle | None) -> dict[str, float]:
-    proc = subprocess.Popen([sys.executable, "-c", _PROBE, pace_module.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-c", _PROBE, pace_module.__file__]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if throttle is not None:
         throttle.add(proc.pid)
     out, _ = proc.communicate("go\n", timeout=60)
@@ -82,7 +83,7 @@ def test_a_node_is_a_straggler_once_beyond_the_threshold_for_the_window() -> Non
     watch.observe("controller:x", {"step_busy_s": 9.0})  # not a rank: ignored
     watch.observe("rank0@n0", {"loss": 0.1})  # a rank's other metric: ignored
     _report(watch, {"n0": 0.01, "n1": 0.012, "n2": 0.05})
-    (n0, n1, n2) = watch.paces()
+    (n0, _, n2) = watch.paces()
     assert n2.ratio == pytest.approx(0.055 / 0.0121) and n2.median_others == pytest.approx(0.0121)
     assert n2.beyond_since == 1000.0 and not n2.straggler and not n0.straggler
     now[0] = 1009.0

@@ -1,0 +1,128 @@
+"""The node health job as the test and the bench run it: three nodes, one throttled before training, one during.
+
+The torch ledger job (tests/trainers/ledger_train.py) on a Kafka topic, one worker per node, each step
+``STEP_CPU_MS`` ms of CPU then a wait to ``STEP_SECONDS`` (``--step-cpu-ms``): a healthy node keeps that
+period whatever the machine's load while its share of a core stays above CPU/period (20/100 ms: a fifth of
+a core, with three nodes on two cores), while a node held to 10% of a core takes at least 200 ms a step. So
+the *healthy rate* is one step per period, measured in the same run before the throttle, and a replaced
+straggler brings the job back to it.
+
+:func:`run_health_job` drives it: the job starts with ``health.node_check``; node ``n2``'s agent is put
+into a 10% CPU cgroup as soon as it is launched (it fails the check and is relaunched as ``n2.1``); once
+the group has trained ``HEALTHY_SECONDS`` it throttles ``n1`` and times the straggler verdict, the
+replacement and the recovered rate, then waits for the job to end and returns what it saw.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.health.throttle import CpuThrottle, tree
+from tests.helpers import wait_until
+from tests.operator.runner import RunningJob, kafka_topic, ledger_spec
+
+STEP_SECONDS = 0.1
+STEP_CPU_MS = 20.0
+BATCH = 32
+RECORDS = 40_000  # ~14 s healthy + the throttled phase + >= 12 s after the replacement, at 3 x 32 / 0.1 s
+HEALTHY_SECONDS = 12.0
+THROTTLE = 0.10  # of one core
+
+
+def health_spec(name: str, broker: Any, out: Path, policy: str = "replace") -> dict[str, Any]:
+    """The job's spec (see the module docstring) on a fresh topic of ``RECORDS`` records."""
+    topic = kafka_topic(broker, RECORDS)
+    spec = ledger_spec(name, f"kafka://{broker.bootstrap}/{topic}", RECORDS, out, nodes="3:3", nproc_per_node=1)
+    args = spec["trainer"]["args"]
+    args[args.index("--batch-size") + 1] = BATCH
+    args += ["--step-seconds", STEP_SECONDS, "--step-cpu-ms", STEP_CPU_MS, "--step-times"]
+    spec["datasets"][0]["records_per_shard"] = 512
+    spec["health"] = {"node_check": True, "straggler_policy": policy, "straggler_window_seconds": 10,
+                      "hang_timeout_seconds": 30}  # fmt: skip
+    return spec
+
+
+def steps(out: Path) -> list[tuple[int, float]]:
+    """Rank 0's (step, unix time) lines, every attempt's."""
+    path = out / "steps.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(s), float(t)) for s, t in (line.split() for line in lines if line.count(" ") == 1)]
+
+
+def rate(out: Path, start: float, end: float) -> tuple[float, int]:
+    """(steps per second, steps) of rank 0's steps stamped in ``[start, end]``."""
+    inside = [t for _, t in steps(out) if start <= t <= end]
+    if len(inside) < 2:
+        return 0.0, len(inside)
+    return (len(inside) - 1) / (inside[-1] - inside[0]), len(inside)
+
+
+@dataclass
+class HealthRun:
+    """What :func:`run_health_job` saw (times are unix seconds)."""
+
+    check: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> its node check result
+    throttled_at: float = 0.0
+    flagged_after: float = 0.0  # seconds from the throttle to the straggler event
+    replaced_after: float = 0.0  # ... to the replacement's first step
+    healthy_rate: float = 0.0
+    throttled_rate: float = 0.0
+    recovered_rate: float = 0.0
+    straggler_event: str = ""
+    status: dict[str, Any] = field(default_factory=dict)
+    exit_code: int | None = None
+
+
+def _event(job: RunningJob, kind: str, node: str) -> dict[str, Any] | None:
+    return next((e for e in job.status().get("events", []) if e["kind"] == kind and e["node"] == node), None)
+
+
+def _first_step_after(out: Path, t0: float) -> float | None:
+    return next((t for _, t in steps(out) if t > t0), None)
+
+
+def run_health_job(job: RunningJob) -> HealthRun:
+    """Run the job of :func:`health_spec` through both throttles (module docstring); the caller stops ``job``."""
+    seen = HealthRun()
+    pidfile = job.dir.path / "logs" / "pids" / "node-n2"
+    throttles = [CpuThrottle(THROTTLE), CpuThrottle(THROTTLE)]
+    try:
+        job.start()
+        # n2's agent is still importing torch when its pid is recorded: into the cgroup before it can probe
+        wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 120, "node n2 launched", interval=0.02)
+        throttles[0].add(*tree(int(pidfile.read_text().split()[0])))
+        wait_until(lambda: _event(job, "node-check", "n2") is not None, 240, "n2 to fail its node check")
+        wait_until(lambda: all(job.running(n) for n in ("n0", "n1", "n2.1")), 240, "n0, n1, n2.1 training")
+        wait_until(lambda: _first_step_after(job.out, time.time() - 1) is not None, 120, "the group stepping")
+        first = steps(job.out)[-1][1]
+        wait_until(lambda: steps(job.out)[-1][1] >= first + HEALTHY_SECONDS, 120, "a healthy phase")
+        seen.throttled_at = time.time()
+        node = job.node("n1")
+        assert node is not None
+        throttles[1].add(*tree(node["pid"]))
+        wait_until(lambda: _event(job, "straggler", "n1") is not None, 120, "n1 flagged as a straggler")
+        event = _event(job, "straggler", "n1")
+        assert event is not None
+        seen.flagged_after, seen.straggler_event = event["at"] - seen.throttled_at, event["message"]
+        wait_until(lambda: _event(job, "scale-in", "n1") is not None, 60, "n1 replaced")
+        replaced = _event(job, "scale-in", "n1")
+        assert replaced is not None
+        wait_until(lambda: _first_step_after(job.out, replaced["at"]) is not None, 240, "the group with n1.1 stepping")
+        recovered = _first_step_after(job.out, replaced["at"])
+        assert recovered is not None
+        seen.replaced_after = recovered - seen.throttled_at
+        seen.exit_code = job.wait(timeout=400)
+        seen.status = job.status()
+        seen.healthy_rate, _ = rate(job.out, seen.throttled_at - HEALTHY_SECONDS + 2, seen.throttled_at)
+        seen.throttled_rate, _ = rate(job.out, seen.throttled_at + 2, replaced["at"])
+        end = steps(job.out)[-1][1]
+        seen.recovered_rate, _ = rate(job.out, recovered + 3, end - 1)
+        nodes = seen.status.get("nodes", []) + seen.status.get("ended_nodes", [])
+        seen.check = {n["node_id"]: n["node_check"] for n in nodes if n.get("node_check")}
+        return seen
+    finally:
+        for throttle in throttles:
+            throttle.close()
