@@ -79,7 +79,7 @@ def _report(watch: StragglerWatch, busy: dict[str, float]) -> None:
 
 def test_a_node_is_a_straggler_once_beyond_the_threshold_for_the_window() -> None:
     now = [1000.0]
-    watch = StragglerWatch(threshold=2.0, window=10.0, stale_after=15.0, clock=lambda: now[0])
+    watch = StragglerWatch(threshold=2.0, window=10.0, stale_after=15.0, smooth=0.0, clock=lambda: now[0])
     watch.observe("controller:x", {"step_busy_s": 9.0})  # not a rank: ignored
     watch.observe("rank0@n0", {"loss": 0.1})  # a rank's other metric: ignored
     _report(watch, {"n0": 0.01, "n1": 0.012, "n2": 0.05})
@@ -101,6 +101,17 @@ def test_a_node_is_a_straggler_once_beyond_the_threshold_for_the_window() -> Non
     assert [(p.node, p.ratio) for p in watch.paces()] == [("n0", pytest.approx(0.2)), ("n2", pytest.approx(5.0))]
     with pytest.raises(ValueError, match="must be more than 1"):
         StragglerWatch(threshold=1.0)
+
+
+def test_a_ranks_busy_time_is_the_mean_of_its_recent_reports() -> None:
+    now = [0.0]
+    watch = StragglerWatch(smooth=6.0, clock=lambda: now[0])
+    for t, busy in ((0, 0.9), (2, 0.1), (4, 0.2), (6, 0.3), (8, 0.4)):
+        now[0] = t
+        watch.observe("rank0@n0", {"step_busy_s": busy})
+    (pace,) = watch.paces()
+    assert pace.busy_per_step == pytest.approx(0.25), "the reports of the last 6 s: 0.1, 0.2, 0.3, 0.4"
+    assert pace.ratio is None and not pace.straggler, "no other node to compare with"
 
 
 def _pace(node: str, straggler: bool, ratio: float = 5.0) -> dict[str, Any]:

@@ -6,11 +6,13 @@ per step of its training thread (running or runnable: time outside collectives) 
 per step. In synchronous data parallelism the wall time per step is the same on every rank (the slowest
 sets it), so the busy time is what tells the nodes apart.
 
-A node's busy time is its slowest rank's newest report (reports older than ``stale_after`` seconds are
-dropped: a node that left, a group restarting). Its **ratio** is that busy time over the median of the
-other nodes'. A node whose ratio stays above ``threshold`` for ``window`` seconds (every evaluation in
-that time, at each report) is a **straggler**; one evaluation at or below the threshold starts the count
-again. So a node is flagged within ``window`` seconds plus one report interval of becoming slow.
+A rank's busy time is the mean of its reports of the last ``smooth`` seconds (three reports by default:
+one step's noise on a shared machine does not decide); a node's is its slowest rank's. A rank silent for
+``stale_after`` seconds is dropped (a node that left, a group restarting). A node's **ratio** is its busy
+time over the median of the other nodes'. A node whose ratio stays above ``threshold`` for ``window``
+seconds (every evaluation in that time, at each report) is a **straggler**; one evaluation at or below the
+threshold starts the count again. So a node that became slow is flagged within ``smooth + window`` seconds
+plus a report interval (with the defaults, 6 + 30 + 2 s).
 
 The watch is in memory, like the reports it reads; a restarted master starts it again.
 """
@@ -35,7 +37,7 @@ class NodePace:
     """One node's pace and the evidence for its verdict."""
 
     node: str
-    busy_per_step: float  # its slowest rank's busy seconds per step (newest report)
+    busy_per_step: float  # its slowest rank's busy seconds per step (the mean of its reports of the last smooth s)
     wall_per_step: float  # the step's wall time as its ranks see it
     ranks: int
     median_others: float | None = None  # the other nodes' median busy seconds per step
@@ -62,8 +64,9 @@ class StragglerWatch:
     threshold: float = DEFAULT_THRESHOLD
     window: float = DEFAULT_WINDOW
     stale_after: float = 15.0
+    smooth: float = 6.0
     clock: Callable[[], float] = time.time
-    _ranks: dict[tuple[str, int], _Rank] = field(default_factory=dict)
+    _ranks: dict[tuple[str, int], list[_Rank]] = field(default_factory=dict)
     _since: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -80,16 +83,19 @@ class StragglerWatch:
             return
         now = self.clock()
         with self._lock:
-            self._ranks[(found["node"], int(found["rank"]))] = _Rank(values[BUSY], values.get(WALL, 0.0), now)
+            reports = self._ranks.setdefault((found["node"], int(found["rank"])), [])
+            reports.append(_Rank(values[BUSY], values.get(WALL, 0.0), now))
+            reports[:] = [r for r in reports if now - r.at <= self.smooth] or reports[-1:]
             self._evaluate(now)
 
     def _evaluate(self, now: float) -> list[NodePace]:
-        for key in [k for k, r in self._ranks.items() if now - r.at > self.stale_after]:
+        for key in [k for k, rs in self._ranks.items() if now - rs[-1].at > self.stale_after]:
             del self._ranks[key]
-        nodes: dict[str, list[_Rank]] = {}
-        for (node, _), rank in self._ranks.items():
-            nodes.setdefault(node, []).append(rank)
-        paces = {n: NodePace(n, max(r.busy for r in rs), max(r.wall for r in rs), len(rs)) for n, rs in nodes.items()}
+        nodes: dict[str, list[tuple[float, float]]] = {}
+        for (node, _), reports in self._ranks.items():
+            n = len(reports)
+            nodes.setdefault(node, []).append((sum(r.busy for r in reports) / n, sum(r.wall for r in reports) / n))
+        paces = {n: NodePace(n, max(b for b, _ in rs), max(w for _, w in rs), len(rs)) for n, rs in nodes.items()}
         for node in list(self._since):
             if node not in paces:
                 del self._since[node]

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 NODE_CHECK_EXIT = 86  # the agent's exit code when its node failed the check (the supervisor relaunches it)
 DEFAULT_THRESHOLD = 2.0
 MATMUL_SIZE = 256
-MATMUL_REPEATS = 60  # ~0.1 s of one core: long enough to see a CPU quota (100 ms periods), short enough to be cheap
+MATMUL_REPEATS = 30  # per chunk: ~30 ms of one core, more than a CPU quota's slice (10 ms of a 100 ms period at 10%)
+CHUNKS = 5  # the probe's time is 5x its median chunk: a transient stall (one preemption) does not decide
 ALLREDUCE_FLOATS = 1 << 16  # 256 KiB
 ALLREDUCE_REPEATS = 10
 PROBE_TIMEOUT = 30.0  # seconds the collective probe may take before it counts as failed
@@ -80,18 +81,22 @@ class CheckResult:
                 f"{self.allreduce_s:.3f} s; {verdict}; cost {self.cost_s:.2f} s")
 
 
-def compute_probe(size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS) -> float:
-    """Seconds for ``repeats`` single-threaded ``size``x``size`` float32 matmuls (one warm-up first)."""
+def compute_probe(size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS, chunks: int = CHUNKS) -> float:
+    """Seconds for ``chunks`` x ``repeats`` single-threaded ``size``x``size`` float32 matmuls: ``chunks`` times the
+    median chunk's time (one warm-up first)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same work on every node, whatever its core count
     try:
         gen = torch.Generator().manual_seed(0)
         a, b = torch.rand(size, size, generator=gen), torch.rand(size, size, generator=gen)
         torch.mm(a, b)
-        started = time.perf_counter()
-        for _ in range(repeats):
-            a = torch.mm(a, b).clamp_(-1.0, 1.0)
-        return time.perf_counter() - started
+        times = []
+        for _ in range(chunks):
+            started = time.perf_counter()
+            for _ in range(repeats):
+                a = torch.mm(a, b).clamp_(-1.0, 1.0)
+            times.append(time.perf_counter() - started)
+        return chunks * statistics.median(times)
     finally:
         torch.set_num_threads(threads)
 
