@@ -2,8 +2,9 @@
 
 The torch ledger job (tests/trainers/ledger_train.py) on a Kafka topic, one worker per node, each step
 ``STEP_CPU_MS`` ms of CPU then a wait to ``STEP_SECONDS`` (``--step-cpu-ms``): a healthy node keeps that
-period whatever the machine's load while its share of a core stays above its CPU per period (10 ms of
-CPU, plus the step's own ~10-20 ms, per 200 ms), while a node held to 10% of a core takes 200-300 ms a step.
+period whatever the machine's load while its share of a core stays above its CPU per period (30 ms of
+CPU, plus the step's own ~5-10 ms, per 200 ms: a fifth of a core), while a node held to 10% of a core
+takes at least 350 ms a step (a 10 ms slice of each 100 ms).
 So the *healthy rate* is about one step per period, measured in the same run before the throttle, and a
 replaced straggler brings the job back to it.
 
@@ -11,8 +12,9 @@ Thresholds: a node held to 10% of a core is busy 10x its CPU time; a healthy ran
 times the machine's contention (how many runnable threads share the 2 cores: this project's dev machines
 run several test suites at once, a load of 16 was seen, and there a healthy thread gets ~0.25 core, so the
 throttled one is only ~2.5x slower). The test flags a straggler above 1.5x (the product's default is 2x,
-for nodes that are machines of their own) and fails a node check above 3x (a healthy late node compared
-with probes taken under another moment's load measured 1.9x; the throttled node measured 7x).
+for nodes that are machines of their own; measured 2.1-2.3x under that load) and fails a node check above
+2.5x (the throttled node measured 3.2-7.3x; a healthy late node, compared with probes taken under another
+moment's load, up to 1.9x).
 
 :func:`run_health_job` drives it: the job starts with ``health.node_check``; node ``n2``'s agent is put
 into a 10% CPU cgroup as soon as it is launched (it fails the check and is relaunched as ``n2.1``); once
@@ -32,10 +34,10 @@ from tests.helpers import wait_until
 from tests.operator.runner import RunningJob, kafka_topic, ledger_spec
 
 STEP_SECONDS = 0.2
-STEP_CPU_MS = 10.0
+STEP_CPU_MS = 30.0
 BATCH = 32
-RECORDS = 28_000  # 12 s healthy, the throttled phase, >= 12 s after the replacement, at most 3 x 32 / 0.2 s
-CHECK_THRESHOLD = 3.0  # (the test machine's own load moves a healthy node's probe ~1.5-2x between two moments)
+RECORDS = 20_000  # 12 s healthy, the throttled phase, >= 8 s after the replacement, at most 3 x 32 / 0.2 s
+CHECK_THRESHOLD = 2.5  # (the test machine's own load moves a healthy node's probe ~1.5-2x between two moments)
 STRAGGLER_THRESHOLD = 1.5
 HEALTHY_SECONDS = 12.0
 THROTTLE = 0.10  # of one core
