@@ -12,9 +12,11 @@ Thresholds: a node held to 10% of a core is busy 10x its CPU time; a healthy ran
 times the machine's contention (how many runnable threads share the 2 cores: this project's dev machines
 run several test suites at once, a load of 16 was seen, and there a healthy thread gets ~0.25 core, so the
 throttled one is only ~2.5x slower). The test flags a straggler above 1.5x (the product's default is 2x,
-for nodes that are machines of their own; measured 2.1-2.3x under that load) and fails a node check above
-2.5x (the throttled node measured 3.2-7.3x; a healthy late node, compared with probes taken under another
-moment's load, up to 1.9x).
+for nodes that are machines of their own; measured 2.1-8.2x under that load: at run time the node's reader
+and gloo threads share its quota with the training thread) and fails a node check above the default 2x (the
+throttled node measured 2.5-7.3x; healthy nodes probing with it 0.5-1.3x; a healthy late node, compared with
+probes taken under another moment's load, up to 1.9x: a false positive there costs a relaunch, so the test
+asserts that n2 failed and that every node that trained passed, not which ids the slots ended with).
 
 :func:`run_health_job` drives it: the job starts with ``health.node_check``; node ``n2``'s agent is put
 into a 10% CPU cgroup as soon as it is launched (it fails the check and is relaunched as ``n2.1``); once
@@ -37,7 +39,7 @@ STEP_SECONDS = 0.2
 STEP_CPU_MS = 30.0
 BATCH = 32
 RECORDS = 20_000  # 12 s healthy, the throttled phase, >= 8 s after the replacement, at most 3 x 32 / 0.2 s
-CHECK_THRESHOLD = 2.5  # (the test machine's own load moves a healthy node's probe ~1.5-2x between two moments)
+CHECK_THRESHOLD = 2.0  # the product's default
 STRAGGLER_THRESHOLD = 1.5
 HEALTHY_SECONDS = 12.0
 THROTTLE = 0.10  # of one core
@@ -78,6 +80,7 @@ class HealthRun:
 
     check: dict[str, dict[str, Any]] = field(default_factory=dict)  # node -> its node check result
     throttled_at: float = 0.0
+    throttled_node: str = ""  # the node throttled during training
     flagged_after: float = 0.0  # seconds from the throttle to the straggler event
     replaced_after: float = 0.0  # ... to the replacement's first step
     healthy_rate: float = 0.0
@@ -90,6 +93,11 @@ class HealthRun:
 
 def _event(job: RunningJob, kind: str, node: str) -> dict[str, Any] | None:
     return next((e for e in job.status().get("events", []) if e["kind"] == kind and e["node"] == node), None)
+
+
+def _training(job: RunningJob) -> list[dict[str, Any]]:
+    """The job's current nodes whose workers run, by slot."""
+    return [n for n in job.status().get("nodes", []) if n["state"] == "running" and n.get("workers")]
 
 
 def _first_step_after(out: Path, t0: float) -> float | None:
@@ -107,20 +115,20 @@ def run_health_job(job: RunningJob) -> HealthRun:
         wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 120, "node n2 launched", interval=0.02)
         throttles[0].add(*tree(int(pidfile.read_text().split()[0])))
         wait_until(lambda: _event(job, "node-check", "n2") is not None, 240, "n2 to fail its node check")
-        wait_until(lambda: all(job.running(n) for n in ("n0", "n1", "n2.1")), 240, "n0, n1, n2.1 training")
+        wait_until(lambda: len(_training(job)) == 3, 240, "three nodes training")
         wait_until(lambda: _first_step_after(job.out, time.time() - 1) is not None, 120, "the group stepping")
         first = steps(job.out)[-1][1]
         wait_until(lambda: steps(job.out)[-1][1] >= first + HEALTHY_SECONDS, 120, "a healthy phase")
         seen.throttled_at = time.time()
-        node = job.node("n1")
-        assert node is not None
+        node = _training(job)[1]  # slot 1's node (n1, unless a check relaunched it)
+        seen.throttled_node = node["node_id"]
         throttles[1].add(*tree(node["pid"]))
-        wait_until(lambda: _event(job, "straggler", "n1") is not None, 120, "n1 flagged as a straggler")
-        event = _event(job, "straggler", "n1")
+        wait_until(lambda: _event(job, "straggler", node["node_id"]) is not None, 120, "the throttled node flagged")
+        event = _event(job, "straggler", node["node_id"])
         assert event is not None
         seen.flagged_after, seen.straggler_event = event["at"] - seen.throttled_at, event["message"]
-        wait_until(lambda: _event(job, "scale-in", "n1") is not None, 60, "n1 replaced")
-        replaced = _event(job, "scale-in", "n1")
+        wait_until(lambda: _event(job, "scale-in", node["node_id"]) is not None, 60, "the straggler replaced")
+        replaced = _event(job, "scale-in", node["node_id"])
         assert replaced is not None
         wait_until(lambda: _first_step_after(job.out, replaced["at"]) is not None, 240, "the group with n1.1 stepping")
         recovered = _first_step_after(job.out, replaced["at"])
