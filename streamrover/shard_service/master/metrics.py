@@ -213,8 +213,8 @@ def _node_metrics(docs: list[tuple[str, bytes]], now: float) -> Iterator[Metric]
             age.add_metric([run, node], max(now - beat, 0.0))
         checked = doc.get("node_check")
         if isinstance(checked, dict):
-            probes = {check: "compute_s", check_ratio: "ratio", check_cost: "cost_s", check_ok: "passed"}
-            for gauge, name in probes.items():
+            probes = ((check, "compute_s"), (check_ratio, "ratio"), (check_cost, "cost_s"), (check_ok, "passed"))
+            for gauge, name in probes:
                 found = checked.get(name)
                 if isinstance(found, (int, float)):
                     gauge.add_metric([run, node], float(found))
