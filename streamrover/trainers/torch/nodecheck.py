@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 NODE_CHECK_EXIT = 86  # the agent's exit code when its node failed the check (the supervisor relaunches it)
 DEFAULT_THRESHOLD = 2.0
 MATMUL_SIZE = 256
-MATMUL_REPEATS = 30  # per chunk: ~30 ms of one core, more than a CPU quota's slice (10 ms of a 100 ms period at 10%)
+MATMUL_REPEATS = 60  # per chunk: ~25 ms of CPU, more than a CPU quota's slice (10 ms of a 100 ms period at 10%)
 CHUNKS = 5  # the probe's time is 5x its median chunk: a transient stall (one preemption) does not decide
 ALLREDUCE_FLOATS = 1 << 16  # 256 KiB
 ALLREDUCE_REPEATS = 10
@@ -83,9 +83,10 @@ class CheckResult:
 
 def compute_probe(size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS, chunks: int = CHUNKS) -> float:
     """Seconds for ``chunks`` x ``repeats`` single-threaded ``size``x``size`` float32 matmuls: ``chunks`` times the
-    median chunk's time (one warm-up first)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same work on every node, whatever its core count
+    median chunk's time (one warm-up first). One thread: the same work on every node whatever its core count, and
+    no OpenMP team spinning on an oversubscribed machine (measured: 4-12 s for what one thread does in 0.4 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         gen = torch.Generator().manual_seed(0)
         a, b = torch.rand(size, size, generator=gen), torch.rand(size, size, generator=gen)
@@ -98,7 +99,7 @@ def compute_probe(size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS, chunks
             times.append(time.perf_counter() - started)
         return chunks * statistics.median(times)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def collective_probe(host: str = "127.0.0.1", floats: int = ALLREDUCE_FLOATS, repeats: int = ALLREDUCE_REPEATS,
