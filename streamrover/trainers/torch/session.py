@@ -157,7 +157,9 @@ class StreamSession:
         self._restore()
         # the straggler watch's evidence (pace.py) and the agent's hang watch (--hang-timeout)
         self.pace = StepPace(lambda values, step: self.client.report(values, step=step))
-        self.progress = progress_mark(cfg.progress_dir, os.environ.get("LOCAL_RANK"))
+        # one rank alone cannot hang in a collective, and waits for records without lockstep rounds: no marks
+        local_rank = os.environ.get("LOCAL_RANK") if self.world_size > 1 else None
+        self.progress = progress_mark(cfg.progress_dir, local_rank)
 
     # -- leaving (scale-in, stop) -----------------------------------------------------------
     def _leave_on_sigterm(self) -> None:
