@@ -34,18 +34,26 @@ def cpu_hierarchy() -> tuple[Path, int]:
 
 
 class CpuThrottle:
-    """Processes limited to ``fraction`` of one core (see the module docstring)."""
+    """Processes limited to ``fraction`` of one core (see the module docstring); ``weight`` instead gives them
+    that many times a process's share of the CPU when the machine is busy (v1 ``cpu.shares``, v2 ``cpu.weight``);
+    ``parent``: a group of this kind to nest in (a throttled node inside the job's weighted group)."""
 
-    def __init__(self, fraction: float) -> None:
+    def __init__(self, fraction: float | None, weight: int | None = None, parent: CpuThrottle | None = None) -> None:
         self.root, self.version = cpu_hierarchy()
-        self.path = self.root / f"streamrover-throttle-{uuid.uuid4().hex[:8]}"
+        self.path = (parent.path if parent else self.root) / f"streamrover-throttle-{uuid.uuid4().hex[:8]}"
         self.path.mkdir()
-        quota = int(fraction * PERIOD_US)
-        if self.version == 2:
-            (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-        else:
-            (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        if weight is not None:
+            if self.version == 2:
+                (self.path / "cpu.weight").write_text(str(min(100 * weight, 10_000)))
+            else:
+                (self.path / "cpu.shares").write_text(str(1024 * weight))
+        if fraction is not None:
+            quota = int(fraction * PERIOD_US)
+            if self.version == 2:
+                (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            else:
+                (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
 
     def add(self, *pids: int) -> list[int]:
         """Move ``pids`` in (those that still exist); returns the ones moved."""
