@@ -9,6 +9,7 @@ controller's mount. Both need root (a test that cannot write either fails saying
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -79,16 +80,25 @@ class CpuThrottle:
                 return int(value) / 1e9
         return 0.0
 
-    def close(self) -> None:
-        for pid in self.pids():
+    def close(self, timeout: float = 10.0) -> None:
+        """Move the processes left back to the root group and remove this one (retried while exiting processes
+        still hold it, up to ``timeout`` s)."""
+        give_up = time.monotonic() + timeout
+        while True:
+            for pid in self.pids():
+                try:
+                    (self.root / "cgroup.procs").write_text(str(pid))
+                except OSError:  # gone meanwhile
+                    continue
             try:
-                (self.root / "cgroup.procs").write_text(str(pid))
-            except (ProcessLookupError, OSError):
-                continue
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > give_up:
+                    raise
+                time.sleep(0.1)  # a process in it is still exiting: retry
 
     def __enter__(self) -> CpuThrottle:
         return self
