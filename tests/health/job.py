@@ -8,6 +8,12 @@ takes at least 350 ms a step (a 10 ms slice of each 100 ms).
 So the *healthy rate* is about one step per period, measured in the same run before the throttle, and a
 replaced straggler brings the job back to it.
 
+The job runs in a CPU group weighted as ``JOB_WEIGHT`` processes, the throttled nodes in 10% groups inside it:
+nodes are machines of their own, which no unrelated work starves. Without it, on a development machine that
+ran other suites at a load of 16-24, a healthy node's thread got less than the throttled node's 10% of a core
+(its probe was slower than the throttled one's), and no comparison between nodes can find a node that is
+not slower. On CI the job runs alone and the weight changes nothing.
+
 Thresholds: a node held to 10% of a core is busy 10x its CPU time; a healthy rank is busy its CPU time
 times the machine's contention (how many runnable threads share the 2 cores: this project's dev machines
 run several test suites at once, a load of 16 was seen, and there a healthy thread gets ~0.25 core, so the
