@@ -59,7 +59,8 @@ def run(keep: str | None = None) -> int:
         ["after replacement", f"{seen.recovered_rate:.2f}", f"{seen.recovered_rate / healthy:.2f}"],
     ]))  # fmt: skip
     print(f"straggler {seen.throttled_node} flagged {seen.flagged_after:.1f} s after its throttle "
-          f"({seen.straggler_event}); the replacement's group stepping {seen.replaced_after:.1f} s after it; "
+          f"({seen.straggler_event}); the group with its replacement stepping {seen.replaced_after:.1f} s after the "
+          f"throttle; "
           f"ledger {'exact' if exact else 'WRONG'}")  # fmt: skip
     return 0 if exact else 1
 

@@ -90,7 +90,7 @@ class HealthRun:
     throttled_at: float = 0.0
     throttled_node: str = ""  # the node throttled during training
     flagged_after: float = 0.0  # seconds from the throttle to the straggler event
-    replaced_after: float = 0.0  # ... to the replacement's first step
+    replaced_after: float = 0.0  # ... to the first step of the group with the replacement
     healthy_rate: float = 0.0
     throttled_rate: float = 0.0
     recovered_rate: float = 0.0
@@ -106,6 +106,14 @@ def _event(job: RunningJob, kind: str, node: str) -> dict[str, Any] | None:
 def _training(job: RunningJob) -> list[dict[str, Any]]:
     """The job's current nodes whose workers run, by slot."""
     return [n for n in job.status().get("nodes", []) if n["state"] == "running" and n.get("workers")]
+
+
+def _group_first_step_after(out: Path, t0: float) -> float | None:
+    """When the first group started after ``t0`` trained its first step (rank 0's ``# first step at`` lines)."""
+    path = out / "loss.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    firsts = [float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("# first step at ")]
+    return next((t for t in firsts if t > t0), None)
 
 
 def _first_step_after(out: Path, t0: float) -> float | None:
@@ -146,8 +154,9 @@ def run_health_job(job: RunningJob) -> HealthRun:
         wait_until(lambda: _event(job, "scale-in", node["node_id"]) is not None, 60, "the straggler replaced")
         replaced = _event(job, "scale-in", node["node_id"])
         assert replaced is not None
-        wait_until(lambda: _first_step_after(job.out, replaced["at"]) is not None, 240, "the group with n1.1 stepping")
-        recovered = _first_step_after(job.out, replaced["at"])
+        wait_until(lambda: _group_first_step_after(job.out, replaced["at"]) is not None, 240,
+                   "the group with the replacement stepping")  # fmt: skip
+        recovered = _group_first_step_after(job.out, replaced["at"])
         assert recovered is not None
         seen.replaced_after = recovered - seen.throttled_at
         seen.exit_code = job.wait(timeout=400)
