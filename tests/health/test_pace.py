@@ -155,3 +155,19 @@ def test_a_node_that_failed_its_check_is_relaunched_with_the_evidence() -> None:
     (event,) = [e for e in sup.events if e.kind == "node-check"]
     assert event.node == "n0" and "compute probe 1.500 s, 9.7x the median 0.155 s of 2 peers" in event.message
     assert sup.status()["ended_nodes"][0]["node_check"] == check
+
+
+def test_the_node_checks_probes_and_verdict() -> None:
+    from streamrover.trainers.torch.nodecheck import CheckResult, collective_probe, compute_probe, judge
+
+    assert compute_probe(size=64, repeats=5) > 0
+    assert collective_probe("127.0.0.1", floats=1024, repeats=3, timeout=30) > 0  # two gloo members, really summing
+    peers = [CheckResult("a", 0.10, 0.01), CheckResult("b", 0.12, 0.01), CheckResult("c", 0.9, 0.01, passed=False)]
+    slow = judge(CheckResult("d", 0.25, 0.01), peers, threshold=2.0)
+    assert not slow.passed and slow.peers == 2 and slow.median_s == pytest.approx(0.11), "c failed: left out"
+    assert "2.27x the median 0.110 s of 2 peers" in slow.describe()
+    assert judge(CheckResult("e", 0.2, 0.01), peers, threshold=2.0).passed
+    alone = judge(CheckResult("f", 5.0, 0.01), [], threshold=2.0)
+    assert alone.passed and alone.ratio is None, "no peer to compare with: nothing to judge"
+    broken = judge(CheckResult("g", error="gloo all-reduce on 127.0.0.1: Connection refused"), peers, 2.0)
+    assert not broken.passed and broken.describe().startswith("probe failed: gloo")
