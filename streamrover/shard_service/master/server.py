@@ -9,7 +9,6 @@ import functools
 import json
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -37,7 +36,7 @@ from streamrover.shard_service.master.poller import StreamPoller
 from streamrover.shard_service.master.reported import ReportedMetrics
 from streamrover.shard_service.master.session import DEFAULT_MAX_SESSIONS, WorkerSessions, lease_limits, status_of
 from streamrover.shard_service.master.staged_rpc import commit_staged, delete_trained_files
-from streamrover.shard_service.master.stragglers import StragglerWatch
+from streamrover.shard_service.master.stragglers import StragglerWatch, paces_pb
 from streamrover.shard_service.master.unreadable import report_unreadable
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
@@ -451,18 +450,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 cut_commit_error=self.core.cut_book.cut_commit_error,
                 persisting_cuts=self.core.cut_book.persisting(),
                 security_warning=self.security_warning,
-                node_paces=self._paces(),
+                node_paces=paces_pb(self.stragglers),
             )
-
-    def _paces(self) -> list[pb.NodePace]:
-        watch, now = self.stragglers, time.time()
-        return [
-            pb.NodePace(node=p.node, busy_per_step=p.busy_per_step, wall_per_step=p.wall_per_step, ranks=p.ranks,
-                        median_others=p.median_others or 0.0, ratio=p.ratio or 0.0,
-                        beyond_seconds=p.beyond_seconds(now), straggler=p.straggler, threshold=watch.threshold,
-                        window_seconds=watch.window)
-            for p in watch.paces()
-        ]
 
     @_rpc
     def Stop(self, request: pb.StopRequest, context: Any) -> pb.StopResponse:

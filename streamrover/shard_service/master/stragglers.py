@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from streamrover.shard_service.v1 import shard_service_pb2 as pb
+
 BUSY, WALL = "step_busy_s", "step_wall_s"
 DEFAULT_THRESHOLD = 2.0
 DEFAULT_WINDOW = 30.0
@@ -118,4 +120,15 @@ class StragglerWatch:
             return self._evaluate(self.clock())
 
 
-__all__ = ["DEFAULT_THRESHOLD", "DEFAULT_WINDOW", "NodePace", "StragglerWatch"]
+def paces_pb(watch: StragglerWatch) -> list[pb.NodePace]:
+    """Every node's pace as the Status RPC carries it."""
+    now = time.time()
+    return [
+        pb.NodePace(node=p.node, busy_per_step=p.busy_per_step, wall_per_step=p.wall_per_step, ranks=p.ranks,
+                    median_others=p.median_others or 0.0, ratio=p.ratio or 0.0, beyond_seconds=p.beyond_seconds(now),
+                    straggler=p.straggler, threshold=watch.threshold, window_seconds=watch.window)
+        for p in watch.paces()
+    ]
+
+
+__all__ = ["DEFAULT_THRESHOLD", "DEFAULT_WINDOW", "NodePace", "StragglerWatch", "paces_pb"]
