@@ -16,6 +16,9 @@ from streamrover.shard_service.master.decode import add_servicer
 from streamrover.shard_service.master.journal import Journal
 from streamrover.shard_service.master.server import ShardServicer
 from streamrover.shard_service.master.statelock import StateDirLock
+from streamrover.shard_service.master.stragglers import DEFAULT_THRESHOLD as STRAGGLER_THRESHOLD
+from streamrover.shard_service.master.stragglers import DEFAULT_WINDOW as STRAGGLER_WINDOW
+from streamrover.shard_service.master.stragglers import StragglerWatch
 from streamrover.shard_service.master.tls import ServerTls, TlsFiles, plaintext_warning
 from streamrover.shard_service.master.web import Dashboard, write_address
 from streamrover.tokens import new_token
@@ -44,6 +47,8 @@ class MasterServer:
         http_fallback: bool = False,
         tls: TlsFiles | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        straggler_threshold: float = STRAGGLER_THRESHOLD,
+        straggler_window: float = STRAGGLER_WINDOW,
     ) -> None:
         """Start a master on ``host:port`` (0 = a free port); ``http_port`` (0 = a free port) also starts its
         HTTP endpoint (``/metrics`` and the dashboard, :mod:`.web`) on ``http_host``, under the same token;
@@ -52,7 +57,9 @@ class MasterServer:
         ``token``: the admin token (the worker token is derived from it), or :class:`~.auth.Tokens` (files,
         reloaded when they change). ``tls``: serve gRPC and HTTP over TLS (mutual with a client CA), the
         certificate reloaded when its files change; without it, a master bound off loopback warns in its
-        log and status. ``max_request_bytes``: larger requests are refused RESOURCE_EXHAUSTED unread."""
+        log and status. ``max_request_bytes``: larger requests are refused RESOURCE_EXHAUSTED unread.
+        ``straggler_threshold``/``straggler_window``: a node whose busy time per step stays above the threshold
+        times the other nodes' median for the window (seconds) is a straggler (:mod:`.stragglers`)."""
         if not token:
             raise InvalidArgumentError("the master needs an auth token")
         self.tokens = token if isinstance(token, Tokens) else Tokens(token)
@@ -69,7 +76,8 @@ class MasterServer:
             # a worker session holds a server thread for its life: keep threads for the unary calls
             sessions = max(max_workers - 16, max_workers // 2)
             self.servicer = ShardServicer(
-                self.core, on_fatal=self._fail_stop, max_sessions=sessions, tokens=self.tokens, on_stop=self._stop_rpc
+                self.core, on_fatal=self._fail_stop, max_sessions=sessions, tokens=self.tokens, on_stop=self._stop_rpc,
+                stragglers=StragglerWatch(straggler_threshold, straggler_window),
             )
         except BaseException:
             self._lock.release()

@@ -37,6 +37,7 @@ from streamrover.shard_service.master.poller import StreamPoller
 from streamrover.shard_service.master.reported import ReportedMetrics
 from streamrover.shard_service.master.session import DEFAULT_MAX_SESSIONS, WorkerSessions, lease_limits, status_of
 from streamrover.shard_service.master.staged_rpc import commit_staged, delete_trained_files
+from streamrover.shard_service.master.stragglers import StragglerWatch, paces_pb
 from streamrover.shard_service.master.unreadable import report_unreadable
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
@@ -84,8 +85,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         tokens: Tokens | None = None,
         on_stop: Callable[[str], None] | None = None,
+        stragglers: StragglerWatch | None = None,
     ) -> None:
         self.core = core
+        self.stragglers = stragglers or StragglerWatch()  # node pace from the ranks' reports (stragglers.py)
         self.tokens = tokens  # for the calls a worker may make in part (None: every caller is an admin)
         self._on_stop = on_stop
         self.stopping = False  # a Stop call was answered
@@ -449,6 +452,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 cut_commit_error=self.core.cut_book.cut_commit_error,
                 persisting_cuts=self.core.cut_book.persisting(),
                 security_warning=self.security_warning,
+                node_paces=paces_pb(self.stragglers),
             )
 
     @_rpc
@@ -464,6 +468,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     def ReportMetrics(self, request: pb.ReportMetricsRequest, context: Any) -> pb.ReportMetricsResponse:
         """A trainer's measurements (loss, AUC...): kept in memory for /metrics and the dashboard."""
         self.reported.report(request.reporter, dict(request.values), request.step if request.has_step else None)
+        self.stragglers.observe(request.reporter, request.values)
         return pb.ReportMetricsResponse()
 
 

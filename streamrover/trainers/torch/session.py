@@ -57,6 +57,7 @@ from streamrover.trainers.api import flush_before_cut, restore_before_lease
 from streamrover.trainers.torch import env
 from streamrover.trainers.torch.dataset import StreamDataset, StreamStateLostError
 from streamrover.trainers.torch.lockstep import GradWeighting
+from streamrover.trainers.torch.pace import StepPace, progress_mark
 
 log = logging.getLogger(__name__)
 DEFAULT_CKPT_EVERY = 50
@@ -154,6 +155,11 @@ class StreamSession:
             self._leave_on_sigterm()
         self.restored_from: str | None = None
         self._restore()
+        # the straggler watch's evidence (pace.py) and the agent's hang watch (--hang-timeout)
+        self.pace = StepPace(lambda values, step: self.client.report(values, step=step))
+        # one rank alone cannot hang in a collective, and waits for records without lockstep rounds: no marks
+        local_rank = os.environ.get("LOCAL_RANK") if self.world_size > 1 else None
+        self.progress = progress_mark(cfg.progress_dir, local_rank)
 
     # -- leaving (scale-in, stop) -----------------------------------------------------------
     def _leave_on_sigterm(self) -> None:
@@ -223,6 +229,7 @@ class StreamSession:
     def dataset(self, name: str, batch_size: int = 256, **kwargs: Any) -> StreamDataset:
         """A :class:`StreamDataset` of ``name`` for this rank, acked by :meth:`step_done`."""
         ds = StreamDataset(self.client, name, batch_size, **kwargs)
+        ds.on_round = self.progress  # every lockstep round is progress (an idle stream's too)
         self.datasets.append(ds)
         return ds
 
@@ -243,6 +250,9 @@ class StreamSession:
             ds.step_done(self.step)
         if self.ckpt_every and self.step % self.ckpt_every == 0:
             self.checkpoint()
+        self.pace.step_done(self.step)
+        if self.progress is not None:
+            self.progress()
         return self.step
 
     def report(self, **values: float) -> None:
