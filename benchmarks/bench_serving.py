@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="part 3: steps between checkpoints (the demo's first)")
     p.add_argument("--demo-step-ms", type=float, default=1000 * 2 * DemoConfig().batch_size / DemoConfig().rate,
                    help="the demo's step period: 2 ranks x 256 records at make demo's 1,500 records/s")
+    p.add_argument("--parts", default="123", help="which parts to run (digits: 1 export cost, 2 delta bytes, 3 freshness)")
     args, _ = p.parse_known_args(argv)
     steps = 100 if args.quick else args.steps
     rows = 1 << 16 if args.quick else args.rows
@@ -128,7 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     demo = DemoConfig()
     demo_step = args.demo_step_ms / 1000
-    paced_steps = max(40, int((20.0 if args.quick else 60.0) / demo_step))
+    if "1" in args.parts:
+        _part1(demo, demo_step, steps, args.quick)
+    if "2" in args.parts:
+        _part2(rows)
+    if "3" in args.parts:
+        _part3(args)
+    return 0
+
+
+def _part1(demo: DemoConfig, demo_step: float, steps: int, quick: bool) -> None:
+    paced_steps = max(40, int((20.0 if quick else 60.0) / demo_step))
     print(f"1. export cost: the flagship's DeepFM, batch 256, Adagrad, every checkpoint exported in the background\n"
           f"   (a) at the demo's checkpoint rate: a step every {demo_step * 1e3:.0f} ms (the stream's pace), a "
           f"checkpoint every {demo.ckpt_every} steps ({demo.ckpt_every * demo_step:.1f} s), {paced_steps} steps; "
@@ -159,10 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     per_export = results["a"][3]
     print(f"   one export (checkpoint read, ONNX, tables, publish) used {per_export:.3f} CPU s: "
           f"{per_export / interval:.1%} of the demo's checkpoint interval ({interval:.2f} s), in the exporter's thread")
+
+
+def _part2(rows: int) -> None:
     print(f"\n2. delta bytes vs full, one table of {rows} x 16 float32:")
     print(f"   {'touched':>8} {'delta B':>12} {'full B':>12} {'ratio':>7} {'delta s':>8} {'full s':>7}")
     for share, delta, full, delta_s, full_s in _delta_bytes(rows, [0.001, 0.01, 0.1, 0.5, 1.0]):
         print(f"   {share:8.1%} {delta:12d} {full:12d} {delta / full:7.3f} {delta_s:8.3f} {full_s:7.3f}")
+
+
+def _part3(args: argparse.Namespace) -> None:
     from benchmarks._serving_fresh import measure
 
     seconds = 12.0 if args.quick else args.seconds
@@ -175,4 +192,3 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['served_p99'] / max(r['applied_p99'], 1e-9):.1f}x; {r['versions_seen']} of {r['checkpoints']} "
               "versions answered", flush=True)  # fmt: skip
         print("     medians: " + ", ".join(f"{k} {v:.3f} s" for k, v in r["stages"].items()), flush=True)
-    return 0
