@@ -90,6 +90,44 @@ def _train(steps: int, export: bool, root: Path, every: int = 20, period: float 
     return elapsed / steps, len(exporter.exported), each, cpu / steps
 
 
+def _tracking_cost(blocks: int, steps: int = 50) -> tuple[float, float]:
+    """The training thread's CPU per step (s, the best block: what contention leaves alone) without and with a RowTracker on the DeepFM:
+    two models trained in alternating blocks of ``steps`` steps, the tracker's ``step_done`` every step and its
+    ``state()`` (what a checkpoint takes) every ``DemoConfig.ckpt_every`` steps."""
+    import torch
+
+    from examples.streaming_ctr.clickstream import CATEGORICAL, NUMERIC
+    from examples.streaming_ctr.model import DeepFM
+    from streamrover.serving import RowTracker
+
+    torch.manual_seed(0)
+    models = [DeepFM(), DeepFM()]
+    optimizers = [torch.optim.Adagrad(m.parameters(), lr=0.05) for m in models]
+    tracker = RowTracker(models[1])
+    every = DemoConfig().ckpt_every
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 1 << 40, (256, len(CATEGORICAL)), generator=gen), torch.randn(256, len(NUMERIC),
+                generator=gen), (torch.rand(256, generator=gen) < 0.2).float()) for _ in range(50)]  # fmt: skip
+    cpu: list[list[float]] = [[], []]
+    step = 0
+    for _ in range(blocks):
+        for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            began = time.thread_time()
+            for _ in range(steps):
+                step += 1
+                cats, nums, y = batches[step % len(batches)]
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(cats, nums), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if i:
+                    tracker.step_done(step)
+                    if step % every == 0:
+                        tracker.state()
+            cpu[i].append((time.thread_time() - began) / steps)
+    return float(np.min(cpu[0])), float(np.min(cpu[1]))
+
+
 def _delta_bytes(rows: int, shares: list[float]) -> list[tuple[float, int, int, float, float]]:
     from streamrover.serving.tables import delta_arrays, dump_arrays
 
@@ -166,6 +204,10 @@ def _part1(demo: DemoConfig, demo_step: float, steps: int, quick: bool) -> None:
         print(f"1{label}. {base * 1e3:.2f} ms/step without, {with_export * 1e3:.2f} ms/step with export ({versions} "
               f"versions): ratio {with_export / base:.3f}{goal}; the training thread's CPU per step "
               f"{cpu0 * 1e3:.2f} vs {cpu1 * 1e3:.2f} ms: ratio {cpu1 / cpu0:.3f}")  # fmt: skip
+    plain, tracked = _tracking_cost(10 if quick else 40)
+    print(f"1c. row tracking alone (RowTracker on the DeepFM's 24 tables, no checkpoint written), the training "
+          f"thread's CPU per step, the best of alternating blocks: {plain * 1e3:.3f} ms without, {tracked * 1e3:.3f} ms "
+          f"with: +{(tracked - plain) * 1e6:.0f} us, ratio {tracked / plain:.3f}")  # fmt: skip
     interval = demo.ckpt_every * demo_step
     per_export = results["a"][3]
     print(f"   one export (checkpoint read, ONNX, tables, publish) used {per_export:.3f} CPU s: "

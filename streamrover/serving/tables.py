@@ -145,29 +145,35 @@ class RowTracker:
             raise ServingError("RowTracker: the model has no nn.Embedding or nn.EmbeddingBag to track")
         self.sticky = sticky
         self.last_step = 0
-        # (table, index tensor, its version counter) per lookup, in order; the first _done of them were made
-        # by steps already done (step_done), the rest by the step under way
-        self._pending: list[tuple[str, Any, int]] = []
+        # (table's first row in _flat, index tensor, its version counter) per lookup, in order; the first _done
+        # of them were made by steps already done (step_done), the rest by the step under way
+        self._pending: list[tuple[int, Any, int]] = []
         self._done = 0
-        self.touched: dict[str, Any] = {}
+        self.touched: dict[str, Any] = {}  # per table: a view of _flat
         self._hooks = []
+        offsets: dict[str, tuple[int, int]] = {}
         for name in names:
             module = modules.get(name)
             if not isinstance(module, kinds):
                 raise ServingError(f"RowTracker: {name!r} is not an nn.Embedding/nn.EmbeddingBag of the model")
-            param = f"{name}.weight"
-            self.touched[param] = torch.zeros(module.weight.shape[0], dtype=torch.int64)
-            self._hooks.append(module.register_forward_pre_hook(self._hook(param)))
+            first = sum(n for _, n in offsets.values())
+            offsets[f"{name}.weight"] = (first, int(module.weight.shape[0]))
+            self._hooks.append(module.register_forward_pre_hook(self._hook(first)))
+        # every table's stamps in one tensor: a checkpoint stamps the lookups of all tables in one index_fill_
+        self._flat = torch.zeros(sum(n for _, n in offsets.values()), dtype=torch.int64)
+        self._tables: dict[int, Any] = {}  # a table's first row in _flat -> its view
+        for param, (first, n) in offsets.items():
+            self.touched[param] = self._tables[first] = self._flat[first : first + n]
 
-    def _hook(self, param: str) -> Any:
+    def _hook(self, first: int) -> Any:
         pending = self._pending
 
         def record(module: Any, args: tuple[Any, ...]) -> None:
             index = args[0]
             try:
-                pending.append((param, index, index._version))
+                pending.append((first, index, index._version))
             except RuntimeError:  # an inference-mode tensor has no version counter (and a lookup there trains nothing)
-                pending.append((param, index, -1))
+                pending.append((first, index, -1))
 
         return record
 
@@ -184,22 +190,26 @@ class RowTracker:
             self._stamp()
 
     def _stamp(self) -> None:
-        """Stamp the rows of the steps done with the last step done (see the module docstring)."""
+        """Stamp the rows of the steps done with the last step done (see the module docstring): per table, one
+        ``cat`` of the index tensors it saw and one ``index_fill_``."""
         import torch
 
         done, self._pending[: self._done] = self._pending[: self._done], []
         self._done = 0
-        by_table: dict[str, list[Any]] = {}
-        for param, index, version in done:
+        by_table: dict[int, list[Any]] = {}
+        for first, index, version in done:
             if version >= 0 and index._version != version:
-                raise ServingError(f"RowTracker: the index tensor looked up in {param} was changed in place after "
-                                   "the lookup, before the checkpoint: its rows are unknown. Give the model a "
-                                   "fresh tensor each step (not a reused buffer)")  # fmt: skip
-            by_table.setdefault(param, []).append(index.reshape(-1))
-        for param, indices in by_table.items():
-            rows = indices[0] if len(indices) == 1 else torch.cat(indices)
+                raise ServingError("RowTracker: an index tensor looked up in a tracked table was changed in place "
+                                   "after the lookup, before the checkpoint: its rows are unknown. Give the model "
+                                   "a fresh tensor each step (not a reused buffer)")  # fmt: skip
+            by_table.setdefault(first, []).append(index)
+        for first, indices in by_table.items():
+            try:
+                rows = torch.cat(indices) if len(indices) > 1 else indices[0]  # one cat: no reshape of each
+            except RuntimeError:  # lookups of different shapes
+                rows = torch.cat([i.reshape(-1) for i in indices])
             # repeated rows are filled with the same step: no torch.unique (a sort)
-            self.touched[param].index_fill_(0, rows.to("cpu", torch.int64), self.last_step)
+            self._tables[first].index_fill_(0, rows.reshape(-1).to("cpu", torch.int64), self.last_step)
 
     def sync(self) -> None:
         """Merge every rank's stamps (all-reduce MAX; a collective: call it on every rank before a checkpoint)."""
@@ -207,15 +217,13 @@ class RowTracker:
 
         self._stamp()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            for stamps in self.touched.values():
-                dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
+            dist.all_reduce(self._flat, op=dist.ReduceOp.MAX)  # every table at once
 
     def state(self) -> dict[str, Any]:
         """The stamps, for a checkpoint's ``extra[TOUCHED_KEY]`` (sticky: every row ever looked up at the last step)."""
         self._stamp()
         if self.sticky:
-            for stamps in self.touched.values():
-                stamps[stamps > 0] = self.last_step
+            self._flat[self._flat > 0] = self.last_step
         return {k: v.clone() for k, v in self.touched.items()}
 
     def load_state(self, state: dict[str, Any] | None) -> None:
