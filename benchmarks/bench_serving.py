@@ -91,7 +91,8 @@ def _train(steps: int, export: bool, root: Path, every: int = 20, period: float 
 
 
 def _tracking_cost(blocks: int, steps: int = 50) -> tuple[float, float]:
-    """The training thread's CPU per step (s, the best block: what contention leaves alone) without and with a RowTracker on the DeepFM:
+    """The training thread's CPU per step (s, the best block: what contention leaves alone) without and with a
+    RowTracker on the DeepFM:
     two models trained in alternating blocks of ``steps`` steps, the tracker's ``step_done`` every step and its
     ``state()`` (what a checkpoint takes) every ``DemoConfig.ckpt_every`` steps."""
     import torch
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="part 3: steps between checkpoints (the demo's first)")
     p.add_argument("--demo-step-ms", type=float, default=1000 * 2 * DemoConfig().batch_size / DemoConfig().rate,
                    help="the demo's step period: 2 ranks x 256 records at make demo's 1,500 records/s")
-    p.add_argument("--parts", default="123", help="which parts to run (digits: 1 export cost, 2 delta bytes, 3 freshness)")
+    p.add_argument("--parts", default="123",
+                   help="which parts to run (digits: 1 export cost, 2 delta bytes, 3 freshness)")
     args, _ = p.parse_known_args(argv)
     steps = 100 if args.quick else args.steps
     rows = 1 << 16 if args.quick else args.rows
@@ -206,8 +208,8 @@ def _part1(demo: DemoConfig, demo_step: float, steps: int, quick: bool) -> None:
               f"{cpu0 * 1e3:.2f} vs {cpu1 * 1e3:.2f} ms: ratio {cpu1 / cpu0:.3f}")  # fmt: skip
     plain, tracked = _tracking_cost(10 if quick else 40)
     print(f"1c. row tracking alone (RowTracker on the DeepFM's 24 tables, no checkpoint written), the training "
-          f"thread's CPU per step, the best of alternating blocks: {plain * 1e3:.3f} ms without, {tracked * 1e3:.3f} ms "
-          f"with: +{(tracked - plain) * 1e6:.0f} us, ratio {tracked / plain:.3f}")  # fmt: skip
+          f"thread's CPU per step, the best of alternating blocks: {plain * 1e3:.3f} ms without, "
+          f"{tracked * 1e3:.3f} ms with: +{(tracked - plain) * 1e6:.0f} us, ratio {tracked / plain:.3f}")  # fmt: skip
     interval = demo.ckpt_every * demo_step
     per_export = results["a"][3]
     print(f"   one export (checkpoint read, ONNX, tables, publish) used {per_export:.3f} CPU s: "

@@ -169,8 +169,9 @@ class TorchExporter:
             for version in self.repo.versions():
                 source = self.repo.info(version).checkpoint.get("url")
                 if source != self.ckpt.root:  # another job's versions: never retire or extend them
-                    raise ExportError(f"{self.repo.model_dir} holds version {version} exported from checkpoints of "
-                                      f"{source}, not of {self.ckpt.root}: give this job its own export name")  # fmt: skip
+                    raise ExportError(f"{self.repo.model_dir} holds version {version} exported from checkpoints "
+                                      f"of {source}, not of {self.ckpt.root}: give this job its own export "
+                                      "name")  # fmt: skip
             self.repo.retire_after(resumed_step)
             return self.catch_up()
 
@@ -228,7 +229,8 @@ class TorchExporter:
             self._worker.join(timeout)
             if self._worker.is_alive():
                 raise ExportError(f"{self.config.name}: exports still running after {timeout} s (queued durable "
-                                  f"checkpoints: {self._queue.qsize() - 1}); newest version {self.status()['export_version']:.0f}")  # fmt: skip
+                                  f"checkpoints: {self._queue.qsize() - 1}); newest version "
+                                  f"{self.status()['export_version']:.0f}")  # fmt: skip
             self._worker = None
         self.check()
 

@@ -54,7 +54,8 @@ def test_a_failed_export_write_stops_the_trainer_at_its_next_checkpoint_and_is_r
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
     session = StreamSession(model, optimizer, master=master.address, token=master.token,
-                            ckpt_dir=str(tmp_path / "ckpt"), ckpt_every=5, exporter=exporter, tracker=tracker)  # fmt: skip
+                            ckpt_dir=str(tmp_path / "ckpt"), ckpt_every=5, exporter=exporter,
+                            tracker=tracker)  # fmt: skip
     try:
         monkeypatch.setattr(exporter.repo.storage, "write_bytes", disk_full)  # the repository's disk is full
         train_steps(session, model, optimizer, 5)  # checkpoint 5: durable, its export fails
@@ -63,7 +64,8 @@ def test_a_failed_export_write_stops_the_trainer_at_its_next_checkpoint_and_is_r
         with pytest.raises(ExportError, match="No space left on device"):
             train_steps(session, model, optimizer, 5)  # the next checkpoint (10) stops the trainer
         assert session.step == 10 and exporter.exported == []
-        assert scrape(master)[("streamrover_trainer_metric", (("name", "export_version"), ("reporter", "serving")))] == -1
+        newest = ("streamrover_trainer_metric", (("name", "export_version"), ("reporter", "serving")))
+        assert scrape(master)[newest] == -1
     finally:
         assert session._ckpt is not None
         session._ckpt.checkpointer.close()
