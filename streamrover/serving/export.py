@@ -193,8 +193,8 @@ class TorchExporter:
                 self._failed(step, exc)
 
     def _failed(self, step: int, exc: BaseException) -> None:
-        log.error("%s: exporting after durable checkpoint %d failed (raised at the trainer's next checkpoint)",
-                  self.config.name, step, exc_info=exc)  # fmt: skip
+        log.error("%s: exporting after durable checkpoint %d failed (raised at the trainer's next checkpoint): %s: %s",
+                  self.config.name, step, type(exc).__name__, exc, exc_info=exc)  # fmt: skip
         self.errors.append(f"step {step}: {type(exc).__name__}: {exc}")
         self._report()
 
