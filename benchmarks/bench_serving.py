@@ -10,7 +10,9 @@ Two measures, each with its peer in the same run:
    ``DemoConfig.ckpt_every`` steps; the step time is each step's busy time. Goal: at most 5% above the run
    without export. (b) A tight loop (~2 ms a step, a checkpoint every 20 steps: one every ~50 ms), a worst
    case no stream produces. Adagrad, not the demo's Adam: touched-row deltas are exact only for
-   optimizers that leave untouched rows alone (serving/tables.py).
+   optimizers that leave untouched rows alone (serving/tables.py). (c) The row tracker alone (its hooks, its
+   stamps at each checkpoint), the training thread's CPU per step with and without it, alternating blocks.
+   ``--parts 1`` runs part 1 only (``--parts 13``: parts 1 and 3).
 2. **Delta bytes.** One table of ``--rows`` x 16 float32; a delta file for touched shares from 0.1% to 100%
    against the full table's file (a base): bytes and the time to build each.
 3. **Freshness from event to served** (benchmarks/_serving_fresh.py): a stream paced at ``--rate`` records/s
