@@ -138,6 +138,7 @@ class StreamSession:
         self._reported: dict[str, float] = {}
         if self.exporter is not None:
             self.exporter.bind_checkpoints(root)
+            self.exporter.report = self._report_export
         if self.rank == 0:
             checkpointer = Checkpointer(
                 root,
@@ -262,8 +263,16 @@ class StreamSession:
         self._reported = {k: float(v) for k, v in values.items()}
         self.client.report(values, step=self.step)
 
+    def _report_export(self, values: dict[str, float]) -> None:
+        """The exporter's status, to the master (reporter ``serving``; called on the exporter's thread)."""
+        self.client.report(values, step=max(int(values["export_version"]), 0), reporter="serving")
+
     def checkpoint(self, persist: bool = True) -> None:
-        """Snapshot the model at the current step with the cut of every rank's acks (a collective)."""
+        """Snapshot the model at the current step with the cut of every rank's acks (a collective).
+
+        Raises :class:`~streamrover.serving.api.ExportError` on rank 0 if an export failed since the last one."""
+        if self.exporter is not None:
+            self.exporter.check()  # a failed export stops the trainer (its restart exports what was missed)
         self._flush_acks()
         if self.world_size > 1:
             dist.barrier()  # every rank's acks with step <= self.step are in the shard service
