@@ -10,10 +10,19 @@ a refusal carries the gRPC status name the unary call would have failed with
 
 A lease is never long-polled on the stream (that would hold up the acks behind it): when
 nothing can be leased now it is answered WAIT at once and a client that wants to wait uses
-the unary ``LeaseShards``. A session holds one server thread for its life, so the master
-serves at most ``max_sessions`` at once and refuses more with RESOURCE_EXHAUSTED (the client
-then uses the unary calls). When a journal write fails the stream ends UNAVAILABLE, as every
+the unary ``LeaseShards``. When a journal write fails the stream ends UNAVAILABLE, as every
 unary call does, and the master stops.
+
+A session holds one server thread for its life (blocked in its request iterator between
+messages). The master's pool has a thread for each of ``max_sessions`` sessions on top of the
+threads it keeps for the unary calls (``MasterServer(max_workers=...)``), so a thousand workers
+each hold a stream and the unary calls still find a thread; past ``max_sessions`` a session is
+refused RESOURCE_EXHAUSTED and that client uses the unary calls. Measured (issue 32,
+``python -m benchmarks scale --models``): at 1,000 streams a thread per stream costs the same CPU
+per message as at 16, and ``grpc.aio`` with the core's work in a small pool (which group commit
+needs: the work blocks on the lock and the journal) no less; ``grpc.aio`` with the work on the
+event loop is cheaper per message but would commit each message alone and block every stream
+behind one commit. ``worker_sessions`` (:attr:`WorkerSessions.open`) is in ``/metrics``.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import grpc
 
 from streamrover.cursor import CursorError
 from streamrover.shard_service import convert
-from streamrover.shard_service.api import ShardServiceError
+from streamrover.shard_service.api import DEFAULT_MAX_SESSIONS, ShardServiceError
 from streamrover.shard_service.master.journal import JournalWriteError
 from streamrover.shard_service.master.merging import sized_by_records
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
@@ -36,7 +45,6 @@ if TYPE_CHECKING:
     from streamrover.shard_service.master.core import ShardCore
     from streamrover.shard_service.master.server import ShardServicer
 
-DEFAULT_MAX_SESSIONS = 48
 
 
 def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
