@@ -9,7 +9,8 @@ The parent drives the swarm in two steps: every session first answers a heartbea
 process then reports ``("ready", n)``: the master serves ``n`` streams of it); at ``go`` they lease and
 ack until the dataset ends (a batch dataset's END) or ``seconds`` pass. Each process then reports its
 ledger (the ``(shard id, attempt)`` of every ack the master recorded, duplicates apart), the lease and
-ack round trips, and the first error. ``think`` seconds between a lease and its ack pace a worker (its
+ack round trips (a lease answered WAIT on the stream then waits with the unary long poll, as
+:meth:`ShardClient.lease` does: not counted as a round trip) and the errors. ``think`` seconds between a lease and its ack pace a worker (its
 "training"); 0 runs the loop flat out.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +91,7 @@ async def _swarm(
 
         async def work(s: _Session) -> None:
             request_id = 0
+            await asyncio.sleep(random.random() * think)  # each its own phase: workers do not start in step
             while time.monotonic() < end:
                 request_id += 1
                 t0 = time.monotonic()
@@ -97,10 +100,14 @@ async def _swarm(
                 result.lease_rtt.append(time.monotonic() - t0)
                 if lease.status == pb.LEASE_STATUS_END:
                     return
-                if not lease.leases:
+                if lease.status == pb.LEASE_STATUS_WAIT:  # as ShardClient.lease(): wait with the unary long poll
                     result.waits += 1
-                    await asyncio.sleep(min(max(lease.retry_after_seconds, 0.02), 0.2))  # the protocol's backoff
-                    continue
+                    request_id += 1
+                    lease = await stub.LeaseShards(pb.LeaseRequest(
+                        worker_id=s.worker_id, dataset=dataset, max_shards=1, request_id=request_id,
+                        wait_seconds=min(max(end - time.monotonic(), 0.0), 1.0)), metadata=metadata)  # fmt: skip
+                    if lease.status == pb.LEASE_STATUS_END:
+                        return
                 if think:
                     await asyncio.sleep(think)  # the worker's "training" of the shard
                 for granted in lease.leases:
@@ -188,6 +195,8 @@ class Swarm:
         """Join the processes (kill what is left)."""
         self._go.set()
         for p in self._procs:
+            if p.pid is None:
+                continue
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
