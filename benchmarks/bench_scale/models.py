@@ -80,8 +80,6 @@ async def _aio(model: str, conn: Connection, stop: Event) -> None:
 
 
 def _serve(model: str, streams: int, conn: Connection, stop: Event) -> None:
-    import sys
-    sys.setswitchinterval(float(os.environ.get("SWITCH", "0.005")))
     if model == "threads":
         server, port = _threads(streams)
         conn.send(port)

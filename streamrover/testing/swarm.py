@@ -10,8 +10,8 @@ process then reports ``("ready", n)``: the master serves ``n`` streams of it); a
 ack until the dataset ends (a batch dataset's END) or ``seconds`` pass. Each process then reports its
 ledger (the ``(shard id, attempt)`` of every ack the master recorded, duplicates apart), the lease and
 ack round trips (a lease answered WAIT on the stream then waits with the unary long poll, as
-:meth:`ShardClient.lease` does: not counted as a round trip) and the errors. ``think`` seconds between a lease and its ack pace a worker (its
-"training"); 0 runs the loop flat out.
+:meth:`ShardClient.lease` does: not counted as a round trip) and the errors. ``think`` seconds between a
+lease and its ack pace a worker (its "training"; each starts at a random phase of it); 0 runs the loop flat out.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ async def _swarm(
         stub = pb_grpc.ShardServiceStub(channel)
 
         async def open_one(i: int) -> _Session:
-            joined = await stub.Join(pb.JoinRequest(name=f"{name}-{i}"), metadata=metadata, wait_for_ready=True)
+            request = pb.JoinRequest(name=f"{name}-{i}")
+            joined = await stub.Join(request, metadata=metadata, wait_for_ready=True)  # type: ignore[misc]
             session = _Session(stub, metadata, joined.worker_id)
             await session.ask(heartbeat=pb.HeartbeatRequest(worker_id=joined.worker_id))  # served: counted
             return session
@@ -103,7 +104,7 @@ async def _swarm(
                 if lease.status == pb.LEASE_STATUS_WAIT:  # as ShardClient.lease(): wait with the unary long poll
                     result.waits += 1
                     request_id += 1
-                    lease = await stub.LeaseShards(pb.LeaseRequest(
+                    lease = await stub.LeaseShards(pb.LeaseRequest(  # type: ignore[misc]
                         worker_id=s.worker_id, dataset=dataset, max_shards=1, request_id=request_id,
                         wait_seconds=min(max(end - time.monotonic(), 0.0), 1.0)), metadata=metadata)  # fmt: skip
                     if lease.status == pb.LEASE_STATUS_END:
@@ -151,8 +152,12 @@ class Swarm:
         self._go = CTX.Event()
         counts = [sessions // processes + (i < sessions % processes) for i in range(processes)]
         self._procs = [
-            CTX.Process(target=_main, args=(address, token, dataset, n, f"swarm{i}", self._queue, self._go, seconds,
-                                            think), name=f"swarm{i}", daemon=True)  # fmt: skip
+            CTX.Process(
+                target=_main,
+                args=(address, token, dataset, n, f"swarm{i}", self._queue, self._go, seconds, think),
+                name=f"swarm{i}",
+                daemon=True,
+            )
             for i, n in enumerate(counts)
             if n
         ]

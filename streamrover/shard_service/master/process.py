@@ -59,7 +59,7 @@ class MasterServer:
         ``max_workers``: server threads for the unary calls; ``max_sessions``: worker session streams served at
         once, each with a thread of its own on top of those (threads are started as sessions open)."""
         if max_workers < 1 or max_sessions < 0:
-            raise InvalidArgumentError(f"max_workers must be >= 1 and max_sessions >= 0 ({max_workers}, {max_sessions})")
+            raise InvalidArgumentError(f"max_workers must be >= 1 and max_sessions >= 0: {max_workers}, {max_sessions}")
         if not token:
             raise InvalidArgumentError("the master needs an auth token")
         self.tokens = token if isinstance(token, Tokens) else Tokens(token)
