@@ -13,8 +13,9 @@ p50/p99 lease and ack round trips, master RSS, journal bytes per million shards,
 ``/metrics`` and the dashboard's JSON (``/api/v1/metrics``; best of 3), and a restart's time to serving
 (journal replay included). The journal column is the growth of the journal's files over the measured window
 scaled to a million shards: over the few thousand shards of a point it is SQLite's page allocation as much as
-the shards' (the journal's growth over millions of shards is measured where it is compacted). The acceptance (issue 32) at W = 1,000 / P = 10,000: CPU per shard <= 2x the
-W = 16 figure, p99 lease <= 100 ms, RSS <= 1 GiB, status <= 1 s.
+the shards' (the journal's growth over millions of shards is measured where it is compacted). The acceptance
+(issue 32) at W = 1,000 / P = 10,000: CPU per shard <= 2x the W = 16 figure, p99 lease <= 100 ms, RSS <= 1 GiB,
+status <= 1 s.
 
 ``--models`` first measures the gRPC concurrency models bare (:mod:`.models`): a thread per stream,
 ``grpc.aio``, and ``grpc.aio`` with the work in a small pool, at 16 and 1,000 streams.
