@@ -142,6 +142,9 @@ class JobCollector(Collector):
         journal.add_metric([self._durability], 1)
         yield journal
         yield _gauge_value("master_uptime_seconds", "seconds since this master process started", uptime)
+        yield _gauge_value("worker_sessions", "worker session streams the master serves now (one per worker "
+                           "client; past the limit a client uses the unary calls)",
+                           self._servicer.sessions.open)  # fmt: skip
         yield from self._trainer_metrics()
         yield from _node_metrics(nodes, time.time())
         yield from self._pace_metrics()
