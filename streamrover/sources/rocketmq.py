@@ -25,7 +25,9 @@ gRPC API, whose PullMessage/QueryOffset/GetOffset answer UNIMPLEMENTED in 5.5, s
 read by offset. Workers pull by offset with librocketmq (``Pull(queue, "*", offset, max)``)
 against the name server; the master reads routes and queue offsets and commits the consumer
 group's offsets with single remoting requests (:mod:`streamrover.sources.rocketmq_remoting`),
-which librocketmq has no call for.
+which librocketmq has no call for. The master leases a backlog in stream-time order by the store
+time of each shard's first message (the broker's, not the producer's born time): one remoting
+pull of that one message per shard (:meth:`RocketMQSource.first_times`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import os
 import re
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -88,6 +90,7 @@ class RocketMQSource(Source):
     """
     kind = SourceKind.STREAM
     dense_positions = True
+    record_times = True  # store times: one remoting pull of one message per shard (first_times)
 
     def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
         opts = dict(options or {})
@@ -211,6 +214,19 @@ class RocketMQSource(Source):
                 f"cannot commit offsets of group {self.group!r}: {exc}; create the group "
                 f"(mqadmin updateSubGroup -g {self.group}) or enable autoCreateSubscriptionGroup"
             ) from exc
+
+    def first_times(self, shards: Sequence[tuple[str, int, int]]) -> list[float | None]:
+        """The broker's store time of each shard's first message: one PULL_MESSAGE of one message (remoting),
+        which commits nothing."""
+        out: list[float | None] = []
+        try:
+            for pid, start, end in shards:
+                route = self._route(pid)
+                got = self._client().store_time(route.broker_address, self.group, self.topic, route.queue_id, start)
+                out.append(float(got[1]) if got is not None and start <= got[0] < end else None)
+        except (RemotingConnectionError, RemotingError) as exc:
+            raise SourceUnavailableError(f"cannot read store times of {self.topic!r}: {exc}") from exc
+        return out
 
     def committed(self) -> dict[str, int | None]:
         """The consumer group's committed offset of each queue (None where it has none)."""
