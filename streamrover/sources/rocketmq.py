@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -244,7 +245,7 @@ class RocketMQSource(Source):
         if topic != self.topic or not broker or not qid.isdigit():
             raise SourceError(f"partition {partition.id!r} is not a message queue of topic {self.topic!r}")
         if self._puller is None:
-            self._puller = _Puller(self.namesrvs, self.group)
+            self._puller = _Puller.shared(self.namesrvs, self.group)
         pending: list[tuple[int, bytes]] = []
         batch_start = offset = start
         while offset < end:
@@ -271,7 +272,7 @@ class RocketMQSource(Source):
 
     def close(self) -> None:
         if self._puller is not None:
-            self._puller.close()
+            self._puller.release()
             self._puller = None
         if self._remoting is not None:
             self._remoting.close()
@@ -279,9 +280,36 @@ class RocketMQSource(Source):
 
 
 class _Puller:
-    """librocketmq's pull consumer, driven with explicit offsets (no offset store, no rebalance)."""
+    """librocketmq's pull consumer, driven with explicit offsets (no offset store, no rebalance).
+
+    One per process and (name servers, group), shared by the sources that read with it (:meth:`shared`,
+    :meth:`release`): librocketmq refuses a second consumer of a group in a process ("has been created before"),
+    so two workers' sources in one process (threads), or two datasets of one topic, could not both read.
+    """
+
+    _lock = threading.Lock()
+    _shared: dict[tuple[str, str], tuple[_Puller, int]] = {}  # (name servers, group) -> (puller, users)
+
+    @classmethod
+    def shared(cls, namesrvs: list[str], group: str) -> _Puller:
+        key = (";".join(namesrvs), group)
+        with cls._lock:
+            puller, users = cls._shared.get(key) or (cls(namesrvs, group), 0)
+            cls._shared[key] = (puller, users + 1)
+            return puller
+
+    def release(self) -> None:
+        """One user less; the last one shuts the consumer down."""
+        with self._lock:
+            puller, users = self._shared.pop(self._key)
+            if users > 1:
+                self._shared[self._key] = (puller, users - 1)
+                return
+        self.close()
 
     def __init__(self, namesrvs: list[str], group: str) -> None:
+        self._key = (";".join(namesrvs), group)
+        self._pulling = threading.Lock()  # one Pull at a time on the shared handle
         from rocketmq.ffi import _CMessageQueue, dll  # lazily: loads librocketmq
 
         self._dll, self._mq_type = dll, _CMessageQueue
@@ -309,7 +337,8 @@ class _Puller:
         mq = self._mq_type(topic=pid.partition("@")[0].encode(), brokerName=broker.encode(), queueId=queue_id)
         give_up, backoff = time.monotonic() + timeout, 0.05
         while True:
-            res = self._dll.Pull(self._handle, ctypes.byref(mq), b"*", offset, min(end - offset, 1024))
+            with self._pulling:
+                res = self._dll.Pull(self._handle, ctypes.byref(mq), b"*", offset, min(end - offset, 1024))
             try:
                 status = res.pullStatus
                 if status == _FOUND:
