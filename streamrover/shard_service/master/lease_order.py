@@ -3,7 +3,8 @@
 A batch dataset's queue is its plan's order (partition then position, or a seeded shuffle). A stream
 dataset's queue is **stream-time order** (ARCHITECTURE.md, "Serving and freshness"): each shard has the time of
 its first record (``ShardRecord.time``: the broker's timestamp where the source gives one cheaply, Kafka's
-CreateTime/LogAppendTime; otherwise when the master planned it), and its queue priority is that time, so a
+CreateTime/LogAppendTime, Pulsar's publish time, RocketMQ's store time: ``MasterSource.first_times``; otherwise
+when the master planned it), and its queue priority is that time, so a
 backlog is leased across partitions in the order its records were written instead of partition by partition.
 ``sr.max_skew_ms`` bounds it, as Flink's watermark alignment bounds a source split: no shard is leased whose time
 is more than the bound ahead of the oldest shard of its dataset that is not yet acked (:class:`StreamTime`).
