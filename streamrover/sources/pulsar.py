@@ -328,13 +328,17 @@ class PulsarSource(Source):
             self._acked[pid] = pos
 
     def first_times(self, shards: Sequence[tuple[str, int, int]]) -> list[float | None]:
-        """Each shard's first message's publish time: a reader opened at the shard's start reads one message."""
+        """Each shard's first message's publish time: a reader opened at the shard's start reads one message (None,
+        without a read, for a range past the last message polled)."""
         if not self._names:
             self._partition_names()
         wait = min(self.read_timeout, 10.0)
         position = lambda msg: self._position(msg)[0]  # noqa: E731
-        reader = self._reader_at
-        return [first_time(partial(reader, pid, a, 1), self._full(pid), position, a, b, wait) for pid, a, b in shards]
+        return [
+            first_time(partial(self._reader_at, pid, a, 1), self._full(pid), position, a, b, wait)
+            if a <= self._last.get(pid, -1) else None
+            for pid, a, b in shards
+        ]
 
     def schema(self) -> pa.Schema:
         return self._schema

@@ -264,3 +264,36 @@ def test_a_small_backlog_reaches_both_ranks(tmp_path: Path, kafka_broker: Any) -
     ids = sorted(i for rank in got.values() for i in rank)
     assert ids == list(range(2_000)), f"{len(ids)} records read"
     assert sorted(len(v) for v in got.values()) == [1_000, 1_000], {k: len(v) for k, v in got.items()}
+
+
+@pytest.mark.parametrize("broker", ["kafka", "pulsar", "rocketmq"])
+def test_first_times_are_the_broker_times_of_each_ranges_first_record(
+    request: pytest.FixtureRequest, broker: str
+) -> None:
+    """What the master's poller reads for a shard: its first record's time as the broker keeps it (within the send
+    call that made it), and None for a range with no record (past a partition's end)."""
+    from streamrover.sources.api import open_source
+
+    if broker not in _BACKLOGS:
+        _BACKLOGS[broker] = _MAKERS[broker](request.getfixturevalue(f"{broker}_broker"))
+    b = _BACKLOGS[broker]
+    source = open_source(b.uri, "raw")
+    try:
+        ranges: list[tuple[str, int, int]] = []
+        firsts: list[int] = []  # the id of each range's first record, read by the workers' path
+        for p in source.partitions():
+            for start in sorted({p.start, (p.start + p.end) // 2, p.end - 1}):
+                batch = next(source.read(p, start, p.end, 1))
+                ranges.append((p.id, start, p.end))
+                value = batch.records.column("body" if broker == "rocketmq" else "value")[0].as_py()
+                firsts.append(json.loads(value)["id"])
+            ranges.append((p.id, p.end, p.end + 10))  # nothing there yet
+            firsts.append(-1)
+        times = source.first_times(ranges)
+    finally:
+        source.close()
+    for (pid, start, _), first, t in zip(ranges, firsts, times):
+        if first < 0:
+            assert t is None, (pid, start, t)
+        else:
+            assert t is not None and b.lo[first] <= t <= b.hi[first], (pid, start, first, t, b.lo[first], b.hi[first])
