@@ -297,3 +297,52 @@ def test_first_times_are_the_broker_times_of_each_ranges_first_record(
             assert t is None, (pid, start, t)
         else:
             assert t is not None and b.lo[first] <= t <= b.hi[first], (pid, start, first, t, b.lo[first], b.hi[first])
+
+
+def test_head_shards_get_their_records_broker_time_once_leased(tmp_path: Path, kafka_broker: Any) -> None:
+    """At the stream's head a shard is leased at once with the newest time known; once it is leased the master reads
+    its records' time, so the skew it shows is the broker's: a head shard stamped 10 minutes after the first shards,
+    leased while the first shard of the other partition is still held, makes a skew of 10 minutes."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tests.helpers import wait_until
+
+    topic = f"head-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
+    for f in admin.create_topics([NewTopic(topic, 2, 1)]).values():
+        f.result(30)
+    producer = Producer(kafka_broker.client_config(acks="all"))
+    base, later = int(time.time() * 1000) - 3_600_000, 600_000
+
+    def produce(stamp: int) -> None:
+        for p in range(2):
+            for _ in range(5):
+                producer.produce(topic, json.dumps({"id": 0}).encode(), partition=p, timestamp=stamp)
+        assert producer.flush(30) == 0
+
+    produce(base)
+    options = {"sr.format": "json", "sr.schema": "id:int64", "sr.max_delay_ms": "0", "sr.max_skew_ms": "0"}
+    with MasterProcess(tmp_path / "master", lease_ttl=30.0) as master:
+        a, b = (ShardClient(master.address, token=master.token, name=n) for n in ("a", "b"))
+        try:
+            a.join()
+            b.join()
+            b.register_dataset(DatasetSpec("ds", f"kafka://{kafka_broker.bootstrap}/{topic}", options=options))
+            _, held = a.lease("ds", 1, wait=10.0)  # a first shard, kept unacked: the oldest shard not yet acked
+            _, first = b.lease("ds", 1, wait=10.0)
+            assert len(held) == len(first) == 1
+            for batch in first[0].batches(100):
+                first[0].ack(batch.end)
+            produce(base + later)
+            _, head = b.lease("ds", 1, wait=10.0)  # planned at the head: leased at once
+            assert len(head) == 1 and head[0].lease.start == 5, head
+
+            def skew() -> float:
+                return a.describe_dataset("ds").time_skew_ms
+
+            wait_until(lambda: skew() >= later, 10.0, f"a skew of {later} ms (the head shard's records' time)")
+            assert skew() == later
+        finally:
+            a.close()
+            b.close()

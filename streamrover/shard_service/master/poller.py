@@ -177,7 +177,9 @@ class StreamPoller:
                 cond.notify_all()
             ds = core.dataset(self.name)
             planned = [p.id for p in ds.partitions]
-            untimed = [(s.id, ds.partitions[s.pindex].id, s.start, s.end) for s in core.untimed(self.name)]
+            # held shards, and head shards leased at once with the newest time known (their records' times now)
+            shards = core.untimed(self.name) + core.stream_time.to_retime(self.name)
+            untimed = [(s.id, ds.partitions[s.pindex].id, s.start, s.end) for s in shards]
         if untimed:
             self._time(source, calls, untimed)
         gone = sorted(set(planned) - {p.id for p in polled})
