@@ -9,6 +9,10 @@ TEST_EXTRAS ?= dev,ckpt,s3,delta,iceberg,kafka,pulsar,rocketmq,torch,tf,platform
 # pyspark is published as a source distribution only (pure Python and its jars, nothing is compiled): it cannot be
 # --only-binary; everything else that could backtrack into a failing source build is.
 PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,tensorflow-cpu,s3fs,aiobotocore,botocore,onnx,onnxruntime,ray,apache-beam,apache-flink,matplotlib,river,mkdocs,mkdocs-material,pyiceberg,sqlalchemy,pyroaring,mmh3,lightning,pytorch-lightning,transformers,accelerate,tokenizers
+# The install's downloads are several GB (torch's CUDA wheels come with it from PyPI): a dropped connection resumes
+# (pip >= 25.1, which the virtualenv's own upgrade brings) and the whole install is tried again (CI's run of
+# 2026-12-05 lost a 151 MB wheel at 127.7 MB six times in a row and failed in 20 s).
+PIP_NET_FLAGS ?= --resume-retries 30 --retries 10
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
@@ -30,7 +34,12 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	@echo "make: installing streamrover (editable) with the extras $(TEST_EXTRAS) into $(VENV);"
 	@echo "      the first time takes minutes (torch, tensorflow, ray... are large), later runs skip this step"
-	@$(BIN)/pip install $(PIP_FLAGS) -q -e ".[$(TEST_EXTRAS)]"
+	@for try in 1 2 3 4; do \
+	  $(BIN)/pip install $(PIP_FLAGS) $(PIP_NET_FLAGS) -q -e ".[$(TEST_EXTRAS)]" && break; \
+	  if [ $$try = 4 ]; then echo "make: the install failed 4 times; giving up" >&2; exit 1; fi; \
+	  echo "make: the install failed (try $$try of 4; what was downloaded stays in pip's cache); again in $$((try * 20)) s" >&2; \
+	  sleep $$((try * 20)); \
+	done
 	@touch $@
 
 install: $(STAMP)

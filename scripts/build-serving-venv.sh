@@ -22,8 +22,14 @@ if [ ! -f "$venv/$stamp" ]; then
   echo "build-serving-venv: installing ${pins[*]} into $venv" >&2
   rm -rf "$venv"
   "$python" -m venv "$venv"
-  "$venv/bin/pip" install --disable-pip-version-check --progress-bar off -q \
-    --only-binary=kserve,onnxruntime,numpy,grpcio,protobuf,pydantic-core,orjson,uvloop,httptools "${pins[@]}" >&2
+  # Tried again when a download drops (CI's machines have lost large wheels mid-download); pip's cache keeps the rest.
+  for try in 1 2 3; do
+    "$venv/bin/pip" install --disable-pip-version-check --progress-bar off -q --retries 10 \
+      --only-binary=kserve,onnxruntime,numpy,grpcio,protobuf,pydantic-core,orjson,uvloop,httptools "${pins[@]}" >&2 && break
+    if [ "$try" = 3 ]; then echo "build-serving-venv: pip failed 3 times" >&2; exit 1; fi
+    echo "build-serving-venv: pip failed (try $try of 3); again in $((try * 20)) s" >&2
+    sleep $((try * 20))
+  done
   touch "$venv/$stamp"
 fi
 echo "$venv/bin/python"

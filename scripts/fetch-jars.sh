@@ -39,7 +39,14 @@ for broker in "${brokers[@]}"; do
   tmp=$(mktemp -d "$cache/.$broker-$version.XXXXXX")
   trap 'rm -rf "$tmp"' EXIT
   echo "fetch-jars: fetching $broker $version into $dest"
-  mvn -B -q -Dstyle.color=never -f "$pom" dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$tmp"
+  # A dropped connection is tried again (what Maven got stays in ~/.m2): CI's machines have lost large downloads.
+  for try in 1 2 3; do
+    mvn -B -q -Dstyle.color=never -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
+      -DoutputDirectory="$tmp" && break
+    if [ "$try" = 3 ]; then echo "fetch-jars: Maven failed 3 times for $broker $version" >&2; exit 1; fi
+    echo "fetch-jars: Maven failed for $broker $version (try $try of 3); again in $((try * 20)) s" >&2
+    sleep $((try * 20))
+  done
   count=$(find "$tmp" -name '*.jar' | wc -l)
   if [ "$count" -eq 0 ]; then
     echo "fetch-jars: Maven copied no jar for $broker $version" >&2
