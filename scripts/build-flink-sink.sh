@@ -45,8 +45,13 @@ if [ ! -f "$jar" ]; then
   echo "build-flink-sink: building the sink ($hash)" >&2
   build=$(mktemp -d)
   trap 'rm -rf "$build"' EXIT
-  mvn -B -q -Dstyle.color=never -Dmaven.repo.local="$cache/m2" -f "$src/pom.xml" \
-    -DbuildDirectory="$build" package -DskipTests >&2
+  for try in 1 2 3; do  # a dropped download is tried again (what Maven got stays in $cache/m2)
+    mvn -B -q -Dstyle.color=never -Dmaven.repo.local="$cache/m2" -f "$src/pom.xml" \
+      -DbuildDirectory="$build" package -DskipTests >&2 && break
+    if [ "$try" = 3 ]; then echo "build-flink-sink: Maven failed 3 times" >&2; exit 1; fi
+    echo "build-flink-sink: Maven failed (try $try of 3); again in $((try * 20)) s" >&2
+    sleep $((try * 20))
+  done
   cp "$build/streamrover-flink-sink-0.1.0.jar" "$jar.tmp"
   mv "$jar.tmp" "$jar"
 fi

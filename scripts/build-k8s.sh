@@ -56,10 +56,22 @@ case "${1:-}" in
   *) echo "usage: $0 [--background|--wait|--bin-dir]" >&2; exit 2 ;;
 esac
 
+# A command that downloads modules, tried 3 times: a dropped connection fails it (what was fetched stays in GOMODCACHE
+# and what was compiled in GOCACHE, so a try again costs little).
+again() {
+  local try
+  for try in 1 2 3; do
+    "$@" && return 0
+    [ "$try" = 3 ] && return 1
+    echo "build-k8s: '$*' failed (try $try of 3); again in $((try * 20)) s" >&2
+    sleep $((try * 20))
+  done
+}
+
 # k8s.io/kubernetes requires its staging modules at v0.0.0 + replace => ./staging: map them to $SV. Sets $ld.
 kube_module() {
   mkdir -p "$base/src/kube" && cd "$base/src/kube"
-  go mod download k8s.io/kubernetes@"$KV"
+  again go mod download k8s.io/kubernetes@"$KV"
   mod="$GOMODCACHE/cache/download/k8s.io/kubernetes/@v/$KV.mod"
   { printf 'module streamrover.local/kube\n\ngo 1.24.0\n\ngodebug default=go1.24\n\nrequire k8s.io/kubernetes %s\n\nreplace (\n' "$KV"
     grep -E '^\s+k8s.io/\S+ v0.0.0$' "$mod" | awk -v sv="$SV" '{print "\t"$1" => "$1" "sv}'
@@ -80,7 +92,7 @@ build() {
   command -v go >/dev/null || { echo "build-k8s: Go is not on PATH (needs Go >= 1.24)" >&2; exit 2; }
   export GOPATH="$base/gopath" GOMODCACHE="$base/gomod" GOCACHE="$base/gocache" GOFLAGS=-mod=mod GOTOOLCHAIN=local
   t_all=$(date +%s)
-  timed() { local t0; t0=$(date +%s); "$@"; echo "build-k8s: ${*: -1} built in $(( $(date +%s) - t0 )) s"; }
+  timed() { local t0; t0=$(date +%s); again "$@"; echo "build-k8s: ${*: -1} built in $(( $(date +%s) - t0 )) s"; }
   if [ -f "$bin/.complete" ]; then  # a bin dir from before kubectl was added: add kubectl only
     kube_module
     timed go build -trimpath -ldflags "$ld" -o "$bin/kubectl.tmp" k8s.io/kubernetes/cmd/kubectl

@@ -67,7 +67,13 @@ build() {
   # GitHub, reached through rclone) is restated here. No build tags: the optional filer stores stay out.
   mkdir -p "$base/src" && cd "$base/src"
   printf 'module streamrover.local/seaweedfs\n\ngo 1.26.6\n\nrequire github.com/seaweedfs/seaweedfs %s\n\nreplace github.com/tyler-smith/go-bip39 => github.com/cosmos/go-bip39 v1.0.0\n' "$SW_V" >go.mod
-  go build -trimpath -ldflags "-s -w" -o "$tmp/weed" github.com/seaweedfs/seaweedfs/weed
+  # Tried 3 times: a dropped download fails it (fetched modules stay in GOMODCACHE, compiled packages in GOCACHE).
+  for try in 1 2 3; do
+    go build -trimpath -ldflags "-s -w" -o "$tmp/weed" github.com/seaweedfs/seaweedfs/weed && break
+    [ "$try" = 3 ] && exit 1
+    echo "build-seaweedfs: go build failed (try $try of 3); again in $((try * 20)) s" >&2
+    sleep $((try * 20))
+  done
   touch "$tmp/.complete"
   rm -rf "$bin" && mv "$tmp" "$bin"
   echo "build-seaweedfs: weed built in $(( $(date +%s) - t0 )) s into $bin"
