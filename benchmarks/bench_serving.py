@@ -10,7 +10,9 @@ Two measures, each with its peer in the same run:
    ``DemoConfig.ckpt_every`` steps; the step time is each step's busy time. Goal: at most 5% above the run
    without export. (b) A tight loop (~2 ms a step, a checkpoint every 20 steps: one every ~50 ms), a worst
    case no stream produces. Adagrad, not the demo's Adam: touched-row deltas are exact only for
-   optimizers that leave untouched rows alone (serving/tables.py).
+   optimizers that leave untouched rows alone (serving/tables.py). (c) The row tracker alone (its hooks, its
+   stamps at each checkpoint), the training thread's CPU per step with and without it, alternating blocks.
+   ``--parts 1`` runs part 1 only (``--parts 13``: parts 1 and 3).
 2. **Delta bytes.** One table of ``--rows`` x 16 float32; a delta file for touched shares from 0.1% to 100%
    against the full table's file (a base): bytes and the time to build each.
 3. **Freshness from event to served** (benchmarks/_serving_fresh.py): a stream paced at ``--rate`` records/s
@@ -90,6 +92,45 @@ def _train(steps: int, export: bool, root: Path, every: int = 20, period: float 
     return elapsed / steps, len(exporter.exported), each, cpu / steps
 
 
+def _tracking_cost(blocks: int, steps: int = 50) -> tuple[float, float]:
+    """The training thread's CPU per step (s, the best block: what contention leaves alone) without and with a
+    RowTracker on the DeepFM:
+    two models trained in alternating blocks of ``steps`` steps, the tracker's ``step_done`` every step and its
+    ``state()`` (what a checkpoint takes) every ``DemoConfig.ckpt_every`` steps."""
+    import torch
+
+    from examples.streaming_ctr.clickstream import CATEGORICAL, NUMERIC
+    from examples.streaming_ctr.model import DeepFM
+    from streamrover.serving import RowTracker
+
+    torch.manual_seed(0)
+    models = [DeepFM(), DeepFM()]
+    optimizers = [torch.optim.Adagrad(m.parameters(), lr=0.05) for m in models]
+    tracker = RowTracker(models[1])
+    every = DemoConfig().ckpt_every
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 1 << 40, (256, len(CATEGORICAL)), generator=gen), torch.randn(256, len(NUMERIC),
+                generator=gen), (torch.rand(256, generator=gen) < 0.2).float()) for _ in range(50)]  # fmt: skip
+    cpu: list[list[float]] = [[], []]
+    step = 0
+    for _ in range(blocks):
+        for i, (model, optimizer) in enumerate(zip(models, optimizers, strict=True)):
+            began = time.thread_time()
+            for _ in range(steps):
+                step += 1
+                cats, nums, y = batches[step % len(batches)]
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(cats, nums), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if i:
+                    tracker.step_done(step)
+                    if step % every == 0:
+                        tracker.state()
+            cpu[i].append((time.thread_time() - began) / steps)
+    return float(np.min(cpu[0])), float(np.min(cpu[1]))
+
+
 def _delta_bytes(rows: int, shares: list[float]) -> list[tuple[float, int, int, float, float]]:
     from streamrover.serving.tables import delta_arrays, dump_arrays
 
@@ -119,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="part 3: steps between checkpoints (the demo's first)")
     p.add_argument("--demo-step-ms", type=float, default=1000 * 2 * DemoConfig().batch_size / DemoConfig().rate,
                    help="the demo's step period: 2 ranks x 256 records at make demo's 1,500 records/s")
+    p.add_argument("--parts", default="123",
+                   help="which parts to run (digits: 1 export cost, 2 delta bytes, 3 freshness)")
     args, _ = p.parse_known_args(argv)
     steps = 100 if args.quick else args.steps
     rows = 1 << 16 if args.quick else args.rows
@@ -128,7 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     demo = DemoConfig()
     demo_step = args.demo_step_ms / 1000
-    paced_steps = max(40, int((20.0 if args.quick else 60.0) / demo_step))
+    if "1" in args.parts:
+        _part1(demo, demo_step, steps, args.quick)
+    if "2" in args.parts:
+        _part2(rows)
+    if "3" in args.parts:
+        _part3(args)
+    return 0
+
+
+def _part1(demo: DemoConfig, demo_step: float, steps: int, quick: bool) -> None:
+    paced_steps = max(40, int((20.0 if quick else 60.0) / demo_step))
     print(f"1. export cost: the flagship's DeepFM, batch 256, Adagrad, every checkpoint exported in the background\n"
           f"   (a) at the demo's checkpoint rate: a step every {demo_step * 1e3:.0f} ms (the stream's pace), a "
           f"checkpoint every {demo.ckpt_every} steps ({demo.ckpt_every * demo_step:.1f} s), {paced_steps} steps; "
@@ -155,14 +208,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"1{label}. {base * 1e3:.2f} ms/step without, {with_export * 1e3:.2f} ms/step with export ({versions} "
               f"versions): ratio {with_export / base:.3f}{goal}; the training thread's CPU per step "
               f"{cpu0 * 1e3:.2f} vs {cpu1 * 1e3:.2f} ms: ratio {cpu1 / cpu0:.3f}")  # fmt: skip
+    plain, tracked = _tracking_cost(10 if quick else 40)
+    print(f"1c. row tracking alone (RowTracker on the DeepFM's 24 tables, no checkpoint written), the training "
+          f"thread's CPU per step, the best of alternating blocks: {plain * 1e3:.3f} ms without, "
+          f"{tracked * 1e3:.3f} ms with: +{(tracked - plain) * 1e6:.0f} us, ratio {tracked / plain:.3f}")  # fmt: skip
     interval = demo.ckpt_every * demo_step
     per_export = results["a"][3]
     print(f"   one export (checkpoint read, ONNX, tables, publish) used {per_export:.3f} CPU s: "
           f"{per_export / interval:.1%} of the demo's checkpoint interval ({interval:.2f} s), in the exporter's thread")
+
+
+def _part2(rows: int) -> None:
     print(f"\n2. delta bytes vs full, one table of {rows} x 16 float32:")
     print(f"   {'touched':>8} {'delta B':>12} {'full B':>12} {'ratio':>7} {'delta s':>8} {'full s':>7}")
     for share, delta, full, delta_s, full_s in _delta_bytes(rows, [0.001, 0.01, 0.1, 0.5, 1.0]):
         print(f"   {share:8.1%} {delta:12d} {full:12d} {delta / full:7.3f} {delta_s:8.3f} {full_s:7.3f}")
+
+
+def _part3(args: argparse.Namespace) -> None:
     from benchmarks._serving_fresh import measure
 
     seconds = 12.0 if args.quick else args.seconds
@@ -175,4 +238,3 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['served_p99'] / max(r['applied_p99'], 1e-9):.1f}x; {r['versions_seen']} of {r['checkpoints']} "
               "versions answered", flush=True)  # fmt: skip
         print("     medians: " + ", ".join(f"{k} {v:.3f} s" for k, v in r["stages"].items()), flush=True)
-    return 0

@@ -24,7 +24,7 @@ from rich.table import Table
 from streamrover.ckpt import cli as ckpt_cli
 from streamrover.cursor import DataCursor
 from streamrover.operator import cli as operator_cli
-from streamrover.shard_service.api import DEFAULT_LEASE_TTL, DatasetSpec, ShardServiceError
+from streamrover.shard_service.api import DEFAULT_LEASE_TTL, DEFAULT_MAX_SESSIONS, DatasetSpec, ShardServiceError
 from streamrover.sources.api import SourceError
 from streamrover.tokens import resolve_token
 
@@ -71,6 +71,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="mutual TLS: clients must present a certificate this CA signed")
     m.add_argument("--max-request-mb", type=float, default=4.0,
                    help="larger requests are refused RESOURCE_EXHAUSTED unread (default 4)")
+    m.add_argument("--straggler-threshold", type=float, default=2.0,
+                   help="a node whose ranks' busy time per step is above this times the other nodes' median ...")
+    m.add_argument("--straggler-window", type=float, default=30.0,
+                   help="... for this many seconds is a straggler (status, /metrics; default 2x for 30 s)")
+    m.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                   help="worker session streams served at once, a server thread each (default %(default)s); past it"
+                   " a worker uses unary calls")
 
     wt = sub.add_parser("worker-token", help="print the worker token of an admin token (what workers are given)")
     wt.add_argument("--token", default=os.environ.get("STREAMROVER_TOKEN"), help="the admin token")
@@ -183,13 +190,17 @@ def _run_master(args: argparse.Namespace) -> int:
         if not (args.tls_cert and args.tls_key):
             raise SystemExit("streamrover master: --tls-cert and --tls-key go together (--tls-client-ca needs both)")
         tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
+    if args.straggler_threshold <= 1.0 or args.straggler_window < 0:
+        raise SystemExit(f"streamrover master: --straggler-threshold {args.straggler_threshold} must be more than 1 "
+                         f"and --straggler-window {args.straggler_window} at least 0")  # fmt: skip
     http_port = args.http_port
     if http_port is None:
         http_port = args.port + 1 if args.port else 0
     server = MasterServer(
         state_dir, tokens, host=args.host, port=args.port, lease_ttl=args.lease_ttl, durability=args.durability,
         http_port=None if http_port < 0 else http_port, http_host=args.http_host, http_fallback=args.http_port is None,
-        tls=tls, max_request_bytes=int(args.max_request_mb * (1 << 20)),
+        tls=tls, max_request_bytes=int(args.max_request_mb * (1 << 20)), max_sessions=args.max_sessions,
+        straggler_threshold=args.straggler_threshold, straggler_window=args.straggler_window,
     )  # fmt: skip
     if args.address_file:
         tmp = Path(args.address_file + ".tmp")

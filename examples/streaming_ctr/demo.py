@@ -166,6 +166,7 @@ def run_demo(cfg: DemoConfig, console: Console, live: bool = True) -> tuple[repo
             summary.seam = seam.describe(np.load(out / "ledger.npy"), samples)
         if probe is not None:
             summary.served = probe.summarize(out, cfg.window, np.load(out / "windows.npy"))
+            summary.served.diagnosis = probe.diagnosis(home / "jobs" / spec["name"] / "logs")
             images += served.plots(out, probe, np.load(out / "windows.npy"), cfg.window, cfg.drift_at,
                                    np.load(out / "freshness.npy"))  # fmt: skip
         report.write_html(out, summary, images)

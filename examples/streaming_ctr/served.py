@@ -86,6 +86,7 @@ class ServedSummary:
     newest: int  # the newest version answered
     newest_positions: int  # offsets its lineage holds
     request_ms: float  # median round trip of a prediction request (up to REQUEST records)
+    diagnosis: str = ""  # the repository, the exporter's log lines, the server's log tail (ServedProbe.diagnosis)
 
 
 class ServedProbe:
@@ -303,6 +304,22 @@ class ServedProbe:
             newest_positions=sum(r[1] - r[0] for v in self.lineage.get(newest, {}).values() for r in v),
             request_ms=q(np.asarray(self.request_s), 0.5) * 1000,
         )  # fmt: skip
+
+    def diagnosis(self, logs: Path, lines: int = 15) -> str:
+        """What a failure message needs when versions are missing: the versions in the repository, the workers'
+        export log lines (the exporter logs each version and every failure), the model server's log tail."""
+        model_dir = self.repository / NAME
+        entries = sorted(os.listdir(model_dir)) if model_dir.is_dir() else []
+        out = [f"repository {model_dir}: {entries or 'empty'}"]
+        for path in sorted(logs.glob("*")) if logs.is_dir() else []:
+            if not path.is_file():
+                continue
+            found = [ln for ln in path.read_text(errors="replace").splitlines() if "export" in ln.lower()]
+            out += [f"{path.name}: {ln}" for ln in found[-lines:]]
+        server_log = self.work / "server.log"
+        if server_log.is_file():
+            out += ["server.log:", *server_log.read_text(errors="replace").splitlines()[-lines:]]
+        return "\n".join(out)
 
     @staticmethod
     def window_rows(rows: np.ndarray, window: int, n_windows: int) -> np.ndarray:

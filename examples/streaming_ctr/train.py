@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -116,6 +117,8 @@ def serving(state: CtrState) -> tuple[TorchExporter | None, RowTracker | None]:
     config = ExportConfig.from_env()
     if config is None:
         return None, None
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")  # warnings and errors: stderr
+    logging.getLogger("streamrover.serving").setLevel(logging.INFO)  # each version exported, in the worker's log
     tracker = RowTracker(state.net, sticky=True)
     example = (torch.zeros(1, len(CATEGORICAL), dtype=torch.int64), torch.zeros(1, len(NUMERIC)))
     exporter = TorchExporter(config, None, DeepFM, example, input_names=["cats", "nums"], output_names=["logit"],

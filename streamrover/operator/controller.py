@@ -90,6 +90,7 @@ class JobController:
             self.autoscaler = Autoscaler(spec.autoscaling, *spec.scale_bounds)
         self.sample_every = 2.0
         self._sampled_at = 0.0
+        self._paced_at = 0.0
         self._published: int | None = None  # the desired node count the agents were told
 
     def request_stop(self, *_: Any) -> None:
@@ -132,6 +133,9 @@ class JobController:
             self.platform.close()
             self.job.pid_path.unlink(missing_ok=True)
             raise
+        health = self.spec.health
+        master_args = (*master_args, "--straggler-threshold", str(health.straggler_threshold),
+                       "--straggler-window", str(health.straggler_window_seconds))  # fmt: skip
         launch = MasterLaunch(self.spec.name, self.state_dir, token, self.spec.master.host, self.spec.master.port,
                               self.spec.master.lease_ttl, master_args)  # fmt: skip
         reaped = getattr(self.platform, "reaped", [])
@@ -173,6 +177,7 @@ class JobController:
                     except ValueError as exc:
                         sup.event("scale-refused", "", str(exc))
                 sup.tick()
+                self._watch_paces(client)
                 self._autoscale(client)
                 self._publish_desired(client)
                 self._write(self._status())
@@ -210,6 +215,23 @@ class JobController:
             return
         if ok:
             self._published = self.supervisor.desired
+
+    def _watch_paces(self, client: Any) -> None:
+        """Hand the master's per-node pace (straggler verdicts) to the supervisor, every ``sample_every`` s."""
+        from streamrover.shard_service import ShardServiceError
+
+        now = time.time()
+        if self.supervisor is None or now - self._paced_at < self.sample_every:
+            return
+        self._paced_at = now
+        try:
+            paces = client.status().node_paces
+        except ShardServiceError as exc:  # the master may be restarting: next time
+            log.info("no pace sample: %s", exc)
+            return
+        fields = ("node", "busy_per_step", "wall_per_step", "ranks", "median_others", "ratio", "beyond_seconds",
+                  "straggler", "threshold", "window_seconds")  # fmt: skip
+        self.supervisor.observe_paces([{f: getattr(p, f) for f in fields} for p in paces])
 
     def _autoscale(self, client: Any) -> None:
         """Feed the autoscaler the master's lag and acked counts; apply what it decides."""

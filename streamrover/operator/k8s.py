@@ -179,7 +179,7 @@ class K8sPlatform(Platform):
 
     # -- the master -------------------------------------------------------------------------
     def launch_master(self, launch: MasterLaunch) -> MasterInfo:
-        if launch.args and self.tls is None:  # files on this machine are not in the master's pod
+        if any(a.startswith("--tls") for a in launch.args) and self.tls is None:  # files here are not in its pod
             raise LaunchError("master.tls on Kubernetes names Secrets, not files: master.tls.secret (tls.crt, "
                               "tls.key, ca.crt: cert-manager's layout) and, for mutual TLS, "
                               "master.tls.client_secret")  # fmt: skip

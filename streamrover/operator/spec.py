@@ -21,6 +21,7 @@ the bad field (``trainer.nodes: ...``). Example::
     checkpoint: {url: ckpt, every_steps: 10, keep_last: 3}
     restart: {per_node: 3, per_job: 10, oom: {factor: 1.5, max_memory: 8Gi}}
     autoscaling: {target_lag_records: 50000, cooldown_seconds: 60, min_nodes: 1, max_nodes: 3}
+    health: {node_check: true, straggler_policy: replace, hang_timeout_seconds: 30}
 
 Nothing here imports anything heavier than pydantic and PyYAML.
 """
@@ -269,6 +270,22 @@ class RestartPolicy(_Model):
     oom: OomPolicy = Field(default_factory=lambda: OomPolicy())
 
 
+class HealthSpec(_Model):
+    """Node health: a pre-flight node check, straggler detection (and replacement), hung-collective restarts."""
+
+    node_check: bool = Field(False, description="check every node (matmul, gloo all-reduce) before it joins")
+    node_check_threshold: float = Field(2.0, gt=1.0, description="a node whose compute probe is slower than this "
+                                        "times the other nodes' median fails the check and is relaunched")
+    straggler_threshold: float = Field(2.0, gt=1.0, description="a node whose busy seconds per step exceed this "
+                                       "times the other nodes' median ...")
+    straggler_window_seconds: float = Field(30.0, ge=0, description="... for this long is a straggler")
+    straggler_policy: Literal["report", "replace"] = Field(
+        "report", description="report: status, /metrics and the dashboard show it; replace: also relaunch it as a "
+        "new node (the old one leaves gracefully; the group resumes from the newest checkpoint)")
+    hang_timeout_seconds: float = Field(30.0, ge=0, description="a worker without progress this long is hung: its "
+                                        "node's agent restarts the group (0: off)")
+
+
 class AutoscalingSpec(_Model):
     """Node count from consumer lag: aim at a lag (records) or a freshness (seconds) within MIN:MAX."""
 
@@ -300,6 +317,7 @@ class JobSpec(_Model):
     export: ExportSpec | None = None
     restart: RestartPolicy = Field(default_factory=lambda: RestartPolicy())
     autoscaling: AutoscalingSpec | None = None
+    health: HealthSpec = Field(default_factory=lambda: HealthSpec())
 
     @field_validator("name")
     @classmethod

@@ -19,7 +19,12 @@ reads the heartbeat its agent writes to the master (``nodes/<run id>/<node id>``
   leave gracefully, all at once (SIGTERM: the agent stops its workers, the rendezvous closes the
   round, the others re-rendezvous; rank 0 restores the newest checkpoint and resets the
   cursor, which hands every lease back);
-* the job has **succeeded** once a node's agent exited 0 and every node has ended.
+* the job has **succeeded** once a node's agent exited 0 and every node has ended;
+* a node that **failed its node check** (``health.node_check``: its agent exits
+  :data:`NODE_CHECK_EXIT` before it joins) is relaunched as a new node, the check's evidence in the event;
+* a **straggler** the master flags (``health.straggler_*``: its ranks' busy time per step against the
+  other nodes') is shown in status; with ``straggler_policy: replace`` a new node is launched in its slot
+  and the straggler leaves gracefully (the group resumes from the newest checkpoint and cursor).
 
 Every decision is an event (time, kind, node, message) kept in the status document.
 """
@@ -45,6 +50,7 @@ MAX_EVENTS = 200
 CKPT_EVERY_ENV = "STREAMROVER_CKPT_EVERY"  # read by StreamSession (trainers/torch/env.py; not imported: torch)
 CKPT_KEEP_ENV = "STREAMROVER_CKPT_KEEP"
 EXPORT_ENV = "STREAMROVER_EXPORT"  # the spec's export section as JSON: streamrover.serving.ExportConfig.from_env()
+NODE_CHECK_EXIT = 86  # a node that failed its check (trainers/torch/nodecheck.py; not imported: torch)
 HealthReader = Callable[[str, str], "dict[str, Any] | None"]  # (run id, node id) -> the agent's health document
 
 
@@ -80,6 +86,9 @@ class NodeRecord:
     restarts_left: int | None = None
     workers: dict[str, int] = field(default_factory=dict)
     worker_exits: int = 0
+    node_check: dict[str, Any] | None = None  # its pre-flight check's result (the agent's health document)
+    hangs: int = 0  # hung worker groups its agent restarted
+    replaced_by: str = ""  # the node that replaced it (a straggler)
     handled: bool = False  # its end was acted on (relaunched, counted)
     launched: bool = True  # False: the platform could not start it (nothing to observe)
 
@@ -137,6 +146,8 @@ class Supervisor:
         self.slots: dict[int, str] = {}  # slot -> its current node id
         self.generations: dict[int, int] = {}  # slot -> the generation of its newest node
         self.relaunches = 0
+        self.replacements = 0  # stragglers replaced (each also counts as a relaunch)
+        self.paces: list[dict[str, Any]] = []  # the master's per-node pace, newest sample (status: stragglers)
         self.events: list[Event] = []
 
     # -- events and the status document ----------------------------------------------------
@@ -150,6 +161,7 @@ class Supervisor:
         """The job's status document: phase, nodes, scale, the master, recent events."""
         now = self.clock()
         lo, hi = self.spec.scale_bounds
+        health = self.spec.health
         return {
             "job": self.spec.name,
             "platform": self.platform.name,
@@ -161,6 +173,9 @@ class Supervisor:
             "bounds": [lo, hi],
             "relaunches": self.relaunches,
             "relaunch_budget": self.spec.restart.per_job,
+            "replacements": self.replacements,
+            "stragglers": {"policy": health.straggler_policy, "threshold": health.straggler_threshold,
+                           "window_seconds": health.straggler_window_seconds, "nodes": self.paces},
             "nodes": [self.nodes[nid].view(now) for nid in sorted(self.slots.values(), key=self._slot_of)],
             "ended_nodes": [r.view(now) for r in self.nodes.values() if r.node_id not in self.slots.values()][-20:],
             "events": [asdict(e) for e in self.events[-50:]],
@@ -173,14 +188,17 @@ class Supervisor:
     # -- launching -----------------------------------------------------------------------------
     def node_command(self, node_id: str) -> list[str]:
         """``dlrover-run`` for one node: the spec's trainer, elastic within its node range."""
-        t, r = self.spec.trainer, self.spec.restart
+        t, r, h = self.spec.trainer, self.spec.restart, self.spec.health
+        health = ["--node-check", "--node-check-threshold", str(h.node_check_threshold)] if h.node_check else []
+        if h.hang_timeout_seconds > 0:
+            health += ["--hang-timeout", str(h.hang_timeout_seconds)]
         return [
             sys.executable, "-m", "streamrover.trainers.torch.run",
             "--nnodes", str(t.nodes), "--nproc-per-node", str(t.nproc_per_node), "--max-restarts", str(r.per_node),
             "--rdzv-backend", "streamrover", "--rdzv-id", self.run_id,
             "--rdzv-conf", "last_call_timeout=1,join_timeout=600",
             "--shard-service", self.master_address, "--ckpt-dir", self.ckpt_url, "--node-id", node_id,
-            *self.platform.launcher_args(), *t.launcher_args, t.script, *t.args,
+            *health, *self.platform.launcher_args(), *t.launcher_args, t.script, *t.args,
         ]  # fmt: skip
 
     def _launch(self, slot: int, memory: int | None, why: str) -> NodeRecord:
@@ -254,6 +272,8 @@ class Supervisor:
             record.restarts_left = doc.get("restarts_left")
             record.workers = dict(doc.get("workers", {}))
             record.worker_exits = len(doc.get("exits", []))
+            record.node_check = doc.get("node_check") or record.node_check
+            record.hangs = len(doc.get("hangs") or [])
 
     def _silent(self, record: NodeRecord) -> bool:
         limit = self.spec.restart.heartbeat_timeout
@@ -287,6 +307,10 @@ class Supervisor:
             memory = min(int(memory * self.spec.restart.oom.factor), ceiling)
             self.event("oom", record.node_id, f"OOM-killed at {format_memory(record.memory or 0)}; relaunching with "
                                               f"{format_memory(memory)}")  # fmt: skip
+        elif state is NodeState.FAILED and record.exit_code == NODE_CHECK_EXIT:
+            self._read_health(record)  # the verdict it wrote before it left
+            evidence = _check_evidence(record.node_check)
+            self.event("node-check", record.node_id, f"failed its node check ({evidence}): relaunching as a new node")
         else:
             why = record.detail or (f"exit code {record.exit_code}" if record.exit_code is not None else state.value)
             self.event(state.value, record.node_id, why)
@@ -312,6 +336,38 @@ class Supervisor:
         if current and all(r.state.ended for r in current) and self._any_succeeded():
             self.phase, self.reason = JobPhase.SUCCEEDED, "training finished"
             self.event("succeeded", "", "every node has ended; training finished")
+
+    # -- stragglers ----------------------------------------------------------------------------------
+    def observe_paces(self, paces: list[dict[str, Any]]) -> None:
+        """The master's per-node pace (``Status.node_paces`` as dicts); with ``straggler_policy: replace`` a flagged
+        node of this job is replaced: a new node in its slot, the straggler leaving gracefully."""
+        self.paces = paces
+        flagged = {p["node"]: p for p in paces if p.get("straggler")}
+        current = {nid: slot for slot, nid in self.slots.items()}
+        for node_id, pace in sorted(flagged.items()):
+            if node_id not in current or self.phase.ended:
+                continue  # another job's node, or one already replaced (its reports are not stale yet)
+            record = self.nodes[node_id]
+            if record.state is not NodeState.RUNNING or record.handled:
+                continue
+            evidence = (f"busy {pace['busy_per_step'] * 1000:.1f} ms/step, {pace['ratio']:.1f}x the other nodes' "
+                        f"median {pace['median_others'] * 1000:.1f} ms for {pace['beyond_seconds']:.0f} s "
+                        f"(threshold {pace['threshold']:g}x for {pace['window_seconds']:g} s)")  # fmt: skip
+            policy = self.spec.health.straggler_policy
+            self.event("straggler", node_id, f"{evidence}; policy {policy}")
+            if policy == "replace":
+                self._replace(current[node_id], record)
+
+    def _replace(self, slot: int, record: NodeRecord) -> None:
+        if self.relaunches >= self.spec.restart.per_job:
+            self.event("straggler", record.node_id, "not replaced: the node relaunches (restart.per_job) are spent")
+            return
+        self.relaunches += 1
+        self.replacements += 1
+        new = self._launch(slot, record.memory, f"replaces straggler {record.node_id}")
+        record.replaced_by, record.handled = new.node_id, True
+        self.event("scale-in", record.node_id, f"replaced by {new.node_id}: leaving gracefully")
+        self._apply(record, self.platform.stop_node(record.node_id, grace=self.stop_grace))
 
     # -- scaling -----------------------------------------------------------------------------------
     def scale(self, nodes: int, why: str = "requested") -> None:
@@ -356,3 +412,14 @@ class Supervisor:
 def status_json(status: dict[str, Any]) -> str:
     """A status document as JSON text."""
     return json.dumps(status, indent=2, sort_keys=True, default=str)
+
+
+def _check_evidence(check: dict[str, Any] | None) -> str:
+    """A node check's result (nodecheck.CheckResult as a dict) in a few words."""
+    if not check:
+        return "no result reported"
+    if check.get("error"):
+        return f"probe failed: {check['error']}"
+    ratio, median = check.get("ratio"), check.get("median_s")
+    versus = f", {ratio:.1f}x the median {median:.3f} s of {check.get('peers')} peers" if ratio and median else ""
+    return f"compute probe {check.get('compute_s', 0):.3f} s{versus}, threshold {check.get('threshold')}x"

@@ -12,6 +12,13 @@ Trainer side (``StreamSession(export=...)`` does all of this)::
 
 The exporter reads each checkpoint back from storage (verified) into a fresh model built by
 ``model_factory`` and exports that, so a version is the checkpoint's state, never the live model's.
+
+An export that fails is never silent: it is logged, counted in :meth:`TorchExporter.status` (and sent to
+``report``, which a StreamSession points at the job master: reporter ``serving``, ``export_failures``), and
+:meth:`TorchExporter.check` raises it in the training thread at the trainer's next checkpoint, which stops the
+trainer (a failed write must not let it go on as if versions were published; its restart exports what was
+missed: :meth:`TorchExporter.start`). A durable checkpoint removed by checkpoint retention before it could be
+exported is counted (``export_skipped``) and logged, not fatal: later versions stay correct.
 """
 
 from __future__ import annotations
@@ -125,10 +132,15 @@ class TorchExporter:
         self.exported: list[int] = []  # versions this exporter published, in order
         self.seconds: list[float] = []  # how long each of those took (read, export, publish, retention)
         self.cpu_seconds: list[float] = []  # the CPU time of each (this thread's: fsync waits excluded)
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # exports that failed (raised by check() and close())
+        self.skipped: list[int] = []  # durable checkpoints removed by checkpoint retention before their export
+        #: called with status() after each export or failure (a StreamSession reports it to the master)
+        self.report: Callable[[dict[str, float]], None] | None = None
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._worker: threading.Thread | None = None
-        self._lock = threading.Lock()  # one export at a time (catch_up from start and from the worker)
+        # one repository change at a time: start() (clean, retire) and every export, from any thread (a TF-PS
+        # rollback restarts the exporter while the previous checkpoint's export is under way)
+        self._lock = threading.RLock()
         self._trace: Any | None = None  # the first version's ONNX graph, reused with each version's weights
         self._prefix = ""
 
@@ -149,18 +161,25 @@ class TorchExporter:
     # -- the trainer's hooks ----------------------------------------------------------------
     def start(self, resumed_step: int) -> list[int]:
         """The trainer resumed from ``resumed_step`` (0: fresh): retire versions above it, remove temporaries of
-        cut-short publishes, export every durable checkpoint with no version yet; returns the versions exported."""
-        self.repo.clean_temporaries()
-        for version in self.repo.versions():
-            source = self.repo.info(version).checkpoint.get("url")
-            if source != self.ckpt.root:  # another job's versions: never retire or extend them
-                raise ExportError(f"{self.repo.model_dir} holds version {version} exported from checkpoints of "
-                                  f"{source}, not of {self.ckpt.root}: give this job its own export name")  # fmt: skip
-        self.repo.retire_after(resumed_step)
-        return self.catch_up()
+        cut-short publishes, export every durable checkpoint with no version yet; returns the versions exported.
+        Waits for an export under way (its temporary directory is not cut short, its version is retired if above
+        ``resumed_step``)."""
+        with self._lock:
+            self.repo.clean_temporaries()
+            for version in self.repo.versions():
+                source = self.repo.info(version).checkpoint.get("url")
+                if source != self.ckpt.root:  # another job's versions: never retire or extend them
+                    raise ExportError(f"{self.repo.model_dir} holds version {version} exported from checkpoints "
+                                      f"of {source}, not of {self.ckpt.root}: give this job its own export "
+                                      "name")  # fmt: skip
+            self.repo.retire_after(resumed_step)
+            return self.catch_up()
 
     def on_durable(self, step: int) -> None:
         """The checkpoint of ``step`` is durable (``Checkpointer(on_durable=...)``): export it in the background."""
+        if self._worker is not None and not self._worker.is_alive():  # never silently queue to a dead thread
+            self._failed(step, ExportError("the export thread ended unexpectedly"))
+            self._worker = None
         if self._worker is None:
             self._worker = threading.Thread(target=self._run, name="streamrover-export", daemon=True)
             self._worker.start()
@@ -170,18 +189,50 @@ class TorchExporter:
         while (step := self._queue.get()) is not None:
             try:
                 self.catch_up()
-            except Exception as exc:  # reported by close(); the next durable checkpoint retries
-                log.exception("export after durable step %d failed", step)
-                self.errors.append(f"step {step}: {exc}")
+            except Exception as exc:  # raised in the training thread by check(); a restarted trainer catches up
+                self._failed(step, exc)
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        log.error("%s: exporting after durable checkpoint %d failed (raised at the trainer's next checkpoint): %s: %s",
+                  self.config.name, step, type(exc).__name__, exc, exc_info=exc)  # fmt: skip
+        self.errors.append(f"step {step}: {type(exc).__name__}: {exc}")
+        self._report()
+
+    def status(self) -> dict[str, float]:
+        """What this exporter did: the newest version it published (-1: none), versions published, failures,
+        durable checkpoints skipped (removed before their export), the last export's seconds."""
+        return {"export_version": float(self.exported[-1] if self.exported else -1),
+                "export_versions": float(len(self.exported)), "export_failures": float(len(self.errors)),
+                "export_skipped": float(len(self.skipped)),
+                "export_seconds": float(self.seconds[-1] if self.seconds else 0.0)}  # fmt: skip
+
+    def _report(self) -> None:
+        if self.report is None:
+            return
+        try:
+            self.report(self.status())
+        except Exception as exc:  # the master may be restarting: the next export reports again
+            log.warning("%s: export status not reported: %s", self.config.name, exc)
+
+    def check(self) -> None:
+        """Raise :class:`ExportError` if an export failed (the training thread calls it at each checkpoint)."""
+        if self.errors:
+            raise ExportError(f"{self.config.name}: exports to {self.repo.model_dir} failed (the trainer stops; "
+                              "its restart exports every durable checkpoint left without a version): "
+                              + "; ".join(self.errors[-3:]))  # fmt: skip
 
     def close(self, timeout: float | None = 300.0) -> None:
-        """Finish queued exports; raise :class:`ExportError` naming any that failed."""
+        """Finish queued exports; raise :class:`ExportError` naming any that failed, or if they are not done
+        within ``timeout`` s."""
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout)
+            if self._worker.is_alive():
+                raise ExportError(f"{self.config.name}: exports still running after {timeout} s (queued durable "
+                                  f"checkpoints: {self._queue.qsize() - 1}); newest version "
+                                  f"{self.status()['export_version']:.0f}")  # fmt: skip
             self._worker = None
-        if self.errors:
-            raise ExportError("exports failed: " + "; ".join(self.errors))
+        self.check()
 
     # -- exporting ------------------------------------------------------------------------
     def catch_up(self) -> list[int]:
@@ -198,6 +249,8 @@ class TorchExporter:
                         done.append(step)
                 except CheckpointGoneError as exc:
                     log.warning("%s", exc)
+                    self.skipped.append(step)
+                    self._report()
             return done
 
     def export_step(self, step: int) -> bool:
@@ -254,6 +307,8 @@ class TorchExporter:
             self.cpu_seconds.append(time.thread_time() - cpu)
             log.info("exported checkpoint %d as %s version %d (%s)", step, self.config.name, step, info.kind)
         self.repo.apply_retention(self.config.keep_last)
+        if published:
+            self._report()
         return published
 
     # -- what a framework's exporter overrides -------------------------------------------------

@@ -1,11 +1,17 @@
 """Embedding tables across versions: touched-row tracking while training, delta files, and the reader.
 
 **Tracking** (:class:`RowTracker`, torch): a forward pre-hook on each tracked ``nn.Embedding`` /
-``nn.EmbeddingBag`` records the row indices it looks up; :meth:`RowTracker.step_done` stamps them with the
-step (``touched[row] = step``: one int64 per row, never a diff of the table). The stamps travel in every
-checkpoint (``extra["streamrover_touched"]``), so a delta against version P is exactly the rows whose stamp
-is above P, whatever checkpoints were skipped or restored in between. With several ranks the stamps are
-merged (all-reduce MAX) before each checkpoint: any rank's lookup changes the row everywhere.
+``nn.EmbeddingBag`` keeps a reference to the index tensor it looks up (no copy, no torch op: the hook is the
+only per-step cost); :meth:`RowTracker.step_done` only marks where the step ends. Before each checkpoint
+(:meth:`RowTracker.state`, :meth:`RowTracker.sync`) the indices of every step done since the last checkpoint
+are joined per table and stamped in one ``index_fill_`` (``touched[row] = step``: one int64 per row, never a
+diff of the table). A row gets the step of the checkpoint after its lookup rather than of the lookup itself;
+against versions, which are checkpoint steps, the two compare alike. The stamps travel in every checkpoint
+(``extra["streamrover_touched"]``), so a delta against version P is exactly the rows whose stamp is above P,
+whatever checkpoints were skipped or restored in between. With several ranks the stamps are merged
+(all-reduce MAX) before each checkpoint: any rank's lookup changes the row everywhere. An index tensor
+changed in place between its lookup and the next checkpoint (a reused input buffer) is refused with
+:class:`~streamrover.serving.api.ServingError` at that checkpoint: its rows would be lost.
 
 Which optimizers this is exact for: a looked-up row is the only row a step changes when the table's
 optimizer leaves rows with a zero gradient alone: SGD without momentum or weight decay, Adagrad without
@@ -125,6 +131,9 @@ class RowTracker:
     counts as changed at every checkpoint (for optimizers with moments on dense gradients: module docstring).
     """
 
+    #: Lookups held before step_done stamps them anyway (bounds memory between far-apart checkpoints).
+    MAX_PENDING = 4096
+
     def __init__(self, model: Any, tables: list[str] | None = None, *, sticky: bool = False) -> None:
         import torch
         from torch import nn
@@ -136,21 +145,35 @@ class RowTracker:
             raise ServingError("RowTracker: the model has no nn.Embedding or nn.EmbeddingBag to track")
         self.sticky = sticky
         self.last_step = 0
-        self._pending: dict[str, list[Any]] = {}
-        self.touched: dict[str, Any] = {}
+        # (table's first row in _flat, index tensor, its version counter) per lookup, in order; the first _done
+        # of them were made by steps already done (step_done), the rest by the step under way
+        self._pending: list[tuple[int, Any, int]] = []
+        self._done = 0
+        self.touched: dict[str, Any] = {}  # per table: a view of _flat
         self._hooks = []
+        offsets: dict[str, tuple[int, int]] = {}
         for name in names:
             module = modules.get(name)
             if not isinstance(module, kinds):
                 raise ServingError(f"RowTracker: {name!r} is not an nn.Embedding/nn.EmbeddingBag of the model")
-            param = f"{name}.weight"
-            self.touched[param] = torch.zeros(module.weight.shape[0], dtype=torch.int64)
-            self._pending[param] = []
-            self._hooks.append(module.register_forward_pre_hook(self._hook(param)))
+            first = sum(n for _, n in offsets.values())
+            offsets[f"{name}.weight"] = (first, int(module.weight.shape[0]))
+            self._hooks.append(module.register_forward_pre_hook(self._hook(first)))
+        # every table's stamps in one tensor: a checkpoint stamps the lookups of all tables in one index_fill_
+        self._flat = torch.zeros(sum(n for _, n in offsets.values()), dtype=torch.int64)
+        self._tables: dict[int, Any] = {}  # a table's first row in _flat -> its view
+        for param, (first, n) in offsets.items():
+            self.touched[param] = self._tables[first] = self._flat[first : first + n]
 
-    def _hook(self, param: str) -> Any:
+    def _hook(self, first: int) -> Any:
+        pending = self._pending
+
         def record(module: Any, args: tuple[Any, ...]) -> None:
-            self._pending[param].append(args[0].detach().reshape(-1).to("cpu", copy=True))
+            index = args[0]
+            try:
+                pending.append((first, index, index._version))
+            except RuntimeError:  # an inference-mode tensor has no version counter (and a lookup there trains nothing)
+                pending.append((first, index, -1))
 
         return record
 
@@ -160,28 +183,47 @@ class RowTracker:
         return list(self.touched)
 
     def step_done(self, step: int) -> None:
-        """Stamp the rows looked up since the last call with ``step`` (after ``optimizer.step()``)."""
+        """The lookups since the last call were ``step``'s (call after ``optimizer.step()``)."""
+        self.last_step = step
+        self._done = len(self._pending)
+        if self._done > self.MAX_PENDING:
+            self._stamp()
+
+    def _stamp(self) -> None:
+        """Stamp the rows of the steps done with the last step done (see the module docstring): per table, one
+        ``cat`` of the index tensors it saw and one ``index_fill_``."""
         import torch
 
-        self.last_step = step
-        for param, seen in self._pending.items():
-            if seen:  # repeated rows are filled with the same step: no torch.unique (a sort: ~10x this loop's cost)
-                self.touched[param].index_fill_(0, seen[0] if len(seen) == 1 else torch.cat(seen), step)
-                seen.clear()
+        done, self._pending[: self._done] = self._pending[: self._done], []
+        self._done = 0
+        by_table: dict[int, list[Any]] = {}
+        for first, index, version in done:
+            if version >= 0 and index._version != version:
+                raise ServingError("RowTracker: an index tensor looked up in a tracked table was changed in place "
+                                   "after the lookup, before the checkpoint: its rows are unknown. Give the model "
+                                   "a fresh tensor each step (not a reused buffer)")  # fmt: skip
+            by_table.setdefault(first, []).append(index)
+        for first, indices in by_table.items():
+            try:
+                rows = torch.cat(indices) if len(indices) > 1 else indices[0]  # one cat: no reshape of each
+            except RuntimeError:  # lookups of different shapes
+                rows = torch.cat([i.reshape(-1) for i in indices])
+            # repeated rows are filled with the same step: no torch.unique (a sort)
+            self._tables[first].index_fill_(0, rows.reshape(-1).to("cpu", torch.int64), self.last_step)
 
     def sync(self) -> None:
         """Merge every rank's stamps (all-reduce MAX; a collective: call it on every rank before a checkpoint)."""
         import torch.distributed as dist
 
+        self._stamp()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            for stamps in self.touched.values():
-                dist.all_reduce(stamps, op=dist.ReduceOp.MAX)
+            dist.all_reduce(self._flat, op=dist.ReduceOp.MAX)  # every table at once
 
     def state(self) -> dict[str, Any]:
         """The stamps, for a checkpoint's ``extra[TOUCHED_KEY]`` (sticky: every row ever looked up at the last step)."""
+        self._stamp()
         if self.sticky:
-            for stamps in self.touched.values():
-                stamps[stamps > 0] = self.last_step
+            self._flat[self._flat > 0] = self.last_step
         return {k: v.clone() for k, v in self.touched.items()}
 
     def load_state(self, state: dict[str, Any] | None) -> None:
@@ -192,7 +234,8 @@ class RowTracker:
                 stamps.zero_()
             else:
                 stamps.copy_(loaded)
-            self._pending[param].clear()
+        self._pending.clear()  # lookups of the abandoned timeline
+        self._done = 0
 
     def check_optimizer(self, optimizer: Any) -> None:
         """Refuse an optimizer that moves rows the stamps would miss (see the module docstring)."""

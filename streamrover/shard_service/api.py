@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
 DEFAULT_RECORDS_PER_SHARD = 10_000  # streams
 MAX_AUTO_RECORDS_PER_SHARD = 1 << 18  # batch files: one shard per row group, up to this many rows
 DEFAULT_LEASE_TTL = 10.0
+DEFAULT_MAX_SESSIONS = 4096  # worker session streams one master serves at once (a server thread each)
 
 
 class ShardServiceError(Exception):

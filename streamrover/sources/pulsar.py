@@ -45,6 +45,8 @@ The master side reports each ledger it has seen as a run (``Partition.segments``
 lag and counts are sized in records: ``routed`` sees every message; ``direct`` learns the newest
 ledger from ``get_last_message_id`` and, after a rollover, reads the tail of the ledgers before it
 (from the entry after the last one known: the broker moves such a start to the next ledger).
+The master leases a backlog in stream-time order by each shard's first message's publish time (set by
+the producer at send): a reader opened at the shard's start reads one message (:meth:`PulsarSource.first_times`).
 
 **Reading one partition.** ``direct`` opens a reader (and, on the master, a consumer of the
 subscription) on the partition's own topic ``persistent://.../TOPIC-partition-N``: the right way on
@@ -66,7 +68,8 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import pulsar
@@ -82,24 +85,13 @@ from streamrover.sources.api import (
     register_source,
 )
 from streamrover.sources.options import OptionError, PulsarOptions, client_options
-from streamrover.sources.pulsar_client import client_logger, parse_uri
+from streamrover.sources.pulsar_client import RAW_SCHEMA, client_logger, first_time, parse_uri, raw_batch
 from streamrover.sources.pulsar_client import client_value as _client_value
 from streamrover.sources.pulsar_client import partition_index as _index
 from streamrover.sources.pulsar_positions import LedgerRuns, PositionCodec
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
 log = logging.getLogger(__name__)
-RAW_SCHEMA = pa.schema(
-    {
-        "key": pa.binary(),
-        "value": pa.binary(),
-        "timestamp": pa.int64(),
-        "position": pa.int64(),
-        "batch_index": pa.int32(),
-    }
-)
-
-
 POLL_BUDGET = 0.5  # seconds a routed poll may spend tailing the topic
 REGISTER_BUDGET = 60.0  # ... and the first listing, which reads up to the end
 
@@ -110,6 +102,7 @@ class PulsarSource(Source):
     """
     kind = SourceKind.STREAM
     dense_positions = False
+    record_times = True  # publish times (first_times)
 
     def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
         opts = dict(options or {})
@@ -334,8 +327,27 @@ class PulsarSource(Source):
             self._ledgers.forget_before(pid, ledger)  # the master folded the runs below (RecordRuns.compact)
             self._acked[pid] = pos
 
+    def first_times(self, shards: Sequence[tuple[str, int, int]]) -> list[float | None]:
+        """Each shard's first message's publish time: a reader opened at the shard's start reads one message (None,
+        without a read, for a range past the last message polled)."""
+        if not self._names:
+            self._partition_names()
+        wait = min(self.read_timeout, 10.0)
+        position = lambda msg: self._position(msg)[0]  # noqa: E731
+        return [
+            first_time(partial(self._reader_at, pid, a, 1), self._full(pid), position, a, b, wait)
+            if a <= self._last.get(pid, -1) else None
+            for pid, a, b in shards
+        ]
+
     def schema(self) -> pa.Schema:
         return self._schema
+
+    def _reader_at(self, pid: str, position: int, queue: int) -> Any:
+        """A reader of partition ``pid`` from ``position`` on (routed: of the partitioned topic)."""
+        topic = self._full(pid) if self.mode == "direct" else self.topic
+        return self._call(f"reading {pid}", self._pulsar().create_reader, topic, self._message_id(pid, position),
+                          start_message_id_inclusive=True, receiver_queue_size=queue)  # fmt: skip
 
     # -- worker side -------------------------------------------------------------------
     def read(self, partition: Partition, start: int, end: int, batch_size: int) -> Iterator[ReadBatch]:
@@ -345,17 +357,9 @@ class PulsarSource(Source):
         if not self._names:
             self._partition_names()
         full = self._full(partition.id)
-        topic = full if self.mode == "direct" else self.topic
 
         def open_at(position: int) -> Any:
-            return self._call(
-                f"reading {partition.id}",
-                self._pulsar().create_reader,
-                topic,
-                self._message_id(partition.id, position),
-                start_message_id_inclusive=True,
-                receiver_queue_size=max(10, min(self.receiver_queue, end - position + 1)),
-            )
+            return self._reader_at(partition.id, position, max(10, min(self.receiver_queue, end - position + 1)))
 
         holder = [open_at(start)]
         try:
@@ -413,16 +417,8 @@ class PulsarSource(Source):
             yield self._batch(pid, pending, batch_start, end)
 
     def _batch(self, pid: str, msgs: list[tuple[Any, int, int]], start: int, end: int) -> ReadBatch:
-        positions = pa.array([p for _, p, _ in msgs], pa.int64())
         if self.format == "raw":
-            cols = [
-                pa.array([(m.partition_key() or "").encode() for m, _, _ in msgs], pa.binary()),
-                pa.array([m.data() for m, _, _ in msgs], pa.binary()),
-                pa.array([m.publish_timestamp() for m, _, _ in msgs], pa.int64()),
-                positions,
-                pa.array([b for _, _, b in msgs], pa.int32()),
-            ]
-            return ReadBatch(pa.RecordBatch.from_arrays(cols, schema=RAW_SCHEMA), start, end, positions)
+            return raw_batch(msgs, start, end)
         decoded = [Message(pos, m.data() or b"", (m.partition_key() or "").encode(), bidx) for m, pos, bidx in msgs]
         records, kept, dead = decode_json(decoded, self._schema, pid, self._dead)
         return ReadBatch(records, start, end, kept, dead_letters=dead)

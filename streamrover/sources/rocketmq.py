@@ -25,7 +25,9 @@ gRPC API, whose PullMessage/QueryOffset/GetOffset answer UNIMPLEMENTED in 5.5, s
 read by offset. Workers pull by offset with librocketmq (``Pull(queue, "*", offset, max)``)
 against the name server; the master reads routes and queue offsets and commits the consumer
 group's offsets with single remoting requests (:mod:`streamrover.sources.rocketmq_remoting`),
-which librocketmq has no call for.
+which librocketmq has no call for. The master leases a backlog in stream-time order by the store
+time of each shard's first message (the broker's, not the producer's born time): one remoting
+pull of that one message per shard (:meth:`RocketMQSource.first_times`).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -88,6 +91,7 @@ class RocketMQSource(Source):
     """
     kind = SourceKind.STREAM
     dense_positions = True
+    record_times = True  # store times: one remoting pull of one message per shard (first_times)
 
     def __init__(self, uri: str, format: str = "", options: Mapping[str, str] | None = None) -> None:
         opts = dict(options or {})
@@ -212,6 +216,19 @@ class RocketMQSource(Source):
                 f"(mqadmin updateSubGroup -g {self.group}) or enable autoCreateSubscriptionGroup"
             ) from exc
 
+    def first_times(self, shards: Sequence[tuple[str, int, int]]) -> list[float | None]:
+        """The broker's store time of each shard's first message: one PULL_MESSAGE of one message (remoting),
+        which commits nothing."""
+        out: list[float | None] = []
+        try:
+            for pid, start, end in shards:
+                route = self._route(pid)
+                got = self._client().store_time(route.broker_address, self.group, self.topic, route.queue_id, start)
+                out.append(float(got[1]) if got is not None and start <= got[0] < end else None)
+        except (RemotingConnectionError, RemotingError) as exc:
+            raise SourceUnavailableError(f"cannot read store times of {self.topic!r}: {exc}") from exc
+        return out
+
     def committed(self) -> dict[str, int | None]:
         """The consumer group's committed offset of each queue (None where it has none)."""
         queues = self._queues()
@@ -228,7 +245,7 @@ class RocketMQSource(Source):
         if topic != self.topic or not broker or not qid.isdigit():
             raise SourceError(f"partition {partition.id!r} is not a message queue of topic {self.topic!r}")
         if self._puller is None:
-            self._puller = _Puller(self.namesrvs, self.group)
+            self._puller = _Puller.shared(self.namesrvs, self.group)
         pending: list[tuple[int, bytes]] = []
         batch_start = offset = start
         while offset < end:
@@ -255,7 +272,7 @@ class RocketMQSource(Source):
 
     def close(self) -> None:
         if self._puller is not None:
-            self._puller.close()
+            self._puller.release()
             self._puller = None
         if self._remoting is not None:
             self._remoting.close()
@@ -263,9 +280,36 @@ class RocketMQSource(Source):
 
 
 class _Puller:
-    """librocketmq's pull consumer, driven with explicit offsets (no offset store, no rebalance)."""
+    """librocketmq's pull consumer, driven with explicit offsets (no offset store, no rebalance).
+
+    One per process and (name servers, group), shared by the sources that read with it (:meth:`shared`,
+    :meth:`release`): librocketmq refuses a second consumer of a group in a process ("has been created before"),
+    so two workers' sources in one process (threads), or two datasets of one topic, could not both read.
+    """
+
+    _lock = threading.Lock()
+    _shared: dict[tuple[str, str], tuple[_Puller, int]] = {}  # (name servers, group) -> (puller, users)
+
+    @classmethod
+    def shared(cls, namesrvs: list[str], group: str) -> _Puller:
+        key = (";".join(namesrvs), group)
+        with cls._lock:
+            puller, users = cls._shared.get(key) or (cls(namesrvs, group), 0)
+            cls._shared[key] = (puller, users + 1)
+            return puller
+
+    def release(self) -> None:
+        """One user less; the last one shuts the consumer down."""
+        with self._lock:
+            puller, users = self._shared.pop(self._key)
+            if users > 1:
+                self._shared[self._key] = (puller, users - 1)
+                return
+        self.close()
 
     def __init__(self, namesrvs: list[str], group: str) -> None:
+        self._key = (";".join(namesrvs), group)
+        self._pulling = threading.Lock()  # one Pull at a time on the shared handle
         from rocketmq.ffi import _CMessageQueue, dll  # lazily: loads librocketmq
 
         self._dll, self._mq_type = dll, _CMessageQueue
@@ -293,7 +337,8 @@ class _Puller:
         mq = self._mq_type(topic=pid.partition("@")[0].encode(), brokerName=broker.encode(), queueId=queue_id)
         give_up, backoff = time.monotonic() + timeout, 0.05
         while True:
-            res = self._dll.Pull(self._handle, ctypes.byref(mq), b"*", offset, min(end - offset, 1024))
+            with self._pulling:
+                res = self._dll.Pull(self._handle, ctypes.byref(mq), b"*", offset, min(end - offset, 1024))
             try:
                 status = res.pullStatus
                 if status == _FOUND:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # org.apache.rocketmq.remoting.protocol.RequestCode
+PULL_MESSAGE = 11
 QUERY_CONSUMER_OFFSET = 14
 UPDATE_CONSUMER_OFFSET = 15
 GET_MAX_OFFSET = 30
@@ -35,6 +36,13 @@ SUCCESS = 0
 TOPIC_NOT_EXIST = 17
 QUERY_NOT_FOUND = 22
 SUBSCRIPTION_GROUP_NOT_EXIST = 26
+PULL_NOT_FOUND = 19
+PULL_RETRY_IMMEDIATELY = 20
+PULL_OFFSET_MOVED = 21
+# PullSysFlag.FLAG_SUBSCRIPTION: the request carries its subscription (no registered consumer needed)
+_FLAG_SUBSCRIPTION = 1 << 2
+# MessageSysFlag.BORNHOST_V6_FLAG: the born host is 16 + 4 bytes, not 4 + 4
+_BORNHOST_V6 = 1 << 4
 
 _RESPONSE_FLAG = 1
 _MAX_FRAME = 64 * 1024 * 1024
@@ -198,6 +206,33 @@ class RemotingClient:
         }
         body = json.dumps({"clientID": client_id, "producerDataSet": [], "consumerDataSet": [consumer]}).encode()
         self.call(broker, HEART_BEAT, body=body).check(f"HEART_BEAT {group}")
+
+    def store_time(self, broker: str, group: str, topic: str, queue_id: int, offset: int) -> tuple[int, int] | None:
+        """(queue offset, store timestamp in ms) of the first message of a queue at or after ``offset``: one
+        PULL_MESSAGE of one message, not suspended, its subscription in the request (``*``), no offset committed.
+        None when the queue holds no message there (or not yet: an offset at or past its max offset)."""
+        fields = {
+            "consumerGroup": group, "topic": topic, "queueId": str(queue_id), "queueOffset": str(offset),
+            "maxMsgNums": "1", "sysFlag": str(_FLAG_SUBSCRIPTION), "commitOffset": "0",
+            "suspendTimeoutMillis": "0", "subscription": "*", "subVersion": "0", "expressionType": "TAG",
+        }
+        resp = self.call(broker, PULL_MESSAGE, fields)
+        if resp.code in (PULL_NOT_FOUND, PULL_OFFSET_MOVED, PULL_RETRY_IMMEDIATELY):
+            return None
+        body = resp.check(f"PULL_MESSAGE {group} {topic}/{queue_id}@{offset}").body
+        return _stored_at(body) if body else None
+
+
+def _stored_at(body: bytes) -> tuple[int, int]:
+    """(queue offset, store timestamp) of the first message in a pull response's body (the store's layout,
+    MessageDecoder: size, magic, body CRC, queue id, flag, queue offset, physical offset, sys flag, born time, born
+    host, store time, ...)."""
+    if len(body) < 76:
+        raise RemotingError(-1, f"a pulled message of {len(body)} bytes is too short", "PULL_MESSAGE")
+    (queue_offset,) = struct.unpack_from(">q", body, 20)
+    (sys_flag,) = struct.unpack_from(">i", body, 36)
+    (stored,) = struct.unpack_from(">q", body, 48 + (20 if sys_flag & _BORNHOST_V6 else 8))
+    return queue_offset, stored
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -55,11 +55,12 @@ def test_shortened_demo_is_exact_and_tracks_the_oracle_through_a_drift(tmp_path:
     assert seam["first act: the past, from Parquet"].startswith(f"{HISTORY:,} records in "), table
     served = summary.served
     assert served is not None, table
-    assert served.versions >= 10 and served.lineages == served.versions and served.newest_positions == RECORDS, table
-    assert served.scored >= min(1000, RECORDS // SAMPLE), table
-    assert served.covered == served.scored + served.learned_before, table
-    assert served.auc >= 0.95 * served.trainer_auc, table
-    assert served.fresh_p99_s <= max(SERVED_P99, summary.fresh_p99_ms / 1000 + SERVED_OVER_APPLIED), table
+    why = f"{table}\n--- the exporter and the model server:\n{served.diagnosis}"  # what a CI failure needs
+    assert served.versions >= 10 and served.lineages == served.versions and served.newest_positions == RECORDS, why
+    assert served.scored >= min(1000, RECORDS // SAMPLE), why
+    assert served.covered == served.scored + served.learned_before, why
+    assert served.auc >= 0.95 * served.trainer_auc, why
+    assert served.fresh_p99_s <= max(SERVED_P99, summary.fresh_p99_ms / 1000 + SERVED_OVER_APPLIED), why
     out = work / "out"
     for name in ("auc.png", "lag.png", "throughput.png", "freshness.png", "served_auc.png", "served_freshness.png"):
         assert (out / name).stat().st_size > 1000, name

@@ -63,6 +63,8 @@ def test_node_restarts_from_the_agents_health_documents(master: MasterProcess) -
     with ShardClient(master.address, token=master.token, heartbeat=False) as client:
         health = HealthReporter(client, "run-7", "node-0")  # what dlrover-run's agent writes to the KV store
         exits = {0: SimpleNamespace(pid=4242, exitcode=-9), 1: SimpleNamespace(pid=4243, exitcode=1)}
+        health.node_check = {"compute_s": 0.25, "ratio": 1.25, "cost_s": 3.5, "passed": True}
+        health.hangs = [{"at": 1.0, "stuck": {"0": 31.0}}]
         health.report("HEALTHY", restarts_left=1, round_=2, failures=exits, pids={0: 5001, 1: 5002})
         client.kv_set("nodes/run-7/garbage", b"\xff not json", 0)  # opaque bytes under the prefix are skipped
         m = scrape(master)
@@ -71,6 +73,11 @@ def test_node_restarts_from_the_agents_health_documents(master: MasterProcess) -
     assert m[("streamrover_node_restarts_left", node)] == 1
     assert m[("streamrover_node_workers", node)] == 2
     assert m[("streamrover_node_heartbeat_age_seconds", node)] >= 0
+    assert m[("streamrover_node_check_compute_seconds", node)] == 0.25
+    assert m[("streamrover_node_check_ratio", node)] == 1.25
+    assert m[("streamrover_node_check_cost_seconds", node)] == 3.5
+    assert m[("streamrover_node_check_passed", node)] == 1
+    assert m[("streamrover_node_hangs", node)] == 1
     assert not any(labels == (("node", "garbage"), ("run", "run-7")) for _, labels in m)
 
 
@@ -84,3 +91,23 @@ def test_report_refuses_bad_names(master: MasterProcess) -> None:
             client.report({})
         with pytest.raises(InvalidArgumentError, match="reporter 'a b' must match"):
             client.report({"auc": 0.5}, reporter="a b")
+
+
+def test_node_pace_from_the_ranks_reports(master: MasterProcess) -> None:
+    """Ranks report busy seconds per step (StepPace); the master compares each node with the others' median."""
+    from streamrover.shard_service import ShardClient
+    from tests.shard_service.dashboard_job import scrape
+
+    with ShardClient(master.address, token=master.token, heartbeat=False) as client:
+        for node, busy in (("a", 0.010), ("b", 0.012), ("c", 0.050)):
+            client.report({"step_busy_s": busy, "step_wall_s": 0.2, "steps": 10.0}, step=5, reporter=f"rank0@{node}")
+        paces = {p.node: p for p in client.status().node_paces}
+        m = scrape(master)
+    assert sorted(paces) == ["a", "b", "c"]
+    assert paces["c"].ratio == pytest.approx(0.050 / 0.011) and paces["c"].median_others == pytest.approx(0.011)
+    assert not paces["c"].straggler, "beyond the threshold, but not yet for the window (30 s by default)"
+    assert paces["c"].threshold == 2.0 and paces["c"].window_seconds == 30.0
+    assert m[("streamrover_node_step_busy_seconds", (("node", "c"),))] == 0.050
+    assert m[("streamrover_node_pace_ratio", (("node", "a"),))] == pytest.approx(0.010 / 0.031)
+    assert m[("streamrover_node_straggler", (("node", "c"),))] == 0
+    assert m[("streamrover_node_pace_beyond_seconds", (("node", "c"),))] >= 0

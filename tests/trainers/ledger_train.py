@@ -18,7 +18,10 @@ records on all ranks). ``--check-grads K``: every K steps each rank compares the
 with the gradient of the mean loss over the step's records of all ranks, computed locally on the
 gathered batch (``grads-rank{R}.npy``: step, records, relative error). ``--hold-node N``: on node N, a worker
 of a group larger than one rank stops before ``init_process_group`` until it is signalled (a node
-that leaves while its group is still forming).
+that leaves while its group is still forming). ``--step-cpu-ms C`` (with ``--step-seconds T``): each step computes
+C ms of CPU, then waits out the rest of T: a node whose CPU is throttled steps slower, a healthy one keeps the
+period whatever the machine's load (while its share of a core exceeds C/T). ``--step-times``: rank 0 appends
+``step unix-time`` to ``steps.txt`` after each step (rates per phase).
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ def main() -> None:
     parser.add_argument("--hold-node", default=None, help="this node's workers of a 2-node group never join it")
     parser.add_argument("--step-log", action="store_true")
     parser.add_argument("--check-grads", type=int, default=0)
+    parser.add_argument("--step-cpu-ms", type=float, default=0.0,
+                        help="each step also computes this many ms of this thread's CPU time (a model's compute)")
+    parser.add_argument("--step-times", action="store_true", help="rank 0 appends 'step unix-time' to steps.txt")
     args = parser.parse_args()
     if args.hold_node and os.environ.get("STREAMROVER_NODE_ID") == args.hold_node and os.environ["WORLD_SIZE"] != "1":
         (Path(args.out) / f"held-{args.hold_node}-rank{os.environ['RANK']}").write_text(str(os.getpid()))  # test waits
@@ -98,6 +104,7 @@ def main() -> None:
     dataset = session.dataset(args.dataset, batch_size=args.batch_size, idle_timeout=0.5, columns=["id", "x", "y"])
     out = Path(args.out)
     log = open(out / "loss.txt", "a") if rank == 0 else None
+    stamps = open(out / "steps.txt", "a") if rank == 0 and args.step_times else None
     if log is not None:
         timings = " ".join(f"{k} {v:.2f}" for k, v in {"gloo": gloo, "ddp": ddp_s, **session.timings}.items())
         log.write(f"# attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} world {dist.get_world_size()} "
@@ -129,9 +136,16 @@ def main() -> None:
         model.ledger += counts[:-1]
         if target is None and counts[-1] > 0:  # written once, atomically, before any rank saw it
             target = int(until.read_text()) if until is not None else args.records
+        if args.step_cpu_ms:
+            spin = time.thread_time() + args.step_cpu_ms / 1000
+            while time.thread_time() < spin:
+                pass
         if args.step_seconds:
             time.sleep(max(0.0, args.step_seconds - (time.monotonic() - started)))  # the step's modelled compute
         step = session.step_done()
+        if stamps is not None:
+            stamps.write(f"{step} {time.time():.4f}\n")
+            stamps.flush()
         if args.step_log:
             step_rows.append((time.monotonic(), len(ids), int(counts[:-1].sum())))
         if log is not None and len(ids):

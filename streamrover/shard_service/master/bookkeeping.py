@@ -51,6 +51,41 @@ class ShardRecord:
             self.acked_to = self.start
 
 
+#: The cursor partition of a staged dataset's compacted files (``staged.py``): its positions are the records of the
+#: files compacted, in commit order, and it is one interval [0, records) once any are (not a file uri: no file has it).
+COMPACTED = "<compacted>"
+
+
+class PartitionPlans(list[PartitionPlan]):
+    """A dataset's planned partitions, by index: the first ``base`` (a staged dataset's compacted files) are not held.
+
+    ``len()`` counts them (a new partition's index is ``len()``); iteration yields the partitions held, in index
+    order; indexing by a partition's index finds it (IndexError for a compacted one).
+    """
+
+    base = 0
+
+    def __len__(self) -> int:
+        return self.base + super().__len__()
+
+    def __getitem__(self, i: int) -> PartitionPlan:  # type: ignore[override]
+        if i < 0:
+            return super().__getitem__(i)
+        if i < self.base:
+            raise IndexError(f"partition {i} is compacted")
+        return super().__getitem__(i - self.base)
+
+    def __setitem__(self, i: int, plan: PartitionPlan) -> None:  # type: ignore[override]
+        super().__setitem__(i - self.base if i >= 0 else i, plan)
+
+    def compact(self, n: int) -> list[PartitionPlan]:
+        """Stop holding the first ``n`` partitions held; returns them."""
+        gone = list(self)[:n]
+        super().__delitem__(slice(0, n))
+        self.base += n
+        return gone
+
+
 @dataclass
 class DatasetRecord:
     """One registered dataset: its spec, kind, planned partitions, schema, and sparse partitions' runs."""
@@ -65,6 +100,18 @@ class DatasetRecord:
     # Sparse partitions (by index): the runs of positions that hold records, as the source reported
     # them (sources/positions.py). A partition without runs is dense.
     runs: dict[int, RecordRuns] = field(default_factory=dict)
+    # staged datasets: records of the files compacted (their partitions are not held: ``partitions.base`` of them)
+    compacted_records: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.partitions, PartitionPlans):
+            self.partitions = PartitionPlans(self.partitions)
+
+    @property
+    def plans(self) -> PartitionPlans:
+        """The partitions as :class:`PartitionPlans` (with the count of compacted ones)."""
+        assert isinstance(self.partitions, PartitionPlans)
+        return self.partitions
 
     @property
     def name(self) -> str:
@@ -101,7 +148,7 @@ class DatasetRecord:
 
     def planned_records(self) -> int:
         """Records in the partitions' planned extents."""
-        return sum(self.records_in(p.index, p.start, p.end) for p in self.partitions)
+        return self.compacted_records + sum(self.records_in(p.index, p.start, p.end) for p in self.partitions)
 
 
 @dataclass

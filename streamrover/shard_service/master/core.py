@@ -40,6 +40,7 @@ from streamrover.shard_service.master.bookkeeping import (
     ShardRecord,
     WorkerRecord,
 )
+from streamrover.shard_service.master.compaction import compact, expand
 from streamrover.shard_service.master.cuts import CutBook
 from streamrover.shard_service.master.deadlines import DeadlineQueue
 from streamrover.shard_service.master.journal import Journal
@@ -403,8 +404,10 @@ class ShardCore(CoreState):
         return self.cut_book.prepare(step, persisting, self.acked_cursor)
 
     def cut_commit(self, cut_id: int) -> DataCursor:
-        """Commit cut ``cut_id`` (its checkpoint is durable): the committed cursor, its shards compacted away."""
-        return self.cut_book.commit(cut_id, self.fold)
+        """Commit cut ``cut_id`` (its checkpoint is durable): the committed cursor, its shards compacted away, and
+        staged files no restore can need (that retention had at an earlier commit) compacted (compaction.py)."""
+        committed = self.cut_book.commit(cut_id, self.fold)
+        return self.committed.copy() if compact(self.staged) else committed
 
     def restore(
         self,
@@ -424,6 +427,7 @@ class ShardCore(CoreState):
         if cursor is None:
             cursor = self.cut_book.cursor_of(cut_id)
         self.cut_book.check_reset(cursor, discard_committed)
+        cursor = expand(cursor, self.datasets)  # staged files compacted since: in the compacted form (compaction.py)
         fencing.check_restorable(cursor, self.datasets)
         lost = self.streams.upstream.restore_lost(cursor)
         with self.journal.transaction():

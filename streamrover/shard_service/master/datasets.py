@@ -11,7 +11,7 @@ from streamrover.shard_service.api import (
     PartitionPlan,
     ShardState,
 )
-from streamrover.shard_service.master.bookkeeping import DatasetCounts, DatasetRecord
+from streamrover.shard_service.master.bookkeeping import COMPACTED, DatasetCounts, DatasetRecord
 from streamrover.shard_service.master.cuts import CutBook
 from streamrover.shard_service.master.planner import grid_cells_covered
 from streamrover.shard_service.master.staged import StagedCommits
@@ -104,8 +104,11 @@ def counts(
             covered = committed.get(PartitionKey(ds.name, epoch, part.id))
             committed_cells += grid_cells_covered(part, ds.shard_size, covered, ds.runs.get(part.index))
             committed_records += ds.records_in_set(part.index, covered)
+    compacted = PartitionKey(ds.name, 0, COMPACTED)  # a staged dataset's compacted files (compaction.py)
+    committed_records += committed.get(compacted).size()
+    committed_cells += -(-committed.get(compacted).size() // ds.shard_size) if ds.compacted_records else 0
     index = {p.id: p.index for p in ds.partitions}
-    acked_records = sum(
+    acked_records = acked.get(compacted).size() + sum(
         ds.records_in_set(index[key.partition], covered)
         for key, covered in acked.only(ds.name).items()
         if key.partition in index

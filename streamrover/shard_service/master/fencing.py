@@ -15,11 +15,12 @@ from streamrover.cursor import DataCursor, PartitionKey
 from streamrover.shard_service.api import (
     AckResult,
     InvalidArgumentError,
+    PartitionPlan,
     ShardState,
     StaleLeaseError,
     parse_shard_id,
 )
-from streamrover.shard_service.master.bookkeeping import DatasetRecord, ShardRecord
+from streamrover.shard_service.master.bookkeeping import COMPACTED, DatasetRecord, ShardRecord
 from streamrover.sources.api import SourceKind
 
 
@@ -74,6 +75,8 @@ def committed_range(shard_id: str, datasets: Mapping[str, DatasetRecord]) -> tup
     ds = datasets.get(dataset)
     if ds is None or not 0 <= pindex < len(ds.partitions):
         return None
+    if pindex < ds.plans.base:  # a compacted file (compaction.py): inside the committed cursor
+        return PartitionKey(dataset, epoch, COMPACTED), 0, 0
     return PartitionKey(dataset, epoch, ds.partitions[pindex].id), start, end
 
 
@@ -96,6 +99,8 @@ def check_restorable(cursor: DataCursor, datasets: Mapping[str, DatasetRecord]) 
                 f"cannot restore: the cursor names dataset {key.dataset!r}, which is not registered"
             )
         part = ds.partition_by_id().get(key.partition)
+        if part is None and key.partition == COMPACTED and ds.compacted_records:  # compaction.py
+            part = PartitionPlan(-1, COMPACTED, 0, ds.compacted_records)
         if part is None:
             raise InvalidArgumentError(
                 f"cannot restore: the cursor names partition {key.partition!r}, which dataset {key.dataset!r} lacks"

@@ -299,6 +299,10 @@ class Journal(JournalTables):
             for i, *_, floor in (row for row in rows if len(row) > 4):
                 record.runs.setdefault(int(i), RecordRuns()).floor = int(floor)
             record.dead_letters, record.failed = int(dead), str(failed)
+            compacted = self.get_meta(f"compacted:{record.name}")  # a staged dataset's compacted files (staged.py)
+            if compacted is not None:
+                files, record.compacted_records = (int(v) for v in compacted.split(":"))
+                record.plans.base = files
             out.append(record)
         return out
 
@@ -319,8 +323,14 @@ class Journal(JournalTables):
         self._db.execute("DELETE FROM runs WHERE dataset = ?", (dataset,))
 
     def delete_dataset(self, name: str) -> None:
-        """Delete dataset ``name``'s row."""
+        """Delete dataset ``name``'s row (and what of its files is compacted)."""
         self._db.execute("DELETE FROM datasets WHERE name = ?", (name,))
+        self._db.execute("DELETE FROM meta WHERE key = ?", (f"compacted:{name}",))
+        self._meta.pop(f"compacted:{name}", None)
+
+    def put_compacted(self, ds: DatasetRecord) -> None:
+        """Write how many of a staged dataset's files are compacted and their records (its row holds the rest)."""
+        self.put_meta(f"compacted:{ds.name}", f"{ds.plans.base}:{ds.compacted_records}")
 
     # -- shards --------------------------------------------------------------
     def put_shard(self, s: ShardRecord) -> None:

@@ -108,6 +108,11 @@ class JournalTables:
             self._db.execute("INSERT INTO staged_previous VALUES (?, ?, ?, ?, ?)",
                              (dataset, producer, part, epoch, previous))  # fmt: skip
 
+    def put_staged_files(self, dataset: str, producer: str, part: str, epoch: int, files: list[str]) -> None:
+        """Rewrite a staged commit's files (compaction forgets the uris of compacted files: compaction.py)."""
+        self._db.execute("UPDATE staged SET files = ? WHERE dataset = ? AND producer = ? AND part = ? AND epoch = ?",
+                         (json.dumps(files), dataset, producer, part, epoch))  # fmt: skip
+
     def load_staged(self) -> list[tuple[str, str, str, int, int, list[str]]]:
         """Every staged commit, by key."""
         return [

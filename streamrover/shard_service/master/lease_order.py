@@ -3,15 +3,18 @@
 A batch dataset's queue is its plan's order (partition then position, or a seeded shuffle). A stream
 dataset's queue is **stream-time order** (ARCHITECTURE.md, "Serving and freshness"): each shard has the time of
 its first record (``ShardRecord.time``: the broker's timestamp where the source gives one cheaply, Kafka's
-CreateTime/LogAppendTime; otherwise when the master planned it), and its queue priority is that time, so a
+CreateTime/LogAppendTime, Pulsar's publish time, RocketMQ's store time: ``MasterSource.first_times``; otherwise
+when the master planned it), and its queue priority is that time, so a
 backlog is leased across partitions in the order its records were written instead of partition by partition.
 ``sr.max_skew_ms`` bounds it, as Flink's watermark alignment bounds a source split: no shard is leased whose time
 is more than the bound ahead of the oldest shard of its dataset that is not yet acked (:class:`StreamTime`).
 Returned leases go first, as they always did (they are the oldest). Reader affinity (a worker gets the shard
 that continues the partition it read) chooses only among a stream's oldest waiting shards, those of the same time
 (SAME_TIME_MS): shards planned together at the stream's head, where planning order is time order (they follow the
-newest time known at once, :meth:`CoreState.add_planned`). A backlog's shards have their records' times, read by
-the poller before they are leased, and go strictly in time order.
+newest time known at once, :meth:`CoreState.add_planned`, and get their records' times from the poller once they
+are leased, so that the skew and the oldest shard not yet acked are the broker's; a head shard is judged by the
+bound with its provisional time). A backlog's shards have their records' times, read by the poller before they are
+leased, and go strictly in time order.
 
 The times are journalled with the shards, so the bound holds after a master restart; a restore re-plans with
 the times of the shards it replaces (:func:`times_of`).
@@ -57,6 +60,29 @@ class StreamTime:
         self._shards = shards
         self._heaps: dict[str, list[tuple[float, str]]] = {}
         self._newest: dict[str, float] = {}
+        self._provisional: dict[str, set[str]] = {}  # per dataset: head shards timed by the newest time known
+
+    def provisional(self, s: ShardRecord) -> None:
+        """Note a head shard leased at once with the newest time known: its records' time is read once it is
+        leased (:meth:`to_retime`, :meth:`retime`). Memory only (after a master restart it keeps its time)."""
+        self._provisional.setdefault(s.dataset, set()).add(s.id)
+
+    def to_retime(self, name: str) -> list[ShardRecord]:
+        """Dataset ``name``'s head shards whose records' time the poller is to read: those leased or acked (one
+        still waiting keeps its place among the shards planned with it: affinity, :func:`pop_todo`)."""
+        marked = self._provisional.get(name, set())
+        for sid in [sid for sid in marked if sid not in self._shards]:
+            marked.discard(sid)  # re-planned (a restore)
+        return [s for sid in marked if (s := self._shards[sid]).state is not ShardState.TODO]
+
+    def retime(self, s: ShardRecord, t: float | None) -> bool:
+        """Give head shard ``s`` its records' time ``t`` (None: not known, it keeps its own). Whether it changed."""
+        self._provisional.get(s.dataset, set()).discard(s.id)
+        if t is None or s.state is ShardState.TODO or t == s.time:
+            return False
+        s.time = t
+        self.track(s)
+        return True
 
     def track(self, s: ShardRecord) -> None:
         """Note a shard that has a time (planned, loaded, timed)."""
@@ -86,6 +112,7 @@ class StreamTime:
         """Drop dataset ``name``'s entries (removed, or all its shards re-planned)."""
         self._heaps.pop(name, None)
         self._newest.pop(name, None)
+        self._provisional.pop(name, None)
 
     def skew_ms(self, table: CoreState, name: str) -> float:
         """How much stream time the dataset's leased shards span: the newest leased shard's time less the oldest
@@ -185,7 +212,17 @@ def pop_todo(table: CoreState, ds: DatasetRecord, w: WorkerRecord | None = None)
 def _horizon(queue: list[tuple[float, str]], table: CoreState) -> float:
     """The time of the oldest shard waiting, give or take SAME_TIME_MS (inf when none waits): a stream's affinity
     picks only among shards this old (those planned together at the head), so a backlog goes in time order."""
-    live = min((e for e in queue if e[0] >= 0 and _live(table, e)), default=None)
+    live: tuple[float, str] | None = None  # the least live entry of priority >= 0: a walk down the heap that
+    stack = [0] if queue else []  # skips every subtree whose root is no less than the best found (heap order),
+    while stack:  # so it visits the front entries and the stale ones before it, not the whole queue
+        i = stack.pop()
+        e = queue[i]
+        if live is not None and e >= live:
+            continue
+        if e[0] >= 0 and _live(table, e):
+            live = e  # its subtree holds nothing less
+            continue
+        stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(queue))
     return live[0] + SAME_TIME_MS if live is not None else float("inf")
 
 

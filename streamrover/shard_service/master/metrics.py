@@ -142,8 +142,33 @@ class JobCollector(Collector):
         journal.add_metric([self._durability], 1)
         yield journal
         yield _gauge_value("master_uptime_seconds", "seconds since this master process started", uptime)
+        yield _gauge_value("worker_sessions", "worker session streams the master serves now (one per worker "
+                           "client; past the limit a client uses the unary calls)",
+                           self._servicer.sessions.open)  # fmt: skip
         yield from self._trainer_metrics()
         yield from _node_metrics(nodes, time.time())
+        yield from self._pace_metrics()
+
+    def _pace_metrics(self) -> Iterator[Metric]:
+        """Per node: busy seconds per step, the ratio to the other nodes' median, the straggler verdict."""
+        labels = ["node"]
+        busy = _gauge("node_step_busy_seconds", "a node's slowest rank's busy seconds per step (running or "
+                      "runnable: time outside collectives), newest report", labels)  # fmt: skip
+        wall = _gauge("node_step_wall_seconds", "a node's wall seconds per step (the same on every rank in lockstep)",
+                      labels)  # fmt: skip
+        ratio = _gauge("node_pace_ratio", "a node's busy seconds per step over the other nodes' median", labels)
+        beyond = _gauge("node_pace_beyond_seconds", "how long a node's pace ratio has stayed above the straggler "
+                        "threshold", labels)  # fmt: skip
+        flag = _gauge("node_straggler", "1 when a node's pace ratio stayed above the threshold for the window", labels)
+        now = time.time()
+        for pace in self._servicer.stragglers.paces():
+            busy.add_metric([pace.node], pace.busy_per_step)
+            wall.add_metric([pace.node], pace.wall_per_step)
+            if pace.ratio is not None:
+                ratio.add_metric([pace.node], pace.ratio)
+            beyond.add_metric([pace.node], pace.beyond_seconds(now))
+            flag.add_metric([pace.node], 1 if pace.straggler else 0)
+        yield from (busy, wall, ratio, beyond, flag)
 
     def _trainer_metrics(self) -> Iterator[Metric]:
         values = _gauge("trainer_metric", "the newest value a trainer reported (session.report(auc=...))",
@@ -169,6 +194,11 @@ def _node_metrics(docs: list[tuple[str, bytes]], now: float) -> Iterator[Metric]
     left = _gauge("node_restarts_left", "in-place worker restarts a node has left (dlrover-run --max-restarts)", labels)
     alive = _gauge("node_workers", "worker processes a node runs now", labels)
     age = _gauge("node_heartbeat_age_seconds", "seconds since a node's agent last wrote its health", labels)
+    check = _gauge("node_check_compute_seconds", "the node check's compute probe (matmuls), in seconds", labels)
+    check_ratio = _gauge("node_check_ratio", "the node check's compute probe over the other nodes' median", labels)
+    check_ok = _gauge("node_check_passed", "1 when the node passed its pre-flight check, 0 when it failed", labels)
+    check_cost = _gauge("node_check_cost_seconds", "what the node check cost the node (waits included)", labels)
+    hangs = _gauge("node_hangs", "hung worker groups the node's agent killed and restarted (--hang-timeout)", labels)
     for key, value in docs:
         run, _, node = key[len(NODES_PREFIX):].partition("/")
         try:
@@ -184,7 +214,15 @@ def _node_metrics(docs: list[tuple[str, bytes]], now: float) -> Iterator[Metric]
         beat = doc.get("heartbeat_at") or doc.get("at")
         if isinstance(beat, (int, float)):
             age.add_metric([run, node], max(now - beat, 0.0))
-    yield from (exits, left, alive, age)
+        checked = doc.get("node_check")
+        if isinstance(checked, dict):
+            probes = ((check, "compute_s"), (check_ratio, "ratio"), (check_cost, "cost_s"), (check_ok, "passed"))
+            for gauge, name in probes:
+                found = checked.get(name)
+                if isinstance(found, (int, float)):
+                    gauge.add_metric([run, node], float(found))
+        hangs.add_metric([run, node], len(doc.get("hangs") or []))
+    yield from (exits, left, alive, age, check, check_ratio, check_ok, check_cost, hangs)
 
 
 def _gauge_value(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -28,6 +28,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from streamrover.shard_service.master.bounded import SourceStuckError, SourceThread
+from streamrover.shard_service.master.head_times import HeadTimes
 from streamrover.shard_service.master.journal import JournalWriteError
 from streamrover.shard_service.master.streams import stream_planning
 from streamrover.sources.api import MasterSource, SourceError, SourceGoneError, open_source
@@ -62,6 +63,7 @@ class StreamPoller:
         self._to_commit: dict[str, int] = {}
         self._missing_since: float | None = None  # monotonic time the topic or a partition went missing
         self.reopens = 0  # times the source's client was abandoned for a new one
+        self._head_times: HeadTimes | None = None  # reads head shards' times (started at the first)
         self._thread = threading.Thread(target=self._run, name=f"poll-{name}", daemon=True)
 
     def start(self) -> None:
@@ -147,6 +149,8 @@ class StreamPoller:
             log.exception("the poller of dataset %s stopped", self.name)
             self._fail(f"the master's poller of this dataset stopped: {type(exc).__name__}: {exc}")
         finally:
+            if self._head_times is not None:
+                self._head_times.stop()
             if calls is not None:  # closed on its thread, waited for a while (a stuck client stays behind)
                 calls.retire(source.close if source is not None else None)
                 if not calls.join(CLOSE_WAIT):
@@ -178,8 +182,16 @@ class StreamPoller:
             ds = core.dataset(self.name)
             planned = [p.id for p in ds.partitions]
             untimed = [(s.id, ds.partitions[s.pindex].id, s.start, s.end) for s in core.untimed(self.name)]
+            # head shards leased at once with the newest time known: their records' times, off this thread
+            head = [(s.id, ds.partitions[s.pindex].id, s.start, s.end) for s in core.stream_time.to_retime(self.name)]
         if untimed:
             self._time(source, calls, untimed)
+        if head:
+            if self._head_times is None:
+                spec = ds.spec
+                opener = partial(open_source, spec.uri, spec.format, spec.options, spec.epochs)
+                self._head_times = HeadTimes(self.servicer, self.name, opener)
+            self._head_times.offer(head)
         gone = sorted(set(planned) - {p.id for p in polled})
         if gone:
             raise _Missing(f"planned partition(s) {', '.join(gone)} missing from the source")

@@ -15,7 +15,11 @@ from streamrover.shard_service.master.core import ShardCore
 from streamrover.shard_service.master.decode import add_servicer
 from streamrover.shard_service.master.journal import Journal
 from streamrover.shard_service.master.server import ShardServicer
+from streamrover.shard_service.master.session import DEFAULT_MAX_SESSIONS
 from streamrover.shard_service.master.statelock import StateDirLock
+from streamrover.shard_service.master.stragglers import DEFAULT_THRESHOLD as STRAGGLER_THRESHOLD
+from streamrover.shard_service.master.stragglers import DEFAULT_WINDOW as STRAGGLER_WINDOW
+from streamrover.shard_service.master.stragglers import StragglerWatch
 from streamrover.shard_service.master.tls import ServerTls, TlsFiles, plaintext_warning
 from streamrover.shard_service.master.web import Dashboard, write_address
 from streamrover.tokens import new_token
@@ -44,6 +48,9 @@ class MasterServer:
         http_fallback: bool = False,
         tls: TlsFiles | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        straggler_threshold: float = STRAGGLER_THRESHOLD,
+        straggler_window: float = STRAGGLER_WINDOW,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         """Start a master on ``host:port`` (0 = a free port); ``http_port`` (0 = a free port) also starts its
         HTTP endpoint (``/metrics`` and the dashboard, :mod:`.web`) on ``http_host``, under the same token;
@@ -52,7 +59,13 @@ class MasterServer:
         ``token``: the admin token (the worker token is derived from it), or :class:`~.auth.Tokens` (files,
         reloaded when they change). ``tls``: serve gRPC and HTTP over TLS (mutual with a client CA), the
         certificate reloaded when its files change; without it, a master bound off loopback warns in its
-        log and status. ``max_request_bytes``: larger requests are refused RESOURCE_EXHAUSTED unread."""
+        log and status. ``max_request_bytes``: larger requests are refused RESOURCE_EXHAUSTED unread.
+        ``straggler_threshold``/``straggler_window``: a node whose busy time per step stays above the threshold
+        times the other nodes' median for the window (seconds) is a straggler (:mod:`.stragglers`).
+        ``max_workers``: server threads for the unary calls; ``max_sessions``: worker session streams served at
+        once, each with a thread of its own on top of those (threads are started as sessions open)."""
+        if max_workers < 1 or max_sessions < 0:
+            raise InvalidArgumentError(f"max_workers must be >= 1 and max_sessions >= 0: {max_workers}, {max_sessions}")
         if not token:
             raise InvalidArgumentError("the master needs an auth token")
         self.tokens = token if isinstance(token, Tokens) else Tokens(token)
@@ -66,16 +79,16 @@ class MasterServer:
         try:
             self.journal = Journal(self.state_dir / "journal.db", durability=durability, exclusive=True)
             self.core = ShardCore(self.journal, lease_ttl=lease_ttl)
-            # a worker session holds a server thread for its life: keep threads for the unary calls
-            sessions = max(max_workers - 16, max_workers // 2)
+            # a worker session holds a server thread for its life: each gets one on top of the unary calls' threads
             self.servicer = ShardServicer(
-                self.core, on_fatal=self._fail_stop, max_sessions=sessions, tokens=self.tokens, on_stop=self._stop_rpc
-            )
+                self.core, on_fatal=self._fail_stop, max_sessions=max_sessions, tokens=self.tokens,
+                on_stop=self._stop_rpc, stragglers=StragglerWatch(straggler_threshold, straggler_window),
+            )  # fmt: skip
         except BaseException:
             self._lock.release()
             raise
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+            futures.ThreadPoolExecutor(max_workers=max_workers + max_sessions, thread_name_prefix="rpc"),
             interceptors=[RoleAuth(self.tokens)],
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes)],
         )

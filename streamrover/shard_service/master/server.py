@@ -27,6 +27,7 @@ from streamrover.shard_service.api import (
 )
 from streamrover.shard_service.master.auth import Tokens, role_in
 from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.compaction import expand
 from streamrover.shard_service.master.core import AckItem, ShardCore
 from streamrover.shard_service.master.group_commit import CommitLock
 from streamrover.shard_service.master.info import dataset_info
@@ -36,6 +37,7 @@ from streamrover.shard_service.master.poller import StreamPoller
 from streamrover.shard_service.master.reported import ReportedMetrics
 from streamrover.shard_service.master.session import DEFAULT_MAX_SESSIONS, WorkerSessions, lease_limits, status_of
 from streamrover.shard_service.master.staged_rpc import commit_staged, delete_trained_files
+from streamrover.shard_service.master.stragglers import StragglerWatch, paces_pb
 from streamrover.shard_service.master.unreadable import report_unreadable
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
 from streamrover.shard_service.v1 import shard_service_pb2_grpc as pb_grpc
@@ -83,8 +85,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         tokens: Tokens | None = None,
         on_stop: Callable[[str], None] | None = None,
+        stragglers: StragglerWatch | None = None,
     ) -> None:
         self.core = core
+        self.stragglers = stragglers or StragglerWatch()  # node pace from the ranks' reports (stragglers.py)
         self.tokens = tokens  # for the calls a worker may make in part (None: every caller is an admin)
         self._on_stop = on_stop
         self.stopping = False  # a Stop call was answered
@@ -401,7 +405,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 "Restore to a cut or discarding committed progress: the worker role may not; it needs the admin token"
             )
         with self.cond:
-            if worker and not self.core.cut_book.issued(convert.cursor_from_pb(request.cursor)):
+            asked = expand(convert.cursor_from_pb(request.cursor), self.core.datasets) if worker else None
+            if asked is not None and not self.core.cut_book.issued(asked):
                 raise PermissionDeniedError(
                     "Restore to a cursor this master did not issue (not the committed or durable cursor, nor a "
                     "cut it remembers): the worker role may not; it needs the admin token"
@@ -447,6 +452,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 cut_commit_error=self.core.cut_book.cut_commit_error,
                 persisting_cuts=self.core.cut_book.persisting(),
                 security_warning=self.security_warning,
+                node_paces=paces_pb(self.stragglers),
             )
 
     @_rpc
@@ -462,6 +468,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     def ReportMetrics(self, request: pb.ReportMetricsRequest, context: Any) -> pb.ReportMetricsResponse:
         """A trainer's measurements (loss, AUC...): kept in memory for /metrics and the dashboard."""
         self.reported.report(request.reporter, dict(request.values), request.step if request.has_step else None)
+        self.stragglers.observe(request.reporter, request.values)
         return pb.ReportMetricsResponse()
 
 

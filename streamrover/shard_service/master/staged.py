@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from streamrover.shard_service.api import FailedPreconditionError, InvalidArgumentError, PartitionPlan
-from streamrover.shard_service.master.bookkeeping import DatasetRecord
+from streamrover.shard_service.master.bookkeeping import COMPACTED, DatasetRecord
 from streamrover.shard_service.master.gaps import CommitGaps, Gap
 from streamrover.shard_service.master.planner import plan_epoch
 from streamrover.shard_service.master.state import CoreState
@@ -126,6 +126,8 @@ class StagedCommits:
         known = ds.partition_by_id()
         schema = ds.schema_json if ds.schema_json not in ("", "[]") else ""
         for f in files:
+            if f.uri == COMPACTED:
+                raise InvalidArgumentError(f"staged file uri {COMPACTED!r} is reserved (compacted files' partition)")
             if f.uri in known:
                 raise InvalidArgumentError(
                     f"staged file {f.uri!r} is already committed to dataset {name!r}: stage each commit's files anew"

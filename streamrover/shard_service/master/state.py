@@ -247,9 +247,10 @@ class CoreState:
             s = ShardRecord(sid, ds.name, p.epoch, p.partition.index, p.start, p.end, priority=self._back)
             if stream and not hold:  # planned in this order: a microsecond apart
                 at = lease_order.time_at(times, p.partition.index, p.start) if times else None
-                if at is None:
-                    at = now + i / 1000.0 if newest is None else newest + (i + 1) / 1000.0
-                s.time = s.priority = at
+                if at is None and newest is not None:
+                    at = newest + (i + 1) / 1000.0
+                    self.stream_time.provisional(s)
+                s.time = s.priority = now + i / 1000.0 if at is None else at
             self._index(s)
             self.journal.put_shard(s)
 
@@ -263,11 +264,15 @@ class CoreState:
 
     def set_times(self, name: str, times: dict[str, float | None]) -> None:
         """Give held shards of ``name`` their stream times (ms; None: not known, then when the master planned them)
-        and queue them; journalled. Shards gone or timed meanwhile are skipped."""
+        and queue them, and leased head shards theirs (:meth:`.StreamTime.to_retime`); journalled. Shards gone or
+        timed meanwhile are skipped."""
         now = self.clock() * 1000.0
         with self.journal.transaction():
             for i, (sid, t) in enumerate(times.items()):
                 s = self.shards.get(sid)
+                if s is not None and s.time is not None and s.dataset == name:
+                    if self.stream_time.retime(s, None if t is None else float(t)):
+                        self.journal.put_shard(s)
                 if s is None or s.time is not None or s.dataset != name:
                     continue
                 s.time = s.priority = now + i / 1000.0 if t is None else float(t)

@@ -1227,6 +1227,7 @@ class StatusResponse(google.protobuf.message.Message):
     CUT_COMMIT_ERROR_FIELD_NUMBER: builtins.int
     PERSISTING_CUTS_FIELD_NUMBER: builtins.int
     SECURITY_WARNING_FIELD_NUMBER: builtins.int
+    NODE_PACES_FIELD_NUMBER: builtins.int
     records_per_second: builtins.float
     """acked, over the last few seconds"""
     acks_per_second: builtins.float
@@ -1242,6 +1243,10 @@ class StatusResponse(google.protobuf.message.Message):
     def datasets(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___DatasetInfo]: ...
     @property
     def workers(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___WorkerStatus]: ...
+    @property
+    def node_paces(self) -> google.protobuf.internal.containers.RepeatedCompositeFieldContainer[global___NodePace]:
+        """per node: busy seconds per step from the ranks' pace reports, stragglers"""
+
     def __init__(
         self,
         *,
@@ -1254,10 +1259,60 @@ class StatusResponse(google.protobuf.message.Message):
         cut_commit_error: builtins.str = ...,
         persisting_cuts: builtins.int = ...,
         security_warning: builtins.str = ...,
+        node_paces: collections.abc.Iterable[global___NodePace] | None = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["acks_per_second", b"acks_per_second", "cut_commit_error", b"cut_commit_error", "datasets", b"datasets", "last_committed_cut", b"last_committed_cut", "persisting_cuts", b"persisting_cuts", "records_per_second", b"records_per_second", "security_warning", b"security_warning", "uptime_seconds", b"uptime_seconds", "workers", b"workers"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["acks_per_second", b"acks_per_second", "cut_commit_error", b"cut_commit_error", "datasets", b"datasets", "last_committed_cut", b"last_committed_cut", "node_paces", b"node_paces", "persisting_cuts", b"persisting_cuts", "records_per_second", b"records_per_second", "security_warning", b"security_warning", "uptime_seconds", b"uptime_seconds", "workers", b"workers"]) -> None: ...
 
 global___StatusResponse = StatusResponse
+
+@typing.final
+class NodePace(google.protobuf.message.Message):
+    """A node's pace (master/stragglers.py): its slowest rank's busy seconds per step (time outside collectives)
+    against the other nodes' median; a straggler once the ratio stayed above the threshold for the window.
+    """
+
+    DESCRIPTOR: google.protobuf.descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: builtins.int
+    BUSY_PER_STEP_FIELD_NUMBER: builtins.int
+    WALL_PER_STEP_FIELD_NUMBER: builtins.int
+    RANKS_FIELD_NUMBER: builtins.int
+    MEDIAN_OTHERS_FIELD_NUMBER: builtins.int
+    RATIO_FIELD_NUMBER: builtins.int
+    BEYOND_SECONDS_FIELD_NUMBER: builtins.int
+    STRAGGLER_FIELD_NUMBER: builtins.int
+    THRESHOLD_FIELD_NUMBER: builtins.int
+    WINDOW_SECONDS_FIELD_NUMBER: builtins.int
+    node: builtins.str
+    busy_per_step: builtins.float
+    wall_per_step: builtins.float
+    ranks: builtins.int
+    median_others: builtins.float
+    """0: no other node reported"""
+    ratio: builtins.float
+    """0: no other node reported"""
+    beyond_seconds: builtins.float
+    """how long the ratio has stayed above the threshold"""
+    straggler: builtins.bool
+    threshold: builtins.float
+    window_seconds: builtins.float
+    def __init__(
+        self,
+        *,
+        node: builtins.str = ...,
+        busy_per_step: builtins.float = ...,
+        wall_per_step: builtins.float = ...,
+        ranks: builtins.int = ...,
+        median_others: builtins.float = ...,
+        ratio: builtins.float = ...,
+        beyond_seconds: builtins.float = ...,
+        straggler: builtins.bool = ...,
+        threshold: builtins.float = ...,
+        window_seconds: builtins.float = ...,
+    ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["beyond_seconds", b"beyond_seconds", "busy_per_step", b"busy_per_step", "median_others", b"median_others", "node", b"node", "ranks", b"ranks", "ratio", b"ratio", "straggler", b"straggler", "threshold", b"threshold", "wall_per_step", b"wall_per_step", "window_seconds", b"window_seconds"]) -> None: ...
+
+global___NodePace = NodePace
 
 @typing.final
 class StopRequest(google.protobuf.message.Message):

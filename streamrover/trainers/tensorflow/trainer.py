@@ -144,6 +144,8 @@ class PSTrainer:
         self.exporter = exporter
         if exporter is not None:
             exporter.bind_checkpoints(self.env.ckpt_dir)
+            exporter.report = lambda values: self.client.report(
+                values, step=max(int(values["export_version"]), 0), reporter="serving")
         self.checkpointer = Checkpointer(
             self.env.ckpt_dir,
             binder=self._binder,
@@ -264,7 +266,11 @@ class PSTrainer:
         self._last_ckpt_step = self.step
 
     def checkpoint(self) -> bool:
-        """Drain, ack, flush and save at the current step; False when it rolled back instead."""
+        """Drain, ack, flush and save at the current step; False when it rolled back instead.
+
+        Raises :class:`~streamrover.serving.api.ExportError` if an export failed since the last one."""
+        if self.exporter is not None:
+            self.exporter.check()  # a failed export stops the trainer (its restart exports what was missed)
         self._join(attempts=2)
         if self._reruns.is_set():
             self._rollback("a closure was re-run")

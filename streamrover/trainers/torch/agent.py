@@ -14,7 +14,14 @@ without restarting the node, and re-rendezvous when nodes join or leave within
 * it keeps warm standby interpreters (:mod:`~streamrover.trainers.standby`) and
   starts restarted workers in them, so a restart does not pay ``import torch`` again;
 * it reports the node's health (worker state, exits, restarts left) to the job master
-  under the key ``nodes/<run id>/<node id>`` (JSON), and logs it.
+  under the key ``nodes/<run id>/<node id>`` (JSON), and logs it;
+* with ``--node-check`` it checks the node before its first rendezvous (:mod:`~streamrover.trainers.torch.nodecheck`)
+  and leaves (exit :data:`~streamrover.trainers.torch.nodecheck.NODE_CHECK_EXIT`) if it is slow or broken;
+* with ``--hang-timeout T`` it watches its workers' progress marks (:mod:`~streamrover.trainers.torch.pace`):
+  a worker whose mark is older than T seconds is stuck (in a collective whose peer stopped, say); the agent
+  SIGKILLs its workers and restarts the group (a worker restart: ``--max-restarts``), which makes every other
+  node's workers fail their next collective and restart too. A hang is seen within T + ``--monitor-interval``
+  + :data:`~streamrover.trainers.torch.pace.MARK_EVERY` seconds of the last progress.
 """
 
 from __future__ import annotations
@@ -22,9 +29,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -33,6 +44,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from streamrover.ckpt import CheckpointSaver, purge_shared_memory
 from streamrover.shard_service import ShardClient, ShardServiceError
 from streamrover.trainers.standby import StandbyPool
+from streamrover.trainers.torch.pace import progress_ages
 
 log = logging.getLogger(__name__)
 SAVER_DRAIN_TIMEOUT = 300.0
@@ -46,11 +58,13 @@ class HealthReporter:
         self.key = f"nodes/{run_id}/{node_id}"
         self.node_id = node_id
         self.exits: list[dict[str, Any]] = []
-        self._last: tuple[str, int, int, int, tuple[int, ...]] | None = None
+        self._last: tuple[str, int, int, int, tuple[int, ...], int] | None = None
         self._doc: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._beat: threading.Thread | None = None
+        self.node_check: dict[str, Any] | None = None  # the pre-flight check's result (nodecheck.py)
+        self.hangs: list[dict[str, Any]] = []  # hung worker groups this agent restarted (the newest 20)
 
     def start_heartbeat(self, interval: float) -> None:
         """Rewrite the health document every ``interval`` seconds (``heartbeat_at``): the node is alive."""
@@ -83,7 +97,7 @@ class HealthReporter:
             self.exits.append({"rank": rank, "pid": failure.pid, "exitcode": failure.exitcode, "at": time.time()})
         self.exits = self.exits[-50:]
         workers = {str(rank): pid for rank, pid in sorted((pids or {}).items())}
-        current = (state, restarts_left, len(self.exits), standby_ready, tuple(workers.values()))
+        current = (state, restarts_left, len(self.exits), standby_ready, tuple(workers.values()), len(self.hangs))
         if current == self._last:
             return
         self._last = current
@@ -98,6 +112,8 @@ class HealthReporter:
             "standby_ready": standby_ready,
             "workers": workers,  # local rank -> pid
             "at": time.time(),
+            **({"node_check": self.node_check} if self.node_check is not None else {}),
+            **({"hangs": self.hangs} if self.hangs else {}),
         }
         log.info("node %s: workers %s, %d restarts left, %d exits so far, %d standbys warm", self.node_id, state,
                  restarts_left, len(self.exits), standby_ready)  # fmt: skip
@@ -131,6 +147,19 @@ def read_health(client: ShardClient, run_id: str, node_id: str) -> dict[str, Any
     return json.loads(found[0]) if found else None
 
 
+def _proc_state(pid: int) -> str:
+    """A process's state letter from /proc (``T``: stopped, ``S``: sleeping...), or ``?``."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def progress_directory() -> Path:
+    """A fresh directory for this agent's workers' progress marks (``--hang-timeout``)."""
+    return Path(tempfile.mkdtemp(prefix="streamrover-progress-"))
+
+
 class StreamroverAgent(LocalElasticAgent):
     """LocalElasticAgent that hosts the checkpoint saver and reports node health."""
 
@@ -141,9 +170,13 @@ class StreamroverAgent(LocalElasticAgent):
         health: HealthReporter,
         ckpt_namespace: str | None = None,
         standby: StandbyPool | None = None,
+        hang_timeout: float = 0.0,
+        progress_dir: Path | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._hang_timeout = hang_timeout if progress_dir is not None else 0.0
+        self._progress_dir = progress_dir
         self._standby = standby
         self._saver = CheckpointSaver(saver_address, linger=None) if saver_address else None
         self._namespace = ckpt_namespace
@@ -166,6 +199,9 @@ class StreamroverAgent(LocalElasticAgent):
 
     # -- torchelastic hooks --------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._progress_dir is not None:  # a new attempt: no worker has made progress in it yet
+            for mark in self._progress_dir.glob("progress-*"):
+                mark.unlink(missing_ok=True)
         if self._standby is None:
             return super()._start_workers(worker_group)
         served = self._standby.served
@@ -185,6 +221,8 @@ class StreamroverAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if result.state is WorkerState.HEALTHY and self._hang_timeout > 0 and self._hung(worker_group):
+            return RunResult(state=WorkerState.UNHEALTHY)  # torchelastic restarts the group (a worker restart)
         self._health.report(
             result.state.name,
             self._remaining_restarts,
@@ -194,6 +232,31 @@ class StreamroverAgent(LocalElasticAgent):
             {w.local_rank: w.id for w in worker_group.workers if w.id is not None},
         )
         return result
+
+    def _hung(self, worker_group: WorkerGroup) -> bool:
+        """Whether a worker's progress mark is older than the hang timeout; if so its group is SIGKILLed (a stuck
+        process ignores the SIGTERM torchelastic would send first and wait ``shutdown_timeout`` on)."""
+        assert self._progress_dir is not None
+        ages = progress_ages(self._progress_dir)
+        stuck = {rank: age for rank, age in ages.items() if age > self._hang_timeout}
+        if not stuck:
+            return False
+        pids = {w.local_rank: w.id for w in worker_group.workers if w.id is not None}
+        states = {rank: _proc_state(pid) for rank, pid in pids.items()}
+        hang = {"at": time.time(), "stuck": {str(r): round(a, 1) for r, a in sorted(stuck.items())},
+                "timeout": self._hang_timeout, "states": {str(r): s for r, s in sorted(states.items())}}  # fmt: skip
+        self._health.hangs = [*self._health.hangs, hang][-20:]
+        log.warning("hung workers: local ranks %s made no progress for %s s (> --hang-timeout %.0f s; process "
+                    "states %s): killing the group to restart it", sorted(stuck), hang["stuck"], self._hang_timeout,
+                    hang["states"])  # fmt: skip
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        self._health.report("HUNG", self._remaining_restarts, self._rdzv_handler_round(), None,
+                            self._standby.ready() if self._standby is not None else 0, pids)  # fmt: skip
+        return True
 
     def _rdzv_handler_round(self) -> int:
         holder = getattr(self._rdzv_handler, "_state_holder", None)
@@ -215,6 +278,8 @@ class StreamroverAgent(LocalElasticAgent):
         finally:
             if self._standby is not None:
                 self._standby.close()
+            if self._progress_dir is not None:
+                shutil.rmtree(self._progress_dir, ignore_errors=True)
             if self._saver is not None and self._saver_thread is not None:
                 self._saver.stop()
                 self._saver_thread.join(timeout=SAVER_DRAIN_TIMEOUT)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +122,7 @@ class StreamDataset(IterableDataset):
         self._pending: dict[str, tuple[LeasedShard, int]] = {}  # yielded, not acked: shard id -> (shard, end)
         self._lock = threading.Lock()
         self._empty: dict[str, torch.Tensor] | None = None
+        self.on_round: Callable[[], None] | None = None  # called after each lockstep round (the session's mark)
 
     # -- reading -------------------------------------------------------------------------
     def _reads(self, stop: threading.Event) -> Iterator[_Read]:
@@ -204,7 +205,7 @@ class StreamDataset(IterableDataset):
         errors: list[BaseException] = []
         thread = threading.Thread(target=self._producer, args=(out, stop, errors), name="stream-read", daemon=True)
         thread.start()
-        sync = StepSync()  # every rank goes through the rounds below in lockstep (lockstep.py)
+        sync = StepSync(self.on_round)  # every rank goes through the rounds below in lockstep (lockstep.py)
         idle_since = time.monotonic()
         ready: dict[str, torch.Tensor] | None = None
         finished = False

@@ -19,6 +19,7 @@ NODE_ID = "STREAMROVER_NODE_ID"
 RUN_ID = "STREAMROVER_RUN_ID"
 CKPT_EVERY = "STREAMROVER_CKPT_EVERY"  # steps between checkpoints (a job spec's checkpoint.every_steps)
 CKPT_KEEP = "STREAMROVER_CKPT_KEEP"  # checkpoints kept on storage (a job spec's checkpoint.keep_last)
+PROGRESS_DIR = "STREAMROVER_PROGRESS_DIR"  # where workers mark progress for the agent's hang watch (--hang-timeout)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class WorkerEnv:
     run_id: str
     ckpt_every: int | None = None  # None: not set (the session's default applies)
     ckpt_keep: int | None = None
+    progress_dir: str | None = None  # set by dlrover-run --hang-timeout
 
     @property
     def under_agent(self) -> bool:
@@ -67,4 +69,5 @@ def from_env(environ: dict[str, str] | None = None) -> WorkerEnv:
         run_id=env.get(RUN_ID, ""),
         ckpt_every=_positive(env, CKPT_EVERY),
         ckpt_keep=_positive(env, CKPT_KEEP),
+        progress_dir=env.get(PROGRESS_DIR) or None,
     )

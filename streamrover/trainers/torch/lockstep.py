@@ -28,7 +28,7 @@ not yet joined (each rank's mean weighed alike, whatever its batch size).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -40,7 +40,8 @@ MAX_POLL = 0.05  # seconds between the all-reduces of ranks that all wait for re
 class StepSync:
     """The per-batch all-reduce of a dataset over the default group's ranks (a gloo group of its own if NCCL)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_round: Callable[[], None] | None = None) -> None:
+        self.on_round = on_round  # after each round: the worker's progress mark (pace.py)
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self._group: Any = None
         self._grouped = False
@@ -54,6 +55,8 @@ class StepSync:
             self._grouped = True
         sums = torch.tensor([rows, int(ended), int(expired)], dtype=torch.int64)
         dist.all_reduce(sums, group=self._group)
+        if self.on_round is not None:
+            self.on_round()
         total, ended_ranks, expired_ranks = (int(v) for v in sums.tolist())
         return total, ended_ranks, expired_ranks
 

@@ -300,6 +300,11 @@ class _DesiredNodes:
         return self._value
 
 
+def desired_nodes(client: ShardClient, run_id: str) -> Callable[[], int | None]:
+    """The job's wanted node count as the controller publishes it (None: nobody says), read at most once a second."""
+    return _DesiredNodes(client, run_id)
+
+
 def master_client(endpoint: str, token: str | None, name: str) -> ShardClient:
     """A client of the master for an agent: no heartbeat (an agent is not a shard worker)."""
     return ShardClient(endpoint, token=token, name=name, heartbeat=False, timeout=120.0)

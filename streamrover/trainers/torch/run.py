@@ -9,6 +9,11 @@ streamrover adds:
                                ``--tls-cert``/``--tls-key`` for mutual TLS)
 ``--ckpt-dir URL``             flash-checkpoint root; the agent hosts this node's checkpoint saver
 ``--node-id ID``               this node's name in health reports and its checkpoint namespace
+``--node-check``               check the node before its first rendezvous (a matmul and a gloo all-reduce, timed
+                               against the other nodes' median: ``--node-check-threshold``, default 2x); a slow
+                               or broken node exits 86 without joining (nodecheck.py)
+``--hang-timeout T``           restart the worker group when a worker made no progress (a step, a lockstep round)
+                               for T seconds: a rank stuck in a collective (default 0: off)
 
 ``--rdzv-backend=streamrover`` runs the rendezvous through the job master (its endpoint
 defaults to ``--shard-service``); ``--standalone`` and ``c10d`` work as with torchrun.
@@ -37,12 +42,14 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser
 
 from streamrover.ckpt import namespace_for, saver_address
+from streamrover.shard_service import ShardServiceError
 from streamrover.shard_service.api import InvalidArgumentError
 from streamrover.shard_service.client.tls import add_tls_args, export_tls_args
 from streamrover.tokens import resolve_token
 from streamrover.trainers.standby import StandbyPool
 from streamrover.trainers.torch import env
-from streamrover.trainers.torch.agent import HealthReporter, StreamroverAgent
+from streamrover.trainers.torch.agent import HealthReporter, StreamroverAgent, progress_directory
+from streamrover.trainers.torch.nodecheck import DEFAULT_THRESHOLD, NODE_CHECK_EXIT, NodeCheck
 from streamrover.trainers.torch.rendezvous import BACKEND_NAME, master_client, register
 
 log = logging.getLogger(__name__)
@@ -70,6 +77,16 @@ def build_parser() -> ArgumentParser:
                             "default --nproc-per-node, 0 disables")  # fmt: skip
     group.add_argument("--heartbeat-interval", "--heartbeat_interval", type=float, default=5.0,
                        help="seconds between the agent's heartbeats to the job master (0: none)")  # fmt: skip
+    group.add_argument("--node-check", "--node_check", action="store_true",
+                       help="check the node (matmul, gloo all-reduce) before its first rendezvous")  # fmt: skip
+    group.add_argument("--node-check-threshold", "--node_check_threshold", type=float, default=DEFAULT_THRESHOLD,
+                       help="fail the check when the node's compute probe is slower than this times the other "
+                            "nodes' median (default 2)")  # fmt: skip
+    group.add_argument("--node-check-wait", "--node_check_wait", type=float, default=60.0,
+                       help="seconds the check waits for the other nodes to probe with it (default 60)")  # fmt: skip
+    group.add_argument("--hang-timeout", "--hang_timeout", type=float, default=0.0,
+                       help="seconds without progress after which a worker counts as hung and the group restarts "
+                            "(0: off)")  # fmt: skip
     return parser
 
 
@@ -87,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
         _, _, max_nodes = args.nnodes.partition(":")
         if int(max_nodes or args.nnodes) == 1:
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "127.0.0.1:0", str(uuid.uuid4())
+    if args.node_check and not args.shard_service:
+        raise SystemExit("dlrover-run: --node-check compares the nodes through the job master: give --shard-service")
+    if args.node_check_threshold <= 1.0:
+        raise SystemExit(f"dlrover-run: --node-check-threshold {args.node_check_threshold}: must be more than 1")
+    if args.hang_timeout < 0:
+        raise SystemExit(f"dlrover-run: --hang-timeout {args.hang_timeout}: must be >= 0 (0: off)")
     if args.master_port is None:
         args.master_port = 29500
     if args.rdzv_backend == BACKEND_NAME:
@@ -151,6 +174,11 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
     client = master_client(args.shard_service, args.token, f"agent:{args.node_id}") if args.shard_service else None
     health = HealthReporter(client, run_id, args.node_id)
     health.start_heartbeat(args.heartbeat_interval)
+    if args.node_check and client is not None:
+        _node_check(client, run_id, args, config.min_nodes, health)
+    progress = progress_directory() if args.hang_timeout > 0 else None
+    if progress is not None:
+        os.environ[env.PROGRESS_DIR] = str(progress)
     namespace = namespace_for(args.ckpt_dir, os.environ[env.CKPT_JOB]) if args.ckpt_dir else None
     address = saver_address(namespace) if namespace else None
     size = config.nproc_per_node if args.standby_workers is None else args.standby_workers
@@ -171,6 +199,8 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
         health=health,
         ckpt_namespace=namespace,
         standby=standby,
+        hang_timeout=args.hang_timeout,
+        progress_dir=progress,
     )
     shutdown_rdzv = True
     try:
@@ -193,6 +223,36 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
         health.stop_heartbeat()
         if client is not None:
             client.close()
+
+
+def _node_check(client: Any, run_id: str, args: Namespace, min_nodes: int, health: HealthReporter) -> None:
+    """Run the pre-flight check (nodecheck.py); a node that fails it reports so and exits NODE_CHECK_EXIT."""
+    from dataclasses import asdict
+
+    from streamrover.trainers.torch.rendezvous import desired_nodes
+
+    wanted = desired_nodes(client, run_id)
+    check = NodeCheck(client, run_id, args.node_id, expected=lambda: wanted() or min_nodes,
+                      threshold=args.node_check_threshold, wait=args.node_check_wait,
+                      host=args.local_addr or "127.0.0.1")  # fmt: skip
+    result = check.run()
+    health.node_check = asdict(result)
+    values = {"node_check_compute_s": result.compute_s or 0.0, "node_check_allreduce_s": result.allreduce_s or 0.0,
+              "node_check_cost_s": result.cost_s, "node_check_passed": float(result.passed)}  # fmt: skip
+    try:
+        client.report(values, reporter=f"agent@{args.node_id}")
+    except ShardServiceError as exc:  # advisory, as the health document
+        log.warning("could not report the node check to the master: %s", exc)
+    print(f"dlrover-run: node check of {args.node_id}: {result.describe()}", flush=True)
+    if result.passed:
+        log.info("node check of %s: %s", args.node_id, result.describe())
+        health.report("NODE_CHECK_PASSED", args.max_restarts, -1)
+        return
+    log.error("node check of %s failed: %s; leaving without joining the rendezvous", args.node_id, result.describe())
+    health.report("NODE_CHECK_FAILED", args.max_restarts, -1)
+    health.stop_heartbeat()
+    client.close()
+    raise SystemExit(NODE_CHECK_EXIT)
 
 
 @record

@@ -49,12 +49,13 @@ class TFJob:
         self.events_file = self.workdir / "events.jsonl"
         self.logs_dir = self.workdir / "logs"
 
-    def start(self, ps: int, workers: int, script_args: list[str]) -> None:
+    def start(self, ps: int, workers: int, script_args: list[str], env: dict[str, str] | None = None) -> None:
+        """Start the master and ``streamrover tf-ps-run`` (with ``env`` added to its environment)."""
         self.master.start()
         with self.admin() as admin:
             admin.register_dataset(DatasetSpec("stream", self.uri, options=self.options,
                                                records_per_shard=self.records_per_shard))  # fmt: skip
-        env = python_env()
+        env = {**python_env(), **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[2]), env.get("PYTHONPATH", "")])
         cmd = [
             sys.executable, "-m", "streamrover.cli", "tf-ps-run", "--ps", str(ps), "--workers", str(workers),

@@ -50,17 +50,17 @@ def main() -> None:
     p.add_argument("--dataset", default="stream")
     p.add_argument("--out", required=True)
     p.add_argument("--stop-at-records", action="store_true", help="a stream: end once the cut holds --records")
-    p.add_argument("--export", default=None, help="a model repository: every durable checkpoint as a SavedModel")
     args = p.parse_args()
     out = Path(args.out)
     env = TrainerEnv.from_env()
     exporter = None
-    if args.export:
-        from streamrover.serving import ExportConfig
+    from streamrover.serving import ExportConfig
+
+    export = ExportConfig.from_env()  # the job spec's export: section, as streamrover run and tf-ps-run pass it
+    if export is not None:
         from streamrover.serving.savedmodel import SavedModelExporter
 
-        exporter = SavedModelExporter(ExportConfig(args.export, name="ledger", keep_last=100), None,
-                                      lambda: Served(args.records), select="model")  # fmt: skip
+        exporter = SavedModelExporter(export, None, lambda: Served(args.records), select="model")
     trainer = PSTrainer(env, variable_partitioner=default_partitioner(len(env.cluster.ps), 8 << 10),
                         ckpt_every=args.ckpt_every, exporter=exporter)  # fmt: skip
     with trainer.strategy.scope():

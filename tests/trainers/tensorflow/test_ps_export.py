@@ -3,7 +3,8 @@
 A real job (a master, 2 parameter servers with the embedding sharded over both, 1 worker, a parquet dataset)
 exports every durable checkpoint as ``NAME/STEP/model.savedmodel``: each version's lineage is its checkpoint's
 cursor, and the SavedModel, loaded by TensorFlow as a server would, predicts what the checkpoint's variables
-(the sharded embedding's parts put back together) give.
+(the sharded embedding's parts put back together) give. The export section reaches the chief as the job spec's
+``export:`` does under ``streamrover run``: the supervisor's ``STREAMROVER_EXPORT``, passed on by tf-ps-run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from streamrover.operator.spec import ExportSpec
+from streamrover.operator.supervisor import EXPORT_ENV
 from streamrover.serving import ModelRepository
 from streamrover.serving.savedmodel import SAVEDMODEL_DIR
 from tests.serving.test_export import checkpoint_state
@@ -34,8 +37,11 @@ def test_ps_job_exports_each_durable_checkpoint_as_a_savedmodel_with_its_lineage
     job = _job(tmp_path, records=RECORDS)
     repo_root = tmp_path / "models"
     try:
-        job.start(ps=2, workers=1, script_args=["--records", str(RECORDS), "--ckpt-every", "10",
-                                                 "--export", str(repo_root)])  # fmt: skip
+        # the job spec's export: section as the supervisor hands it to every trainer command (STREAMROVER_EXPORT):
+        # tf-ps-run passes it on to the chief, whose script builds its exporter from it (ExportConfig.from_env)
+        section = ExportSpec(repository=str(repo_root), name="ledger", keep_last=100)
+        job.start(ps=2, workers=1, script_args=["--records", str(RECORDS), "--ckpt-every", "10"],
+                  env={EXPORT_ENV: section.model_dump_json()})  # fmt: skip
         assert job.wait(timeout=240) == 0, job.logs()
     finally:
         job.stop()
