@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 from streamrover.shard_service import convert
 from streamrover.shard_service.master.bookkeeping import DatasetRecord
@@ -31,7 +32,7 @@ def dataset_info(core: ShardCore, ds: DatasetRecord, limit: int = 0) -> pb.Datas
     plans = list(ds.partitions)
     lags = core.lag(ds) if ds.kind is SourceKind.STREAM else None
     lag = sum(part_lag for _, _, part_lag in lags) if lags is not None else 0
-    shown = range(len(plans))
+    shown: Sequence[int] = range(len(plans))
     if 0 < limit < len(plans):
         most = heapq.nsmallest(limit, shown, key=lambda i: (-lags[i][2] if lags is not None else 0, i))
         shown = most if lags is not None else range(limit)

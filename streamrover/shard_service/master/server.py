@@ -232,7 +232,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         """RPC: every dataset's info, by name."""
         with self.cond:
             limit = partition_limit(request.partition_limit)
-            return pb.ListDatasetsResponse(datasets=[self._info(d, limit) for _, d in sorted(self.core.datasets.items())])
+            return pb.ListDatasetsResponse(datasets=[self._info(d, limit) for _, d in sorted(self.core.datasets.items())
+                                                     ])  # fmt: skip
 
     CommitStaged = _rpc(commit_staged)
     ReportUnreadable = _rpc(report_unreadable)
@@ -430,6 +431,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         with self.cond:
             now = self.core.clock()
             rps, aps = self.core.rates()
+            limit = partition_limit(request.partition_limit)
             workers = [
                 pb.WorkerStatus(
                     worker_id=w.id,
@@ -441,7 +443,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 for _, w in sorted(self.core.workers.items())
             ]
             return pb.StatusResponse(
-                datasets=[self._info(d, partition_limit(request.partition_limit)) for _, d in sorted(self.core.datasets.items())],
+                datasets=[self._info(d, limit) for _, d in sorted(self.core.datasets.items())],
                 workers=workers,
                 records_per_second=rps,
                 acks_per_second=aps,

@@ -150,7 +150,7 @@ class StreamPlanner:
         known = ds.partition_by_id()
         looked = self.changed(name, polled)
         self._looked = None
-        full = looked is None
+        everything = looked is None
         looked = polled if looked is None else looked
         changed = False
         for p in looked:
@@ -172,7 +172,7 @@ class StreamPlanner:
                     changed = True
         changed = self._compact_runs(ds) or changed
         # the partitions looked at, in index order (a partition not looked at has nothing unplanned: changed())
-        plans = list(ds.partitions) if full else sorted((ds.partitions[known[p.id].index] for p in looked),
+        plans = list(ds.partitions) if everything else sorted((ds.partitions[known[p.id].index] for p in looked),
                                                         key=lambda plan: plan.index)  # fmt: skip
         pending = self.table.state_counts[name][ShardState.TODO]
         stage = self.stage(ds)
