@@ -69,3 +69,23 @@ def test_status_shows_the_most_lagging_partitions_and_the_totals_of_all(tmp_path
     every = dataset_info(core, core.dataset("t"))
     assert len(every.partitions) == P and [p.index for p in every.partitions] == list(range(P))
     core.journal.close()
+
+
+def test_the_dashboard_json_keeps_each_datasets_most_lagging_partitions() -> None:
+    from streamrover.shard_service.master.web import _top
+
+    def sample(ds: str, part: int, lag: int) -> dict[str, object]:
+        return {"name": "streamrover_partition_lag_records", "labels": {"dataset": ds, "partition": f"p{part}"},
+                "value": lag}  # fmt: skip
+
+    def families() -> list[dict[str, object]]:
+        lags = [sample("a", i, i % 5) for i in range(50)] + [sample("b", i, 7) for i in range(3)]
+        return [{"name": "streamrover_workers", "samples": []}, {"name": "streamrover_partition_lag_records",
+                                                                  "samples": lags}]  # fmt: skip
+
+    cut = families()
+    assert _top(cut, 2) == {"a": 50, "b": 3}
+    shown = [(s["labels"]["dataset"], s["labels"]["partition"], s["value"]) for s in cut[1]["samples"]]
+    assert shown == [("a", "p4", 4), ("a", "p9", 4), ("b", "p0", 7), ("b", "p1", 7)]
+    whole = families()
+    assert _top(whole, 0) == {"a": 50, "b": 3} and len(whole[1]["samples"]) == 53
