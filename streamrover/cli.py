@@ -224,14 +224,13 @@ def _partition_count(text: str) -> int:
     """``--partitions``: a count > 0, or ``all`` (-1)."""
     if text == "all":
         return -1
-    if not text.isdigit() or int(text) == 0:
+    if not text.isdigit() or not int(text):
         raise argparse.ArgumentTypeError(f"give a number of partitions > 0 or 'all', not {text!r}")
     return int(text)
 
 
 def _partitions_table(info: Any) -> Table:
-    """A dataset's partitions as the master sent them (the most lagging first when limited), titled with the
-    count shown of the count there is."""
+    """A dataset's partitions as sent (the most lagging first when limited), titled with how many of how many."""
     shown, total = len(info.partitions), info.partition_count or len(info.partitions)
     more = "" if shown >= total else f", {shown:,} of {total:,}: the most lagging (--partitions N|all)"
     parts = Table(title=f"{info.spec.name}: partitions{more}")

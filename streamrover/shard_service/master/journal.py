@@ -267,12 +267,9 @@ class Journal(JournalTables):
 
     # -- datasets ------------------------------------------------------------
     def put_dataset(self, ds: DatasetRecord) -> None:
-        """Write a dataset's row (and the record runs of its sparse partitions that changed).
-
-        The row's partition list is written whole only when its shape changed (partitions added or compacted, a
-        sparse partition's floor) or after a rolled-back transaction; otherwise only the ends of the partitions set
-        since (``PartitionPlans.changed``) go to ``partition_ends``, which :meth:`load_datasets` applies over the
-        row (a poll of a 10,000-partition topic where 100 moved writes 100 rows: issue 32)."""
+        """Write a dataset's row (and the record runs of its sparse partitions that changed). Its partition list is
+        written whole only when its shape changed (partitions added or compacted, a floor) or after a rollback;
+        else only the ends set since (``PartitionPlans.changed``) go to ``partition_ends`` (issue 32)."""
         plans = ds.plans
         floors = {i: runs.floor for i, runs in ds.runs.items() if runs.floor is not None}
         shape = (self._undone, plans.base, list.__len__(plans), tuple(sorted(floors.items())))

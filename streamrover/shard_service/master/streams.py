@@ -105,7 +105,7 @@ class StreamPlanner:
         # What a poll must look at (issue 32: a 10,000-partition topic where 100 moved costs 100 partitions' work):
         self.seen: dict[str, dict[str, tuple[int, int | None]]] = {}  # dataset -> partition id -> (end, earliest)
         self.behind: dict[str, set[str]] = {}  # dataset -> partitions left with records not planned (or a partial)
-        self._looked: tuple[list[Partition], list[Partition] | None] | None = None  # the last poll's changed()
+        self._looked: tuple[str, list[Partition], list[Partition] | None] | None = None  # the last changed() answer
         self.upstream = Upstream(table, cut_book, self.available)
 
     def changed(self, name: str, polled: list[Partition]) -> list[Partition] | None:
@@ -114,15 +114,15 @@ class StreamPlanner:
         for ``sr.max_delay_ms``), sparse ones, and those whose deleted records are not settled yet
         (``Upstream.unsettled``). None: every partition (the dataset's first poll, one after a restore or
         resume, a chained dataset). Every other partition's planned end is its available end already."""
-        if self._looked is not None and self._looked[0] is polled:
-            return self._looked[1]
+        if self._looked is not None and self._looked[0] == name and self._looked[1] is polled:
+            return self._looked[2]  # the poller asked before its check: the same poll
         seen = self.seen.get(name)
         if seen is None or name in self.held:
             looked = None
         else:
             again = self.behind.get(name, set()) | self.upstream.unsettled.get(name, set())
             looked = [p for p in polled if seen.get(p.id) != (p.end, p.earliest) or p.id in again or p.segments]
-        self._looked = (polled, looked)
+        self._looked = (name, polled, looked)
         return looked
 
     def rescan(self, name: str) -> None:
