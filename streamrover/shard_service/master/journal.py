@@ -323,7 +323,7 @@ class Journal(JournalTables):
                 files, record.compacted_records = (int(v) for v in compacted.split(":"))
                 record.plans.base = files
             ends = self._db.execute('SELECT pindex, "end" FROM partition_ends WHERE dataset = ?', (record.name,))
-            for pindex, end in ends:  # the ends written since the row's list (put_dataset)
+            for pindex, end in (row for row in ends if row[0] >= record.plans.base):  # written since the list
                 record.plans[int(pindex)] = replace(record.plans[int(pindex)], end=int(end))
             record.plans.changed = set()
             out.append(record)
