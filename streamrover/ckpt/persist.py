@@ -78,7 +78,7 @@ def persist_buffer(target: PersistTarget, buf: SharedBuffer, expected_gen: int |
     pieces += [view[int(rows[i]["offset"]) : int(rows[i]["offset"]) + int(rows[i]["nbytes"])] for i in order]
     tensors_path = storage.join(d, tensors_name)
     try:
-        nbytes, digest = storage.write(tensors_path, pieces, target.checksum_algo)
+        nbytes, digest = storage.write(tensors_path, pieces, target.checksum_algo, pause=buf.wait_while_paused)
     finally:
         del pieces, view
     if not buf.still_valid(gen):

@@ -1,0 +1,119 @@
+"""The fast paths of issue 35: the first save written with pwrite, persists paused during a save, load(into=)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from streamrover.ckpt import Checkpointer, LoadedFrom, copier, memory
+from streamrover.ckpt.shm import SharedBuffer, shm_path
+
+
+def make_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "model": {"w": torch.randn(300, 70), "b": torch.randn(70), "half": torch.randn(33).half()},
+        "optim": {"state": {0: {"exp_avg": torch.randn(300, 70)}}, "lr": 0.1},
+        "np": np.arange(10.0),
+        "step": 5,
+    }
+
+
+def test_first_save_leaves_the_buffer_allocated_and_loads_back(tmp_path: Path) -> None:
+    state = make_state()
+    with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
+        ckpt.save(1, state, persist=False)
+        snap = ckpt.engine.newest()
+        assert snap is not None
+        st = os.stat(shm_path(snap.name))
+        # written with pwrite into a sparse file, then allocated whole: no page is left to fault in (SIGBUS on a
+        # full /dev/shm) when the header or a later save writes through the mapping
+        assert st.st_blocks * 512 >= st.st_size
+        loaded = ckpt.load(zero_copy=False, restore=False)
+        assert torch.equal(loaded.state["model"]["w"], state["model"]["w"])
+        assert torch.equal(loaded.state["model"]["half"], state["model"]["half"])
+        np.testing.assert_array_equal(loaded.state["np"], state["np"])
+        ckpt.save(2, state, persist=False)  # the second buffer, allocated in the background meanwhile
+        ckpt.save(3, state, persist=False)  # the first buffer again, through its (populated) mapping
+        assert ckpt.load(zero_copy=False, restore=False).step == 3
+        ckpt.close(unlink=True)
+
+
+@pytest.mark.parametrize("source", ["memory", "storage"])
+def test_load_into_fills_the_matching_tensors_in_place(tmp_path: Path, source: str) -> None:
+    state = make_state()
+    with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
+        ckpt.save(1, state, persist=source == "storage")
+        ckpt.wait()
+        into = {
+            "model": {"w": torch.zeros(300, 70), "b": torch.zeros(71), "half": torch.zeros(33)},  # b, half: no match
+            "optim": {"state": {0: {"exp_avg": torch.zeros(70, 300).t()}}},  # not contiguous: no match
+        }
+        w = into["model"]["w"]
+        loaded = ckpt.load(restore=False, into=into, memory=source == "memory")
+        assert loaded.source == (LoadedFrom.MEMORY if source == "memory" else LoadedFrom.STORAGE)
+        assert loaded.state["model"]["w"] is w and torch.equal(w, state["model"]["w"])
+        for key in ("b", "half"):
+            got = loaded.state["model"][key]
+            assert got is not into["model"][key] and torch.equal(got, state["model"][key])
+        assert torch.equal(loaded.state["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
+        assert not into["optim"]["state"][0]["exp_avg"].any()
+        assert loaded.state["optim"]["lr"] == 0.1 and loaded.state["step"] == 5
+        np.testing.assert_array_equal(loaded.state["np"], state["np"])
+        ckpt.close(unlink=True)
+
+
+def test_a_save_pauses_the_persist_of_the_other_buffer_until_its_copy_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memory, "MIN_PAUSE", 120.0)  # only the end of the copy may end this pause
+    state = {"w": torch.randn(1 << 20)}  # 4 MiB: one chunk
+    copying, release = threading.Event(), threading.Event()
+    real = copier._memmove
+
+    def gated(dst: int, src: int, n: int) -> Any:
+        copying.set()
+        assert release.wait(60)
+        return real(dst, src, n)
+
+    with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
+        ckpt.save(1, state, persist=False)  # buffer 0 (pwrite: not gated)
+        ckpt.save(2, state, persist=False)  # buffer 1
+        first = ckpt.engine.newest()
+        assert first is not None and first.step == 2
+        reader = SharedBuffer.open(first.name)  # what the saver maps to persist step 2
+        assert reader is not None
+        assert reader.wait_while_paused() == 0.0  # nobody writes: a persist goes on at once
+        monkeypatch.setattr(copier, "_memmove", gated)
+        saving = threading.Thread(target=ckpt.save, args=(3, state), kwargs={"persist": False})
+        saving.start()  # writes buffer 0 through its mapping, blocked in the copy
+        assert copying.wait(60)
+        waited: list[float] = []
+        persist = threading.Thread(target=lambda: waited.append(reader.wait_while_paused()))
+        persist.start()
+        persist.join(0.3)
+        assert persist.is_alive()  # paused while the save copies
+        release.set()
+        saving.join(60)
+        persist.join(60)
+        assert not persist.is_alive() and waited and waited[0] > 0
+        assert reader.wait_while_paused() == 0.0  # the copy cleared the pause
+        reader.close()
+        assert ckpt.load(zero_copy=False, restore=False).step == 3
+        ckpt.close(unlink=True)
+
+
+def test_a_pause_left_by_a_dead_writer_expires(tmp_path: Path) -> None:
+    buf = SharedBuffer.create(f"srckpt-test-pause-{os.getpid()}", 1 << 16)
+    try:
+        buf.set_pause(0.05)  # the writer dies without clearing it
+        assert buf.wait_while_paused() >= 0.04
+    finally:
+        buf.close()
+        buf.unlink()
