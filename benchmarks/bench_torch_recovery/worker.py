@@ -101,6 +101,8 @@ def main() -> None:
                 parts.append(f"{name} {t - last:.2f} s")
                 last = t
             print(f"rank {rank} start-up phases: " + ", ".join(parts), file=sys.stderr, flush=True)
+            stamps = ",".join(f"{name.split(' ')[0]}={t:.4f}" for name, t in phases)
+            print(f"phase-times rank {rank} pid {os.getpid()}: {stamps}", file=sys.stderr, flush=True)
             phases = []
         if log is not None:
             log.write(f"{time.time():.4f} {step} {os.getpid()}\n")

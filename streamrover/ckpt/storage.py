@@ -75,7 +75,7 @@ def checksum(data: Any, algo: str = CHECKSUM_ALGO) -> str:
 class _ParallelHasher:
     """Hashes chunks on another thread while the caller writes them (hashlib releases the GIL)."""
 
-    def __init__(self, algo: str, pause: Callable[[], None] | None = None) -> None:
+    def __init__(self, algo: str, pause: Callable[[], object] | None = None) -> None:
         self.algo = algo
         self._pause = pause
         self._hasher = new_hasher(algo)
@@ -104,7 +104,7 @@ WRITE_CHUNK = 8 << 20  # local writes: a pause is honoured within ~3 ms
 ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
-def _chunks(parts: Iterable[Any], pause: Callable[[], None] | None = None) -> Iterable[memoryview]:
+def _chunks(parts: Iterable[Any], pause: Callable[[], object] | None = None) -> Iterable[memoryview]:
     for part in parts:
         view = memoryview(part).cast("B")
         for start in range(0, len(view), CHUNK):
@@ -144,7 +144,7 @@ class Storage:
 
     # -- writes ------------------------------------------------------------------
     def write(
-        self, path: str, parts: Iterable[Any], algo: str = CHECKSUM_ALGO, pause: Callable[[], None] | None = None
+        self, path: str, parts: Iterable[Any], algo: str = CHECKSUM_ALGO, pause: Callable[[], object] | None = None
     ) -> tuple[int, str]:
         """Write the concatenation of ``parts`` atomically to ``path``; return (bytes, checksum).
 
