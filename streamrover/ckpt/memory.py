@@ -29,8 +29,8 @@ HEADER_RESERVE = 1 << 20  # room for the header JSON (tensor table, cursor) beyo
 HELPER_FROM_CHUNKS = 4  # a blocking copy of more chunks than this gets a helper thread
 # How long a copy asks persists of this rank's other buffers to pause at most: its size at PAUSE_RATE bytes/s,
 # and at least MIN_PAUSE (it clears the pause when done, so this bounds only a copy that died or stalled).
-PAUSE_RATE = 0.5e9
-MIN_PAUSE = 0.5
+PAUSE_RATE = 1e9
+MIN_PAUSE = 0.25
 
 
 def buffer_name(namespace: str, rank: int, index: int) -> str:

@@ -117,3 +117,28 @@ def test_a_pause_left_by_a_dead_writer_expires(tmp_path: Path) -> None:
     finally:
         buf.close()
         buf.unlink()
+
+
+def test_a_persist_after_the_trainer_died_ignores_its_pause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamrover.ckpt import RetentionPolicy
+    from streamrover.ckpt.persist import PersistTarget, persist_buffer
+    from streamrover.ckpt.storage import Storage
+
+    with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
+        ckpt.save(1, make_state(), persist=False)
+        snap = ckpt.engine.newest()
+        assert snap is not None
+        reader = SharedBuffer.open(snap.name)
+        assert reader is not None
+        target = PersistTarget(Storage(str(tmp_path / "ck")), 0, 1, RetentionPolicy())
+
+        def waits() -> float:
+            raise AssertionError("a persist on death waited for a pause")
+
+        monkeypatch.setattr(reader, "wait_while_paused", waits)
+        result = persist_buffer(target, reader, snap.generation, yield_to_saves=False)
+        assert result.ok and result.manifest_published
+        with pytest.raises(AssertionError, match="waited"):  # the live path does consult it
+            persist_buffer(target, reader, snap.generation)
+        reader.close()
+        ckpt.close(unlink=True)
