@@ -218,11 +218,6 @@ def restore_ours_main(a: argparse.Namespace) -> int:
     model = empty_model(a.bytes, a.tensors)
     out["into_model"] = summary(timed(lambda: into_model(load(True).state, model), a.warmups, a.repeats))
 
-    def load_into() -> None:  # the snapshot read straight into the built model's tensors
-        loaded = Checkpointer(root, saver="thread").load(restore=False, into=model)
-        assert loaded.source == LoadedFrom.MEMORY and loaded.state[next(iter(model))] is model[next(iter(model))]
-
-    out["into"] = summary(timed(load_into, a.warmups, a.repeats))
     print(json.dumps(out), flush=True)
     return 0
 

@@ -30,7 +30,6 @@ from streamrover.ckpt.api import (
 from streamrover.ckpt.layout import complete_steps, read_manifest, read_part
 from streamrover.ckpt.link import SaverLink
 from streamrover.ckpt.memory import MemoryEngine, Snapshot, SnapshotWrite
-from streamrover.ckpt.restore import copy_matching
 from streamrover.ckpt.storage import CHECKSUM_ALGO, Storage
 from streamrover.ckpt.wire import namespace_for, saver_address
 from streamrover.cursor import DataCursor
@@ -299,20 +298,9 @@ class Checkpointer:
 
     # -- load ------------------------------------------------------------------------
     def load(
-        self,
-        *,
-        part: int | None = None,
-        zero_copy: bool = False,
-        restore: bool = True,
-        memory: bool = True,
-        into: Any = None,
+        self, *, part: int | None = None, zero_copy: bool = False, restore: bool = True, memory: bool = True
     ) -> LoadedCheckpoint:
         """The newest consistent checkpoint of this rank (or of rank ``part``).
-
-        ``into``: a state of the same structure (``{"model": model.state_dict(), ...}``) whose tensors
-        receive the checkpoint's in place: from shared memory they are read straight into them (no mapping,
-        no intermediate copy, two threads); the loaded state holds those very tensors. A tensor with no
-        contiguous CPU counterpart of the same dtype and shape at the same place is a private copy.
 
         Shared memory wins when its snapshot is at least as new as the newest checkpoint on
         storage (a process restart on a live node); storage otherwise. Partial or corrupted
@@ -322,7 +310,7 @@ class Checkpointer:
         step, and a snapshot of the abandoned run must not be persisted or loaded later.
         """
         self.wait_snapshot()  # the caller will mutate what an overlapped save may still be copying
-        loaded = self._load(self.rank if part is None else part, zero_copy, memory, into)
+        loaded = self._load(self.rank if part is None else part, zero_copy, memory)
         if loaded.source == LoadedFrom.STORAGE:
             self._drop_newer_snapshots(loaded.step)
         if restore and self.binder is not None:
@@ -346,7 +334,7 @@ class Checkpointer:
             return None
         return engine, snap
 
-    def _load(self, part: int, zero_copy: bool, memory: bool, into: Any = None) -> LoadedCheckpoint:
+    def _load(self, part: int, zero_copy: bool, memory: bool) -> LoadedCheckpoint:
         mem = self._memory_snapshot(part) if memory else None
         skipped: list[str] = []
         for step in reversed(complete_steps(self.storage)):
@@ -359,8 +347,6 @@ class Checkpointer:
                         f"step {step} has world size {manifest['world_size']}, not {self.world_size}"
                     )
                 doc, state, cursor = read_part(self.storage, manifest, part)
-                if into is not None:
-                    state = copy_matching(state, into)
             except (CorruptCheckpointError, FileNotFoundError) as exc:  # not StorageUnavailableError: never skipped
                 msg = f"skipping checkpoint at step {step}: {exc}"
                 warnings.warn(msg, CheckpointFallbackWarning, stacklevel=3)
@@ -379,7 +365,7 @@ class Checkpointer:
             )
         if mem is not None:
             engine, snap = mem
-            state = engine.load(snap, zero_copy) if into is None else engine.load_into(snap, into)
+            state = engine.load(snap, zero_copy)
             cursor_json = snap.header.get("cursor")
             cursor = DataCursor.from_json(cursor_json) if cursor_json else DataCursor()
             return LoadedCheckpoint(

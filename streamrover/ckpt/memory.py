@@ -18,10 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from streamrover.ckpt.api import FORMAT_VERSION, CheckpointError, SnapshotCopyError
+from streamrover.ckpt.api import FORMAT_VERSION, SnapshotCopyError
 from streamrover.ckpt.copier import CopyError, CopyJob, file_writer
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
-from streamrover.ckpt.restore import read_into
 from streamrover.ckpt.shm import ALIGN, DATA_START, SHM_DIR, SharedBuffer, align, check_shm_space, shm_path
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -183,23 +182,6 @@ class MemoryEngine:
         buf = self.buffers[snap.index]
         assert buf is not None
         return read_state(buf.mm, snap.header, zero_copy)
-
-    def load_into(self, snap: Snapshot, into: Any) -> Any:
-        """The state held by ``snap``, its tensors read straight into the matching tensors of ``into``
-        (:mod:`streamrover.ckpt.restore`); the others are private copies."""
-        buf = self.buffers[snap.index]
-        assert buf is not None
-        rows = snap.header["tensors"]
-
-        def make_copy(i: int) -> Any:
-            row = rows[i]
-            t = make_tensor(row["kind"], row["dtype"], row["shape"], buf.mm, int(row["offset"]))
-            return t.copy() if row["kind"] == "numpy" else t.clone()
-
-        state = read_into(shm_path(buf.name), snap.header, into, make_copy)
-        if not buf.still_valid(snap.generation):
-            raise CheckpointError(f"the snapshot of step {snap.step} was overwritten while it was being loaded")
-        return state
 
     # -- writing -------------------------------------------------------------
     def choose(self, busy: Iterable[int]) -> int:
