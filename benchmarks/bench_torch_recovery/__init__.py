@@ -166,7 +166,8 @@ def breakdown(job: Job, t0: float, old: set[int]) -> dict[str, float]:
     streamrover: detection (kill -> the agent sees the group FAILED), stop (the surviving workers
     terminated), drain (the saver's persist of the dead worker's snapshot), rendezvous (-> workers
     started), hand-off (-> the workers' code runs: a warm standby becomes the worker), process group
-    (init_process_group), restore (import + attach: the snapshot loaded, the cursor reset), first step.
+    (init_process_group), model + DDP (built, DDP's first parameter broadcast), restore (torch.load; ours:
+    attach, i.e. the snapshot loaded, the cursor reset, the state broadcast to the other ranks), first step.
     torchrun: its agent logs no times here: "to worker code" covers detection, stop, rendezvous, the
     new processes' start and their imports.
     """
@@ -206,8 +207,9 @@ def breakdown(job: Job, t0: float, old: set[int]) -> dict[str, float]:
     else:
         out["to worker code"] = stamps["imports"] - t0
     out["process group"] = stamps["init_process_group"] - stamps["imports"]
-    restored = stamps.get("attach", stamps.get("torch.load", stamps["init_process_group"]))
-    out["restore"] = restored - stamps["init_process_group"]
+    out["model + DDP"] = stamps["model"] - stamps["init_process_group"]
+    restored = stamps.get("attach", stamps.get("torch.load", stamps["model"]))
+    out["restore"] = restored - stamps["model"]  # streamrover: attach (load, cursor reset, broadcast to the ranks)
     out["first step"] = stamps["first"] - restored
     return out
 

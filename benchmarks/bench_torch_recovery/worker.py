@@ -52,6 +52,7 @@ def main() -> None:
     net = build(args.hidden, args.layers)
     model = DDP(net)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    phases.append(("model (build, DDP: its first broadcast)", time.time()))
     log = open(args.step_log, "a") if rank == 0 else None
     step = 0
     if args.mode == "streamrover":
