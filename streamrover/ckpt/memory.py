@@ -266,7 +266,8 @@ class MemoryEngine:
             else:
                 sync = CopyJob(now, keep)
             # A helper pays for its start (~1 ms on a loaded box) only from a few chunks on; below, one thread copies.
-            sync.start(1 if sync.chunks > HELPER_FROM_CHUNKS else 0, name="ckpt-copy-now")
+            # Writes to one tmpfs file take its inode lock: a second pwriting thread would only wait for it.
+            sync.start(1 if sync.chunks > HELPER_FROM_CHUNKS and not fresh else 0, name="ckpt-copy-now")
             sync.wait()
             if fresh:
                 buf.allocate(fd)  # the header, the gaps and the deferred tensors: never a SIGBUS writing them
