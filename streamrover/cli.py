@@ -108,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     desc = dsub.add_parser("describe", help="show one dataset")
     desc.add_argument("name")
     desc.add_argument("--json", action="store_true")
+    desc.add_argument("--partitions", type=_partition_count, default=20, metavar="N|all",
+                      help="partitions to show, the most lagging first (default 20; all: every one, by index)")
     _client_args(desc)
 
     sub.add_parser("tf-ps-run", help="launch a TensorFlow parameter-server job (see tf-ps-run --help)", add_help=False)
@@ -117,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="with JOB: the status document as JSON")
     operator_cli.add_platform_args(st)  # with JOB: where it runs
     st.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="refresh every SECONDS")
+    st.add_argument("--partitions", type=_partition_count, default=None, metavar="N|all",
+                    help="also each dataset's N most lagging partitions (all: every one); totals are always shown")
     _client_args(st)
     operator_cli.add_parsers(sub)
     ckpt_cli.add_parsers(sub)
@@ -227,6 +231,31 @@ def _run_master(args: argparse.Namespace) -> int:
     return 0
 
 
+def _partition_count(text: str) -> int:
+    """``--partitions``: a count > 0, or ``all`` (-1)."""
+    if text == "all":
+        return -1
+    if not text.isdigit() or not int(text):
+        raise argparse.ArgumentTypeError(f"give a number of partitions > 0 or 'all', not {text!r}")
+    return int(text)
+
+
+def _partitions_table(info: Any) -> Table:
+    """A dataset's partitions as sent (the most lagging first when limited), titled with how many of how many."""
+    shown, total = len(info.partitions), info.partition_count or len(info.partitions)
+    more = "" if shown >= total else f", {shown:,} of {total:,}: the most lagging (--partitions N|all)"
+    parts = Table(title=f"{info.spec.name}: partitions{more}")
+    for col in ("#", "id", "start", "planned end", "available", "committed", "lag"):
+        parts.add_column(col)
+    stream = info.kind == 2
+    for p in info.partitions:
+        parts.add_row(
+            str(p.index), p.id, str(p.start), str(p.end),
+            str(p.available_end) if stream else "", str(p.committed_end), str(p.lag) if stream else "",
+        )  # fmt: skip
+    return parts
+
+
 def _dataset_table(infos: list[Any]) -> Table:
     table = Table(title="datasets")
     for col in (
@@ -251,7 +280,7 @@ def _dataset_table(infos: list[Any]) -> Table:
         table.add_row(
             info.spec.name,
             kind,
-            str(len(info.partitions)),
+            f"{info.partition_count or len(info.partitions):,}",
             f"{info.total_records:,}",
             str(info.shards.todo),
             str(info.shards.leased),
@@ -278,10 +307,12 @@ def _state(info: Any) -> str:
     return "finished" if info.finished else "running"
 
 
-def _status_view(client) -> Table:  # type: ignore[no-untyped-def]
-    st = client.status()
+def _status_view(client, partitions: int | None = None) -> Table:  # type: ignore[no-untyped-def]
+    st = client.status(partitions or 0)
     outer = Table.grid()
     outer.add_row(_dataset_table(list(st.datasets)))
+    for info in st.datasets if partitions is not None else ():
+        outer.add_row(_partitions_table(info))
     workers = Table(title="workers")
     for col in ("worker", "name", "leases", "records acked", "last seen"):
         workers.add_column(col)
@@ -357,19 +388,19 @@ def main(argv: list[str] | None = None) -> int:
         with _client(args) as client:
             if args.command == "status":
                 if not args.watch:
-                    console.print(_status_view(client))
+                    console.print(_status_view(client, args.partitions))
                     return 0
                 if not console.is_terminal:  # a log: one timestamped view per interval (a live view redraws in place)
                     while True:
-                        console.print(time.strftime("%Y-%m-%d %H:%M:%S"), _status_view(client))
+                        console.print(time.strftime("%Y-%m-%d %H:%M:%S"), _status_view(client, args.partitions))
                         sys.stdout.flush()
                         time.sleep(args.watch)  # display refresh interval
                 from rich.live import Live
 
-                with Live(_status_view(client), console=console, refresh_per_second=4) as live:
+                with Live(_status_view(client, args.partitions), console=console, refresh_per_second=4) as live:
                     while True:
                         time.sleep(args.watch)  # display refresh interval
-                        live.update(_status_view(client))
+                        live.update(_status_view(client, args.partitions))
             if args.command == "restore":
                 return _restore(console, client, args)
             if args.dataset_command == "add":
@@ -404,21 +435,12 @@ def main(argv: list[str] | None = None) -> int:
             elif args.dataset_command == "describe":
                 from google.protobuf.json_format import MessageToDict
 
-                info = client.describe_dataset(args.name)
+                info = client.describe_dataset(args.name, partition_limit=max(args.partitions, 0))
                 if args.json:
                     print(json.dumps(MessageToDict(info), indent=2))
                 else:
                     console.print(_dataset_table([info]))
-                    parts = Table(title="partitions")
-                    for col in ("#", "id", "start", "planned end", "available", "committed", "lag"):
-                        parts.add_column(col)
-                    for p in info.partitions:
-                        stream = info.kind == 2
-                        parts.add_row(
-                            str(p.index), p.id, str(p.start), str(p.end),
-                            str(p.available_end) if stream else "", str(p.committed_end), str(p.lag) if stream else "",
-                        )  # fmt: skip
-                    console.print(parts)
+                    console.print(_partitions_table(info))
                     if info.commit_gaps:
                         gaps = Table(title="commit gaps (a later commit names this one as its previous; see "
                                      "sr.commit_gap_ms)")  # fmt: skip

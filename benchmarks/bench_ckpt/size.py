@@ -217,6 +217,7 @@ def restore_ours_main(a: argparse.Namespace) -> int:
     }
     model = empty_model(a.bytes, a.tensors)
     out["into_model"] = summary(timed(lambda: into_model(load(True).state, model), a.warmups, a.repeats))
+
     print(json.dumps(out), flush=True)
     return 0
 

@@ -52,6 +52,7 @@ def main() -> None:
     net = build(args.hidden, args.layers)
     model = DDP(net)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    phases.append(("model (build, DDP: its first broadcast)", time.time()))
     log = open(args.step_log, "a") if rank == 0 else None
     step = 0
     if args.mode == "streamrover":
@@ -101,6 +102,8 @@ def main() -> None:
                 parts.append(f"{name} {t - last:.2f} s")
                 last = t
             print(f"rank {rank} start-up phases: " + ", ".join(parts), file=sys.stderr, flush=True)
+            stamps = ",".join(f"{name.split(' ')[0]}={t:.4f}" for name, t in phases)
+            print(f"phase-times rank {rank} pid {os.getpid()}: {stamps}", file=sys.stderr, flush=True)
             phases = []
         if log is not None:
             log.write(f"{time.time():.4f} {step} {os.getpid()}\n")

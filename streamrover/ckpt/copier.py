@@ -18,6 +18,7 @@ before the job counts as done, so a waiter returns only once the snapshot is vis
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -30,12 +31,31 @@ CHUNK = 4 << 20
 _memmove: Callable[[int, int, int], Any] = ctypes.memmove
 
 
+def file_writer(fd: int) -> Callable[[int, int, int], None]:
+    """A chunk copy that writes ``n`` bytes at address ``src`` to offset ``dst`` of file ``fd`` (``pwrite``).
+
+    Into a ``/dev/shm`` file not mapped yet this is about twice as fast as a copy through a fresh mapping:
+    the kernel allocates each page and copies into it, with no page fault per 4 KiB page and no zeroing of
+    pages that are written whole. A full ``/dev/shm`` is an ``OSError`` (ENOSPC) here, never a SIGBUS.
+    """
+
+    def write(dst: int, src: int, n: int) -> None:
+        view = memoryview((ctypes.c_char * n).from_address(src)).cast("B")
+        done = 0
+        while done < n:  # os.pwrite releases the GIL; a short write (a signal) continues where it stopped
+            done += os.pwrite(fd, view[done:], dst + done)
+
+    return write
+
+
 class CopyError(CheckpointError):
     """A chunk copy or the completion step of a :class:`CopyJob` failed."""
 
 
 class CopyJob:
     """Copy ``(dst_address, src_address, nbytes)`` ranges; ``keep`` holds the objects that own those addresses.
+
+    ``copy(dst, src, n)`` copies one chunk (default: ``memmove``; :func:`file_writer` takes file offsets as ``dst``).
 
     ``keep`` is dropped once the job is done, so the buffers it exported can be unmapped.
     """
@@ -46,12 +66,14 @@ class CopyJob:
         keep: list[Any],
         on_complete: Callable[[], None] | None = None,
         chunk: int = CHUNK,
+        copy: Callable[[int, int, int], Any] | None = None,
     ) -> None:
         self._chunks: list[tuple[int, int, int]] = []
         for dst, src, n in ranges:
             for off in range(0, n, chunk):
                 self._chunks.append((dst + off, src + off, min(chunk, n - off)))
         self._keep: list[Any] | None = keep
+        self._copy = copy  # None: _memmove, looked up at each chunk (a test may replace it meanwhile)
         self._on_complete = on_complete
         self._lock = threading.Lock()
         self._next = 0
@@ -83,7 +105,7 @@ class CopyJob:
                 self._running += 1
             failed: BaseException | None = None
             try:
-                _memmove(dst, src, n)
+                (self._copy or _memmove)(dst, src, n)
             except BaseException as exc:  # surfaced to whoever waits; the snapshot is never published
                 failed = exc
             with self._lock:

@@ -19,13 +19,17 @@ from typing import Any
 import numpy as np
 
 from streamrover.ckpt.api import FORMAT_VERSION, SnapshotCopyError
-from streamrover.ckpt.copier import CopyError, CopyJob
+from streamrover.ckpt.copier import CopyError, CopyJob, file_writer
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
-from streamrover.ckpt.shm import ALIGN, DATA_START, SHM_DIR, SharedBuffer, align, check_shm_space
+from streamrover.ckpt.shm import ALIGN, DATA_START, SHM_DIR, SharedBuffer, align, check_shm_space, shm_path
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 HEADER_RESERVE = 1 << 20  # room for the header JSON (tensor table, cursor) beyond the tensor bytes
 HELPER_FROM_CHUNKS = 4  # a blocking copy of more chunks than this gets a helper thread
+# How long a copy asks persists of this rank's other buffers to pause at most: its size at PAUSE_RATE bytes/s,
+# and at least MIN_PAUSE (it clears the pause when done, so this bounds only a copy that died or stalled).
+PAUSE_RATE = 1e9
+MIN_PAUSE = 0.25
 
 
 def buffer_name(namespace: str, rank: int, index: int) -> str:
@@ -145,14 +149,14 @@ class MemoryEngine:
         for i in range(self.num_buffers):
             self._ensure(i, size)
 
-    def _ensure(self, index: int, size: int, populate: bool = True) -> SharedBuffer:
+    def _ensure(self, index: int, size: int, populate: bool = True, allocate: bool = True) -> SharedBuffer:
         buf = self.buffers[index]
         if buf is not None and buf.size >= size:
             return buf
         grown = size + size // 16 if buf is not None else size  # grow with slack, the state grew once already
         if buf is not None:
             buf.close()
-        new = SharedBuffer.create(self.names()[index], align(grown, 1 << 21), populate)
+        new = SharedBuffer.create(self.names()[index], align(grown, 1 << 21), populate, allocate)
         self.buffers[index] = new
         return new
 
@@ -230,7 +234,14 @@ class MemoryEngine:
             missing = sum(size_needed - (b.size if b else 0) for b in self.buffers)
             check_shm_space(missing, f"{self.num_buffers} snapshot buffers of {size_needed / (1 << 20):.1f} MiB")
             others = [i for i in range(self.num_buffers) if i != index]
-        buf = self._ensure(index, size_needed, populate=not others)  # written now: the copy faults pages in
+        # A buffer new at this size is created sparse and written with pwrite (no page faults, no zeroing); it is
+        # fully allocated once the copy is done and mapped in (populated) in the background after publication.
+        sources = [_raw_source(entry) if entry.nbytes else None for entry in entries]
+        fresh = bool(others) and all(src is not None for src, e in zip(sources, entries) if e.nbytes)
+        buf = self._ensure(index, size_needed, populate=not others, allocate=not fresh)
+        paused = [b for i, b in enumerate(self.buffers) if i != index and b is not None]
+        for other in paused:  # a persist reading one of them waits until this copy is done (SharedBuffer.set_pause)
+            other.set_pause(max(MIN_PAUSE, data_end / PAUSE_RATE))
         odd = buf.begin_write()
         self._seq += 1
         dst = np.frombuffer(buf.mm, dtype=np.uint8)  # released (with the sources) when the copy is done
@@ -238,33 +249,49 @@ class MemoryEngine:
         now: list[tuple[int, int, int]] = []
         later: list[tuple[int, int, int]] = []
         keep: list[Any] = [dst]
-        for entry, offset in zip(entries, offsets):
+        for entry, offset, src in zip(entries, offsets, sources):
             if entry.nbytes == 0:
                 continue
-            src = _raw_source(entry)
             if src is None:  # not plain contiguous host memory: torch copies it, now
                 copy_into(entry, buf.mm, offset)
                 continue
             keep.append(src[1])
             deferred = defer is not None and entry.kind == "torch" and defer(entry.value)
             (later if deferred else now).append((base + offset, src[0], entry.nbytes))
-        pending = SnapshotWrite(self, index, buf, odd, header, size_needed, others, on_published)
-        sync = CopyJob(now, keep)
-        # A helper pays for its start (~1 ms on a loaded box) only from a few chunks on; below, one thread copies.
-        sync.start(1 if sync.chunks > HELPER_FROM_CHUNKS else 0, name="ckpt-copy-now")
+        pending = SnapshotWrite(self, index, buf, odd, header, size_needed, others, on_published, fresh, paused)
+        fd = os.open(shm_path(buf.name), os.O_RDWR) if fresh else -1
         try:
+            if fresh:
+                sync = CopyJob([(d - base, s, n) for d, s, n in now], keep, copy=file_writer(fd))
+            else:
+                sync = CopyJob(now, keep)
+            # A helper pays for its start (~1 ms on a loaded box) only from a few chunks on; below, one thread copies.
+            # Writes to one tmpfs file take its inode lock: a second pwriting thread would only wait for it.
+            sync.start(1 if sync.chunks > HELPER_FROM_CHUNKS and not fresh else 0, name="ckpt-copy-now")
             sync.wait()
-        except CopyError as exc:  # the generation stays odd: the buffer holds no snapshot
+            if fresh:
+                buf.allocate(fd)  # the header, the gaps and the deferred tensors: never a SIGBUS writing them
+        except (CopyError, OSError) as exc:  # the generation stays odd: the buffer holds no snapshot
+            pending.resume_readers()
             raise SnapshotCopyError(f"the snapshot of step {step} was not taken: its copy failed ({exc})") from exc
+        finally:
+            if fd >= 0:
+                os.close(fd)
         pending.job = CopyJob(later, keep, on_complete=pending._publish)
         del keep, dst
         pending.job.start(1, name="ckpt-copy-bg")
         return pending
 
-    def _start_prefault(self, others: list[int], size: int) -> None:
-        self._prefault = threading.Thread(
-            target=lambda: [self._ensure(i, size) for i in others], name="ckpt-prefault", daemon=True
-        )
+    def _start_prefault(self, others: list[int], size: int, populate: int | None = None) -> None:
+        """Allocate and pre-fault buffers ``others`` (and map in the pages of buffer ``populate``) in the background."""
+
+        def run() -> None:
+            if populate is not None and (buf := self.buffers[populate]) is not None:
+                buf.populate()
+            for i in others:
+                self._ensure(i, size)
+
+        self._prefault = threading.Thread(target=run, name="ckpt-prefault", daemon=True)
         self._prefault.start()
 
     def _join_prefault(self) -> None:
@@ -310,8 +337,12 @@ class SnapshotWrite:
         size_needed: int,
         others: list[int],
         on_published: Callable[[Snapshot], None] | None,
+        fresh: bool = False,
+        paused: list[SharedBuffer] | None = None,
     ) -> None:
         self.engine = engine
+        self._fresh = fresh
+        self._paused = paused or []
         self.index = index
         self.step = int(header["step"])
         self._buf = buf
@@ -323,11 +354,17 @@ class SnapshotWrite:
         self.job: CopyJob | None = None
         self.snapshot: Snapshot | None = None
 
+    def resume_readers(self) -> None:
+        """Let the persists this copy paused go on."""
+        for buf in self._paused:
+            buf.set_pause(0)
+
     def _publish(self) -> None:
+        self.resume_readers()
         gen = self._buf.end_write(self._odd, self._header)
         self.snapshot = Snapshot(self.index, self._buf.name, gen, self._header)
-        if self._others:
-            self.engine._start_prefault(self._others, self._size_needed)
+        if self._others or self._fresh:
+            self.engine._start_prefault(self._others, self._size_needed, self.index if self._fresh else None)
         if self._on_published is not None:
             self._on_published(self.snapshot)
 
@@ -342,6 +379,7 @@ class SnapshotWrite:
         try:
             self.job.wait()
         except CopyError as exc:
+            self.resume_readers()
             raise SnapshotCopyError(
                 f"the snapshot of step {self.step} was not taken: its background copy failed ({exc}); "
                 "the previous snapshot is still the newest"

@@ -61,8 +61,14 @@ def already_persisted(target: PersistTarget, step: int, seq: int) -> bool:
     return bool(part.get("seq") == seq)
 
 
-def persist_buffer(target: PersistTarget, buf: SharedBuffer, expected_gen: int | None) -> PersistResult:
-    """Write the snapshot in ``buf`` (at ``expected_gen`` if given) as this rank's part of its step."""
+def persist_buffer(
+    target: PersistTarget, buf: SharedBuffer, expected_gen: int | None, yield_to_saves: bool = True
+) -> PersistResult:
+    """Write the snapshot in ``buf`` (at ``expected_gen`` if given) as this rank's part of its step.
+
+    ``yield_to_saves``: pause while the trainer copies a new snapshot (:meth:`SharedBuffer.wait_while_paused`);
+    off once the trainer is dead (a pause it left would only delay the persist its restart waits for).
+    """
     found = buf.read_header()
     if found is None or (expected_gen is not None and found[0] != expected_gen):
         raise SupersededError(f"buffer {buf.name} no longer holds generation {expected_gen}")
@@ -78,7 +84,8 @@ def persist_buffer(target: PersistTarget, buf: SharedBuffer, expected_gen: int |
     pieces += [view[int(rows[i]["offset"]) : int(rows[i]["offset"]) + int(rows[i]["nbytes"])] for i in order]
     tensors_path = storage.join(d, tensors_name)
     try:
-        nbytes, digest = storage.write(tensors_path, pieces, target.checksum_algo)
+        pause = buf.wait_while_paused if yield_to_saves else None
+        nbytes, digest = storage.write(tensors_path, pieces, target.checksum_algo, pause=pause)
     finally:
         del pieces, view
     if not buf.still_valid(gen):

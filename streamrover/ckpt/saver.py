@@ -142,7 +142,7 @@ class _Session:
             if already_persisted(self.target, step, seq):
                 continue
             try:
-                result = persist_buffer(self.target, buf, gen)
+                result = persist_buffer(self.target, buf, gen, yield_to_saves=False)
                 log.info(
                     "trainer rank %d died: persisted its snapshot of step %d (manifest published: %s)",
                     self.target.rank,

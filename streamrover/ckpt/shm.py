@@ -2,14 +2,19 @@
 
 Layout of a buffer (all integers little-endian)::
 
-    0      8      16             24           32       36          4096
-    | magic | gen | header_offset | header_len | hdr_crc | ...        | tensor data ... | header JSON |
+    0      8      16             24           32       36    40            48      4096
+    | magic | gen | header_offset | header_len | hdr_crc | ... | pause_until | ...   | tensor data ... | header JSON |
 
 ``gen`` is a seqlock generation: odd while a snapshot is being written, even once it
 is complete. A writer sets it odd, copies the tensors, writes the header JSON and its
 offset/length/CRC, then sets it even. A reader takes ``gen``, reads the header, and
 re-reads ``gen``: the snapshot is valid only if both reads are equal and even. A
 trainer killed mid-copy leaves ``gen`` odd, so its torn snapshot is never used.
+
+``pause_until`` (``CLOCK_MONOTONIC`` nanoseconds, 0: none) asks a saver persisting this buffer to stop
+reading it until then: the trainer sets it on its other buffers while it copies a new snapshot, so the
+copy has the node's cores and memory bandwidth to itself, and clears it when done. A trainer that dies
+mid-copy leaves a deadline that passes by itself.
 
 Buffers live in ``/dev/shm`` (Linux POSIX shm) under a deterministic name, so a
 restarted trainer or the saver can open them by name; they outlive the process that
@@ -25,6 +30,7 @@ import json
 import mmap
 import os
 import struct
+import time
 import zlib
 from typing import Any
 
@@ -36,6 +42,11 @@ DATA_START = 4096
 ALIGN = 64
 _GEN = struct.Struct("<Q")
 _HDR = struct.Struct("<QQI")  # header_offset, header_len, header_crc
+_PAUSE_AT = 40
+MAX_PAUSE = 10.0  # a reader never waits longer than this in one pause, whatever a buffer says
+PAUSE_POLL = 0.002
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -64,6 +75,18 @@ def check_shm_space(extra_bytes: int, what: str) -> None:
         raise SharedMemoryTooSmallError(_too_small_message(extra_bytes, free, total, what))
 
 
+def _fallocate(fd: int, name: str, size: int, current: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)  # tmpfs: allocates the pages now, or fails with ENOSPC
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            st = os.statvfs(SHM_DIR)
+            raise SharedMemoryTooSmallError(
+                _too_small_message(size - current, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, name)
+            ) from exc
+        raise
+
+
 def _too_small_message(needed: int, free: int, total: int, what: str) -> str:
     mib = 1 << 20
     return (
@@ -85,13 +108,15 @@ class SharedBuffer:
 
     # -- lifecycle -----------------------------------------------------------
     @classmethod
-    def create(cls, name: str, size: int, populate: bool = True) -> SharedBuffer:
+    def create(cls, name: str, size: int, populate: bool = True, allocate: bool = True) -> SharedBuffer:
         """Create (or grow) ``name`` to ``size`` bytes, allocate every page and map it (pre-faulted if ``populate``).
 
         Allocating up front means a full ``/dev/shm`` is a clear error now, never a SIGBUS mid-copy.
         Pre-faulting maps every page into this process (single-threaded, ~0.3 s/GiB): worth it off the
-        critical path; a buffer about to be written at once is faster mapped lazily, its copy (on every
-        intra-op thread) faulting the pages in.
+        critical path. A buffer about to be written at once is created sparse (``allocate=False``): its
+        first copy ``pwrite``s the data, which allocates the pages with no fault and no zeroing
+        (:func:`~streamrover.ckpt.copier.file_writer`), and :meth:`allocate` then allocates the rest
+        before anything is written through the mapping beyond its first page.
         """
         path = shm_path(name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -99,17 +124,10 @@ class SharedBuffer:
             current = os.fstat(fd).st_size
             if size > current:
                 check_shm_space(size - current, f"a {size / (1 << 20):.1f} MiB snapshot buffer {name!r}")
-                try:
-                    os.posix_fallocate(fd, 0, size)  # tmpfs: allocates the pages now, or fails with ENOSPC
-                except OSError as exc:
-                    if exc.errno == errno.ENOSPC:
-                        st = os.statvfs(SHM_DIR)
-                        raise SharedMemoryTooSmallError(
-                            _too_small_message(
-                                size - current, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, name
-                            )
-                        ) from exc
-                    raise
+                if allocate:
+                    _fallocate(fd, name, size, current)
+                else:
+                    os.ftruncate(fd, size)
             size = max(size, current)
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             mm = mmap.mmap(fd, size, flags=flags)
@@ -119,6 +137,24 @@ class SharedBuffer:
             mm[:8] = MAGIC
             _GEN.pack_into(mm, 8, 0)
         return cls(name, mm, size, writable=True)
+
+    def allocate(self, fd: int | None = None) -> None:
+        """Allocate every page of the buffer not allocated yet (after a sparse :meth:`create` and a ``pwrite``)."""
+        own = fd is None
+        fd = os.open(shm_path(self.name), os.O_RDWR) if fd is None else fd
+        try:
+            _fallocate(fd, self.name, self.size, 0)
+        finally:
+            if own:
+                os.close(fd)
+
+    def populate(self) -> None:
+        """Map every page into this process (``MADV_POPULATE_WRITE``), so the next copy takes no page faults;
+        a no-op where the kernel lacks it (before Linux 5.14): the copy faults the pages in instead."""
+        try:
+            self.mm.madvise(MADV_POPULATE_WRITE)
+        except (OSError, ValueError):
+            pass
 
     @classmethod
     def open(cls, name: str, writable: bool = False) -> SharedBuffer | None:
@@ -180,6 +216,25 @@ class SharedBuffer:
         _HDR.pack_into(self.mm, 16, offset, len(blob), zlib.crc32(blob))
         _GEN.pack_into(self.mm, 8, odd_gen + 1)
         return odd_gen + 1
+
+    # -- pausing a reader ------------------------------------------------------
+    def set_pause(self, seconds: float) -> None:
+        """Ask readers of this buffer (a persist) to pause for up to ``seconds``; 0 lets them go on now."""
+        until = time.monotonic_ns() + int(seconds * 1e9) if seconds > 0 else 0
+        _GEN.pack_into(self.mm, _PAUSE_AT, until)
+
+    def wait_while_paused(self) -> float:
+        """Block while a writer asks readers of this buffer to pause (:meth:`set_pause`); return seconds waited."""
+        start = time.monotonic_ns()
+        slept = False
+        while True:
+            until: int = _GEN.unpack_from(self.mm, _PAUSE_AT)[0]
+            now = time.monotonic_ns()
+            if until <= now or now - start >= MAX_PAUSE * 1e9:
+                return (now - start) / 1e9 if slept else 0.0
+            slept = True
+            # Another process's flag, no shared futex to wait on: poll it; 2 ms late at most in resuming.
+            time.sleep(min(PAUSE_POLL, (until - now) / 1e9))
 
     def invalidate(self) -> None:
         """Make the snapshot in this buffer unreadable (odd generation) until the next write."""

@@ -75,8 +75,9 @@ def checksum(data: Any, algo: str = CHECKSUM_ALGO) -> str:
 class _ParallelHasher:
     """Hashes chunks on another thread while the caller writes them (hashlib releases the GIL)."""
 
-    def __init__(self, algo: str) -> None:
+    def __init__(self, algo: str, pause: Callable[[], object] | None = None) -> None:
         self.algo = algo
+        self._pause = pause
         self._hasher = new_hasher(algo)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=4)
         self._thread = threading.Thread(target=self._run, name="ckpt-hash", daemon=True)
@@ -84,6 +85,8 @@ class _ParallelHasher:
 
     def _run(self) -> None:
         while (chunk := self._queue.get()) is not None:
+            if self._pause is not None:
+                self._pause()
             self._hasher.update(chunk)
 
     def update(self, chunk: Any) -> None:
@@ -96,14 +99,17 @@ class _ParallelHasher:
 
 
 CHUNK = 32 << 20
+WRITE_CHUNK = 8 << 20  # local writes: a pause is honoured within ~3 ms
 #: fsspec protocols uploaded in place (atomic: a completed PUT or multipart upload, or nothing; s3fs's API).
 ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
-def _chunks(parts: Iterable[Any]) -> Iterable[memoryview]:
+def _chunks(parts: Iterable[Any], pause: Callable[[], object] | None = None) -> Iterable[memoryview]:
     for part in parts:
         view = memoryview(part).cast("B")
         for start in range(0, len(view), CHUNK):
+            if pause is not None:
+                pause()
             yield view[start : start + CHUNK]
 
 
@@ -137,11 +143,17 @@ class Storage:
         return "/".join([self.root.rstrip("/"), *parts])
 
     # -- writes ------------------------------------------------------------------
-    def write(self, path: str, parts: Iterable[Any], algo: str = CHECKSUM_ALGO) -> tuple[int, str]:
-        """Write the concatenation of ``parts`` atomically to ``path``; return (bytes, checksum)."""
-        hasher = _ParallelHasher(algo)
+    def write(
+        self, path: str, parts: Iterable[Any], algo: str = CHECKSUM_ALGO, pause: Callable[[], object] | None = None
+    ) -> tuple[int, str]:
+        """Write the concatenation of ``parts`` atomically to ``path``; return (bytes, checksum).
+
+        ``pause()`` is called before every few MiB written or hashed; it may block to yield the CPU and memory
+        bandwidth to something more urgent (the saver: a trainer's save in progress).
+        """
+        hasher = _ParallelHasher(algo, pause)
         if self.atomic_uploads:
-            return self._upload(path, parts, hasher)
+            return self._upload(path, _chunks(parts, pause), hasher)
         tmp = self._tmp_name(path)
         written = 0
         try:
@@ -154,10 +166,13 @@ class Storage:
                 try:
                     for chunk in _chunks(parts):
                         hasher.update(chunk)
-                        view = chunk
-                        while view:
-                            n = os.write(fd, view)
-                            view = view[n:]
+                        for start in range(0, len(chunk), WRITE_CHUNK):
+                            if pause is not None:
+                                pause()
+                            view = chunk[start : start + WRITE_CHUNK]
+                            while view:
+                                n = os.write(fd, view)
+                                view = view[n:]
                         written += len(chunk)
                     os.fsync(fd)
                 finally:
@@ -167,7 +182,7 @@ class Storage:
             else:
                 self.fs.makedirs(self._parent(path), exist_ok=True)
                 with self.fs.open(tmp, "wb") as fh:
-                    for chunk in _chunks(parts):
+                    for chunk in _chunks(parts, pause):
                         hasher.update(chunk)
                         fh.write(chunk)
                         written += len(chunk)

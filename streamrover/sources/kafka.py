@@ -41,6 +41,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_END,
     Consumer,
     ConsumerGroupTopicPartitions,
     IsolationLevel,
@@ -69,6 +71,7 @@ from streamrover.sources.kafka_client import (
     check_client_options,
     non_consumer_options,
     parse_uri,
+    watermarks,
     with_logger,
 )
 from streamrover.sources.options import KafkaOptions, client_options
@@ -275,10 +278,10 @@ class KafkaSource(Source):
         ends = self._offsets(numbers, OffsetSpec.latest())
         return [Partition(f"{self.topic}-{n}", starts[n], max(ends[n], starts[n])) for n in numbers]
 
-    def poll(self) -> list[Partition]:
-        numbers = self._partition_numbers()
-        ends = self._offsets(numbers, OffsetSpec.latest())
-        earliest = self._offsets(numbers, OffsetSpec.earliest())
+    def poll(self) -> list[Partition]:  # the ends in requests of 250 partitions (kafka_client.watermarks)
+        numbers, consumer = self._partition_numbers(), self._consumer_client()
+        ends = watermarks(consumer, self.topic, numbers, OFFSET_END, self.bootstrap)
+        earliest = watermarks(consumer, self.topic, numbers, OFFSET_BEGINNING, self.bootstrap)
         return [Partition(f"{self.topic}-{n}", earliest[n], ends[n], earliest=earliest[n]) for n in numbers]
 
     def commit(self, positions: Mapping[str, int]) -> None:

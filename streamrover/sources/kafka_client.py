@@ -60,6 +60,32 @@ RDKAFKA_LOG = logging.getLogger("streamrover.sources.kafka.rdkafka")
 RDKAFKA_LOG.addFilter(RepeatFilter())
 
 
+#: partitions per ListOffsets request of a poll: librdkafka's cost grows faster than the request (10,000 partitions
+#: in one: 311 ms of CPU; in requests of 250: 21.5 ms; `python -m benchmarks poll`, issue 32)
+OFFSETS_CHUNK = 250
+
+
+def watermarks(consumer: Consumer, topic: str, numbers: list[int], which: int, where: str) -> dict[int, int]:
+    """Per partition number, its latest (``which`` = -1: the last stable offset under read_committed, the high
+    watermark otherwise, as the consumer's isolation.level says) or earliest (-2) offset, asked in requests of
+    :data:`OFFSETS_CHUNK` partitions, each bounded by :data:`REQUEST_TIMEOUT`. An answer without an offset (-1001,
+    seen from a broker stopped and resumed) is no end: SourceUnavailableError, as for any failed request."""
+    found: dict[int, int] = {}
+    try:
+        for k in range(0, len(numbers), OFFSETS_CHUNK):
+            asked = [TopicPartition(topic, n, which) for n in numbers[k : k + OFFSETS_CHUNK]]
+            for tp in consumer.offsets_for_times(asked, REQUEST_TIMEOUT):
+                if tp.error is not None or tp.offset < 0:
+                    raise SourceUnavailableError(
+                        f"cannot list offsets of {topic!r} at {where}: partition {tp.partition}: "
+                        f"{tp.error if tp.error is not None else f'no offset in the answer ({tp.offset})'}"
+                    )
+                found[tp.partition] = int(tp.offset)
+    except KafkaException as exc:
+        raise SourceUnavailableError(f"cannot list offsets of {topic!r} at {where}: {exc}") from exc
+    return found
+
+
 def with_logger(conf: Mapping[str, Any]) -> dict[str, Any]:
     """``conf`` with librdkafka's log sent to :data:`RDKAFKA_LOG` (unless the user gave a ``logger``)."""
     return {"logger": RDKAFKA_LOG, **conf}

@@ -72,9 +72,11 @@ class AdminClient:
         """Register a dataset (idempotent for the same spec); the response says whether it was created."""
         return self._call(self._stub.RegisterDataset, pb.RegisterDatasetRequest(spec=convert.spec_to_pb(spec)))
 
-    def describe_dataset(self, name: str, spec_only: bool = False) -> pb.DatasetInfo:
-        """The dataset's spec, partitions and counts; ``spec_only``: its spec, kind and schema only (cheaper)."""
-        return self._call(self._stub.DescribeDataset, pb.DescribeDatasetRequest(name=name, spec_only=spec_only))
+    def describe_dataset(self, name: str, spec_only: bool = False, partition_limit: int = 0) -> pb.DatasetInfo:
+        """The dataset's spec, partitions and counts; ``spec_only``: its spec, kind and schema only (cheaper);
+        ``partition_limit`` > 0: only that many partitions, the most lagging first (0: all, by index)."""
+        request = pb.DescribeDatasetRequest(name=name, spec_only=spec_only, partition_limit=partition_limit)
+        return self._call(self._stub.DescribeDataset, request)
 
     def remove_dataset(self, name: str) -> pb.RemoveDatasetResponse:
         """Remove a dataset (its leases are revoked, its shards and cursor entries deleted).
@@ -85,9 +87,11 @@ class AdminClient:
         request = pb.RemoveDatasetRequest(name=name)
         return self._transport.call(self._stub.RemoveDataset, request, gone=pb.RemoveDatasetResponse())
 
-    def list_datasets(self) -> list[pb.DatasetInfo]:
-        """Every registered dataset with its partitions and counts."""
-        return list(self._call(self._stub.ListDatasets, pb.ListDatasetsRequest()).datasets)
+    def list_datasets(self, partition_limit: int = 0) -> list[pb.DatasetInfo]:
+        """Every registered dataset with its counts and partitions: the 20 most lagging (``partition_limit`` 0),
+        N, or all (-1); ``partition_count`` counts them all."""
+        request = pb.ListDatasetsRequest(partition_limit=partition_limit)
+        return list(self._call(self._stub.ListDatasets, request).datasets)
 
     def resume_dataset(self, name: str, skip_lost: bool = False) -> pb.ResumeDatasetResponse:
         """Resume a FAILED dataset (once its cause is fixed); ``resumed`` is False if it was not failed.
@@ -123,9 +127,10 @@ class AdminClient:
             request.previous_epoch = previous_epoch
         return self._call(self._stub.CommitStaged, request)
 
-    def status(self) -> pb.StatusResponse:
-        """The job's status: datasets, workers, rates, the last committed cut."""
-        return self._call(self._stub.Status, pb.StatusRequest())
+    def status(self, partition_limit: int = 0) -> pb.StatusResponse:
+        """The job's status: datasets (with partitions as :meth:`list_datasets`), workers, rates, the last
+        committed cut."""
+        return self._call(self._stub.Status, pb.StatusRequest(partition_limit=partition_limit))
 
     def stop(self, reason: str = "") -> None:
         """Stop the master (admin token only: PermissionDeniedError with a worker token). Sent once, not retried."""

@@ -7,6 +7,7 @@ and its batched ack are at the end.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from streamrover.cursor import DataCursor, IntervalSet
@@ -61,9 +62,18 @@ class PartitionPlans(list[PartitionPlan]):
 
     ``len()`` counts them (a new partition's index is ``len()``); iteration yields the partitions held, in index
     order; indexing by a partition's index finds it (IndexError for a compacted one).
+
+    ``changed``: the indexes set since the journal last wrote the whole list (``Journal.put_dataset`` writes only
+    their ends while ``written``, the shape it wrote then, still holds), so a poll that moves 1% of 10,000
+    partitions' planned ends journals 100 rows, not the list.
     """
 
     base = 0
+
+    def __init__(self, plans: Iterable[PartitionPlan] = ()) -> None:
+        super().__init__(plans)
+        self.changed: set[int] = set()
+        self.written: tuple[object, ...] | None = None
 
     def __len__(self) -> int:
         return self.base + super().__len__()
@@ -77,6 +87,7 @@ class PartitionPlans(list[PartitionPlan]):
 
     def __setitem__(self, i: int, plan: PartitionPlan) -> None:  # type: ignore[override]
         super().__setitem__(i - self.base if i >= 0 else i, plan)
+        self.changed.add(i if i >= 0 else len(self) + i)
 
     def compact(self, n: int) -> list[PartitionPlan]:
         """Stop holding the first ``n`` partitions held; returns them."""

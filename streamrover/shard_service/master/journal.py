@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 
@@ -42,6 +43,9 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITH
 CREATE TABLE IF NOT EXISTS datasets (
     name TEXT PRIMARY KEY, spec TEXT NOT NULL, kind TEXT NOT NULL, partitions TEXT NOT NULL,
     schema TEXT NOT NULL, epochs_planned INTEGER NOT NULL, dead_letters INTEGER NOT NULL, failed TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS partition_ends (
+    dataset TEXT NOT NULL, pindex INTEGER NOT NULL, "end" INTEGER NOT NULL, PRIMARY KEY (dataset, pindex))
+    WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS shards (
     id TEXT PRIMARY KEY, dataset TEXT NOT NULL, epoch INTEGER NOT NULL, pindex INTEGER NOT NULL,
     start INTEGER NOT NULL, "end" INTEGER NOT NULL, state TEXT NOT NULL, attempt INTEGER NOT NULL,
@@ -140,6 +144,7 @@ class Journal(JournalTables):
         self.written = 0  # transactions ended (committed, or waiting in the open group)
         self.durable = 0  # transactions committed
         self.commits = 0  # COMMITs made (with group commit, fewer than transactions)
+        self._undone = 0  # transactions rolled back: a dataset's partitions are written whole after one (put_dataset)
         self._meta: dict[str, str] = {}  # meta values as written (a lease rewrites five counters, mostly unchanged)
         self.failed = ""  # why a write failed (then every later transaction is refused)
         version = self.get_meta("schema_version")
@@ -224,6 +229,7 @@ class Journal(JournalTables):
 
     def _undo(self, in_group: bool) -> None:
         """A transaction raised: roll back its own writes (only the savepoint when earlier ones share the group)."""
+        self._undone += 1
         if not in_group:
             self._group_open = False
             self._rollback()
@@ -238,6 +244,7 @@ class Journal(JournalTables):
             self.failed = f"journal {self.path} lost the transactions waiting for their commit: {exc}"
 
     def _rollback(self) -> None:
+        self._undone += 1
         self._meta.clear()  # what the rolled back transaction wrote is gone
         if self._db.in_transaction:  # SQLite rolls back by itself after some errors (disk full)
             try:
@@ -260,10 +267,12 @@ class Journal(JournalTables):
 
     # -- datasets ------------------------------------------------------------
     def put_dataset(self, ds: DatasetRecord) -> None:
-        """Write a dataset's row (and the record runs of its sparse partitions that changed)."""
+        """Write a dataset's row (and the record runs of its sparse partitions that changed). Its partition list is
+        written whole only when its shape changed (partitions added or compacted, a floor) or after a rollback;
+        else only the ends set since (``PartitionPlans.changed``) go to ``partition_ends`` (issue 32)."""
+        plans = ds.plans
         floors = {i: runs.floor for i, runs in ds.runs.items() if runs.floor is not None}
-        parts = json.dumps([[p.index, p.id, p.start, p.end, *([floors[p.index]] if p.index in floors else [])]
-                            for p in ds.partitions])  # fmt: skip
+        shape = (self._undone, plans.base, list.__len__(plans), tuple(sorted(floors.items())))
         for pindex, runs in sorted(ds.runs.items()):  # sparse partitions: the runs changed since the last write
             changed = runs.take_changed()
             if changed is not None:
@@ -273,19 +282,29 @@ class Journal(JournalTables):
                 self._db.executemany(
                     "INSERT INTO runs VALUES (?, ?, ?, ?)", [(ds.name, pindex, a, b) for a, b in rows]
                 )
+        fields = (ds.spec.to_json(), ds.kind.value, ds.schema_json, ds.epochs_planned, ds.dead_letters, ds.failed)
+        if plans.written == shape:
+            if plans.changed:
+                self._db.executemany(
+                    'INSERT OR REPLACE INTO partition_ends VALUES (?, ?, ?)',
+                    [(ds.name, i, plans[i].end) for i in sorted(plans.changed)],
+                )
+                plans.changed.clear()
+            self._db.execute(
+                "UPDATE datasets SET spec = ?, kind = ?, schema = ?, epochs_planned = ?, dead_letters = ?, "
+                "failed = ? WHERE name = ?",
+                (*fields, ds.name),
+            )
+            return
+        parts = json.dumps([[p.index, p.id, p.start, p.end, *([floors[p.index]] if p.index in floors else [])]
+                            for p in plans])  # fmt: skip
+        self._db.execute("DELETE FROM partition_ends WHERE dataset = ?", (ds.name,))
+        spec, kind, schema, epochs, dead, failed = fields
         self._db.execute(
             "INSERT OR REPLACE INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                ds.name,
-                ds.spec.to_json(),
-                ds.kind.value,
-                parts,
-                ds.schema_json,
-                ds.epochs_planned,
-                ds.dead_letters,
-                ds.failed,
-            ),
+            (ds.name, spec, kind, parts, schema, epochs, dead, failed),
         )
+        plans.written, plans.changed = shape, set()
 
     def load_datasets(self) -> list[DatasetRecord]:
         """Every dataset's record, by name."""
@@ -303,6 +322,10 @@ class Journal(JournalTables):
             if compacted is not None:
                 files, record.compacted_records = (int(v) for v in compacted.split(":"))
                 record.plans.base = files
+            ends = self._db.execute('SELECT pindex, "end" FROM partition_ends WHERE dataset = ?', (record.name,))
+            for pindex, end in (row for row in ends if row[0] >= record.plans.base):  # written since the list
+                record.plans[int(pindex)] = replace(record.plans[int(pindex)], end=int(end))
+            record.plans.changed = set()
             out.append(record)
         return out
 
@@ -325,6 +348,7 @@ class Journal(JournalTables):
     def delete_dataset(self, name: str) -> None:
         """Delete dataset ``name``'s row (and what of its files is compacted)."""
         self._db.execute("DELETE FROM datasets WHERE name = ?", (name,))
+        self._db.execute("DELETE FROM partition_ends WHERE dataset = ?", (name,))
         self._db.execute("DELETE FROM meta WHERE key = ?", (f"compacted:{name}",))
         self._meta.pop(f"compacted:{name}", None)
 

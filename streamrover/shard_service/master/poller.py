@@ -172,7 +172,8 @@ class StreamPoller:
             if self._stop.is_set():  # removed (or resumed anew) while polling: plan nothing
                 return
             # records deleted upstream, ends gone back
-            lost = core.streams.upstream.check(self.name, polled, core.acked_cursor)
+            looked = core.streams.changed(self.name, polled)  # what moved since the last poll (None: all)
+            lost = core.streams.upstream.check(self.name, polled if looked is None else looked, core.acked_cursor)
             if lost:
                 raise _DataLost(lost)
             # a worker waiting for a shard gets the records there are now, not after sr.max_delay_ms (freshness)

@@ -30,7 +30,7 @@ from streamrover.shard_service.master.bookkeeping import DatasetRecord
 from streamrover.shard_service.master.compaction import expand
 from streamrover.shard_service.master.core import AckItem, ShardCore
 from streamrover.shard_service.master.group_commit import CommitLock
-from streamrover.shard_service.master.info import dataset_info
+from streamrover.shard_service.master.info import dataset_info, partition_limit
 from streamrover.shard_service.master.journal import JournalWriteError
 from streamrover.shard_service.master.kv_rpc import kv_delete_range, kv_get, kv_set
 from streamrover.shard_service.master.poller import StreamPoller
@@ -157,8 +157,8 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.fail_stop(str(exc))
 
     # ----------------------------------------------------------------- datasets
-    def _info(self, ds: DatasetRecord) -> pb.DatasetInfo:
-        return dataset_info(self.core, ds)
+    def _info(self, ds: DatasetRecord, limit: int = 0) -> pb.DatasetInfo:
+        return dataset_info(self.core, ds, limit)
 
     @_rpc
     def RegisterDataset(self, request: pb.RegisterDatasetRequest, context: Any) -> pb.RegisterDatasetResponse:
@@ -214,7 +214,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             ds = self.core.dataset(request.name)
             if request.spec_only:  # a worker opening the source: the counts walk every unfolded ack
                 return convert.spec_info(ds)
-            return self._info(ds)
+            return self._info(ds, max(request.partition_limit, 0))
 
     @_rpc
     def RemoveDataset(self, request: pb.RemoveDatasetRequest, context: Any) -> pb.RemoveDatasetResponse:
@@ -234,7 +234,9 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
     def ListDatasets(self, request: pb.ListDatasetsRequest, context: Any) -> pb.ListDatasetsResponse:
         """RPC: every dataset's info, by name."""
         with self.cond:
-            return pb.ListDatasetsResponse(datasets=[self._info(d) for _, d in sorted(self.core.datasets.items())])
+            limit = partition_limit(request.partition_limit)
+            return pb.ListDatasetsResponse(datasets=[self._info(d, limit) for _, d in sorted(self.core.datasets.items())
+                                                     ])  # fmt: skip
 
     CommitStaged = _rpc(commit_staged)
     ReportUnreadable = _rpc(report_unreadable)
@@ -432,6 +434,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         with self.cond:
             now = self.core.clock()
             rps, aps = self.core.rates()
+            limit = partition_limit(request.partition_limit)
             workers = [
                 pb.WorkerStatus(
                     worker_id=w.id,
@@ -443,7 +446,7 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
                 for _, w in sorted(self.core.workers.items())
             ]
             return pb.StatusResponse(
-                datasets=[self._info(d) for _, d in sorted(self.core.datasets.items())],
+                datasets=[self._info(d, limit) for _, d in sorted(self.core.datasets.items())],
                 workers=workers,
                 records_per_second=rps,
                 acks_per_second=aps,

@@ -101,7 +101,34 @@ class StreamPlanner:
         self.source_errors: dict[str, tuple[str, float]] = {}  # dataset -> (last source error, since)
         # (dataset, partition index) -> its hold and stage (Partition.hold, .stage: sources/history.py)
         self.holds: dict[tuple[str, int], tuple[int, int]] = {}
+        self.held: set[str] = set()  # datasets with holds (chained: every poll looks at every partition)
+        # What a poll must look at (issue 32: a 10,000-partition topic where 100 moved costs 100 partitions' work):
+        self.seen: dict[str, dict[str, tuple[int, int | None]]] = {}  # dataset -> partition id -> (end, earliest)
+        self.behind: dict[str, set[str]] = {}  # dataset -> partitions left with records not planned (or a partial)
+        self._looked: tuple[str, list[Partition], list[Partition] | None] | None = None  # the last changed() answer
         self.upstream = Upstream(table, cut_book, self.available)
+
+    def changed(self, name: str, polled: list[Partition]) -> list[Partition] | None:
+        """The partitions of a poll that planning must look at: those whose end or earliest position moved since
+        the last poll, those it left with records not planned (``behind``: backpressure, a partial shard waiting
+        for ``sr.max_delay_ms``), sparse ones, and those whose deleted records are not settled yet
+        (``Upstream.unsettled``). None: every partition (the dataset's first poll, one after a restore or
+        resume, a chained dataset). Every other partition's planned end is its available end already."""
+        if self._looked is not None and self._looked[0] == name and self._looked[1] is polled:
+            return self._looked[2]  # the poller asked before its check: the same poll
+        seen = self.seen.get(name)
+        if seen is None or name in self.held:
+            looked = None
+        else:
+            again = self.behind.get(name, set()) | self.upstream.unsettled.get(name, set())
+            looked = [p for p in polled if seen.get(p.id) != (p.end, p.earliest) or p.id in again or p.segments]
+        self._looked = (name, polled, looked)
+        return looked
+
+    def rescan(self, name: str) -> None:
+        """Make the next poll of ``name`` look at every partition (its plan changed other than by a poll)."""
+        self.seen.pop(name, None)
+        self.behind.pop(name, None)
 
     def extend_stream(self, name: str, polled: list[Partition], force: bool = False, timed: bool = False) -> int:
         """Plan new shards from a poll of the source's partitions and ends. Returns how many were planned.
@@ -121,8 +148,12 @@ class StreamPlanner:
         planning = stream_planning(ds)
         max_delay, max_pending = planning.max_delay_ms / 1000.0, planning.max_pending_shards
         known = ds.partition_by_id()
+        looked = self.changed(name, polled)
+        self._looked = None
+        everything = looked is None
+        looked = polled if looked is None else looked
         changed = False
-        for p in polled:
+        for p in looked:
             if p.id not in known:
                 plan = PartitionPlan(len(ds.partitions), p.id, p.start, p.start)
                 ds.partitions.append(plan)
@@ -131,6 +162,7 @@ class StreamPlanner:
             self.available[(name, known[p.id].index)] = p.end
             if p.hold is not None:
                 self.holds[(name, known[p.id].index)] = (p.hold, p.stage)
+                self.held.add(name)
             if p.segments is not None:  # a sparse partition: where its records are (sources/positions.py)
                 seen = ds.runs.setdefault(known[p.id].index, RecordRuns())
                 before = len(seen)
@@ -139,21 +171,24 @@ class StreamPlanner:
                 if seen.add(p.segments) and len(seen) != before:
                     changed = True
         changed = self._compact_runs(ds) or changed
+        # the partitions looked at, in index order (a partition not looked at has nothing unplanned: changed())
+        plans = list(ds.partitions) if everything else sorted((ds.partitions[known[p.id].index] for p in looked),
+                                                        key=lambda plan: plan.index)  # fmt: skip
         pending = self.table.state_counts[name][ShardState.TODO]
         stage = self.stage(ds)
         history: list[PlannedShard] = []  # the current stage's shards: planned whole, shuffled if asked
         avails: dict[int, tuple[int, bool]] = {}  # partition index -> (where its records end for planning, staged)
-        for plan in ds.partitions:
+        for plan in plans:
             avail = self.available.get((name, plan.index), plan.end)
             hold, at = self.holds.get((name, plan.index), (0, -1))
             staged = stage is not None and at >= stage
             if staged and stage is not None:  # the history first: a later stage or the live part waits
                 avail = plan.end if at > stage else max(min(avail, hold), plan.end)
             avails[plan.index] = (avail, staged)
-        waiting = max((avails[plan.index][0] - plan.end for plan in ds.partitions), default=0)
+        waiting = max((avails[plan.index][0] - plan.end for plan in plans), default=0)
         hold_times = timed and (waiting > size or self.table.stream_time.newest(name) is None)
         cells: dict[int, list[tuple[int, int]]] = {}  # per live partition: the full shards it has room for
-        for plan in ds.partitions:
+        for plan in plans:
             avail, staged = avails[plan.index]
             runs = ds.runs.get(plan.index)
             segments = None if runs is None else runs.between(plan.end, avail)
@@ -173,12 +208,12 @@ class StreamPlanner:
         taken = _round_robin(cells, max_pending - pending)
         planned: list[PlannedShard] = []
         for k in range(max(taken.values(), default=0)):  # the k-th new shard of every partition, then the next
-            for plan in ds.partitions:
+            for plan in plans:
                 if k < taken.get(plan.index, 0):
                     a, b = cells[plan.index][k]
                     planned.append(PlannedShard(0, plan, a, b, ds.records_in(plan.index, a, b)))
         pending += len(planned)
-        for plan in list(ds.partitions):
+        for plan in plans:
             if plan.index not in cells:
                 continue
             key = (name, plan.index)
@@ -203,6 +238,14 @@ class StreamPlanner:
         if ds.spec.shuffle:
             random.Random(f"{ds.spec.seed}:{stage}").shuffle(history)
         planned = history + planned
+        self.seen.setdefault(name, {}).update((p.id, (p.end, p.earliest)) for p in looked)
+        behind = self.behind.setdefault(name, set())
+        for plan in plans:
+            now_end = ds.partitions[plan.index].end
+            if self.available.get((name, plan.index), now_end) > now_end or (name, plan.index) in self.pending_since:
+                behind.add(plan.id)
+            else:
+                behind.discard(plan.id)
         if planned or changed:
             with self.table.journal.transaction():
                 fresh = [replace(p, partition=ds.partitions[p.partition.index]) for p in planned]
@@ -220,6 +263,8 @@ class StreamPlanner:
         the acks only while it does not cover the holds, so a dataset past its history costs one interval lookup
         per partition.
         """
+        if ds.name not in self.held:
+            return None
         holds = [
             (plan, *self.holds[(ds.name, plan.index)]) for plan in ds.partitions if (ds.name, plan.index) in self.holds
         ]
@@ -248,6 +293,7 @@ class StreamPlanner:
         what ``cursor`` holds), so the later stages and the live part wait for the history again instead of being
         re-planned beside it. Returns ``ds`` and whether to re-plan it shuffled: a batch's epochs, a chained
         stream's history (``spec.shuffle``), never a stream's live part."""
+        self.rescan(ds.name)
         stage = self.stage(ds, cursor)
         if stage is None:
             return ds, ds.spec.shuffle and ds.kind is SourceKind.BATCH
@@ -283,6 +329,7 @@ class StreamPlanner:
     def fail_dataset(self, name: str, reason: str) -> None:
         """The dataset cannot go on (its topic was deleted...): refuse leases with ``reason`` from now on."""
         ds = self.table.dataset(name)
+        self.rescan(name)
         ds.failed = reason
         with self.table.journal.transaction():
             self.table.journal.put_dataset(ds)
@@ -295,6 +342,7 @@ class StreamPlanner:
         ds = self.table.dataset(name)
         if not ds.failed:
             return False
+        self.rescan(name)
         self.upstream.end_warnings.pop(name, None)
         if skip_lost:
             self.upstream.skip_lost_once.add(name)
@@ -350,3 +398,6 @@ class StreamPlanner:
             for pkey in [k for k in keyed if k[0] == name]:
                 del keyed[pkey]
         self.source_errors.pop(name, None)
+        self.rescan(name)
+        self.held.discard(name)
+        self.upstream.unsettled.pop(name, None)

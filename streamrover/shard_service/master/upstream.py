@@ -62,6 +62,7 @@ class Upstream:
         self.end_warnings: dict[str, str] = {}  # dataset -> the last end that went back (memory only)
         self.earliest_seen: dict[tuple[str, int], tuple[int, int]] = {}  # (dataset, pindex) -> (earliest, cut seq)
         self.skip_lost_once: set[str] = set()  # datasets resumed with skip_lost (memory only)
+        self.unsettled: dict[str, set[str]] = {}  # dataset -> partitions whose deleted records wait on leases
 
     def save_lost(self) -> None:
         """Journal the lost positions (with a transaction open)."""
@@ -75,6 +76,8 @@ class Upstream:
 
     def check(self, name: str, polled: list[Partition], acked: Callable[[], DataCursor]) -> str:
         """Compare a poll with the plan (before planning from it); returns why the dataset must fail, or ''.
+
+        ``polled``: the partitions that changed since the last poll (``StreamPlanner.changed``), or all of them.
 
         ``acked()``: the committed cursor plus every ack (what was trained), asked once at most.
         """
@@ -116,6 +119,9 @@ class Upstream:
                 self._skip_lost(ds, plan, p.earliest, lost)
             if not waiting:
                 self.earliest_seen[(name, plan.index)] = mark
+                self.unsettled.get(name, set()).discard(p.id)
+            else:  # looked at again at every poll until settled (StreamPlanner.changed)
+                self.unsettled.setdefault(name, set()).add(p.id)
         if failures:
             return (
                 f"records were deleted upstream (retention or deletion) before they were trained: "

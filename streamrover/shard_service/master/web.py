@@ -15,6 +15,7 @@ families as JSON plus the trainer metrics' history (what the page draws), ``/hea
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
+from streamrover.shard_service.master.info import DEFAULT_STATUS_PARTITIONS
 from streamrover.shard_service.master.metrics import job_registry
 
 if TYPE_CHECKING:
@@ -125,16 +127,23 @@ class Dashboard:
             )
         if path == "/metrics":
             return self._metrics_app(environ, start_response)
-        since = parse_qs(environ.get("QUERY_STRING", "")).get("since", ["0"])[0]
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        since, shown = query.get("since", ["0"])[0], query.get("partitions", [str(DEFAULT_STATUS_PARTITIONS)])[0]
         try:
             since_t = float(since)
         except ValueError:
             return _answer(start_response, "400 Bad Request", f"since={since!r}: give unix seconds\n".encode())
-        body = json.dumps(self.snapshot(since_t), allow_nan=False).encode()
+        if shown != "all" and not (shown.isdigit() and int(shown) > 0):
+            return _answer(start_response, "400 Bad Request", f"partitions={shown!r}: give N > 0 or all\n".encode())
+        body = json.dumps(self.snapshot(since_t, 0 if shown == "all" else int(shown)), allow_nan=False).encode()
         return _answer(start_response, "200 OK", body, [("Content-Type", "application/json")])
 
-    def snapshot(self, since: float = 0.0) -> dict[str, Any]:
-        """The metric families now (as JSON-able dicts) and the trainer metrics reported after ``since``."""
+    def snapshot(self, since: float = 0.0, partitions: int = 0) -> dict[str, Any]:
+        """The metric families now (as JSON-able dicts) and the trainer metrics reported after ``since``.
+
+        ``partitions`` > 0: the per-partition lag keeps each dataset's ``partitions`` most lagging partitions
+        (``partition_counts``: how many each dataset has), so that a 10,000-partition topic is not sent whole.
+        """
         families = []
         for family in self.registry.collect():
             samples = [
@@ -146,7 +155,26 @@ class Dashboard:
             reporter: {name: [[p.time, p.step, _finite(p.value)] for p in points] for name, points in series.items()}
             for reporter, series in self._servicer.reported.history(since).items()
         }
-        return {"families": families, "trainer_history": history}
+        return {"families": families, "trainer_history": history, "partition_counts": _top(families, partitions)}
+
+
+def _top(families: list[dict[str, Any]], limit: int) -> dict[str, int]:
+    """Cut the partition lag family's samples to each dataset's ``limit`` most lagging (0: all, in place);
+    returns every dataset's partition count."""
+    counts: dict[str, int] = {}
+    for family in families:
+        if family["name"] != "streamrover_partition_lag_records":
+            continue
+        by_dataset: dict[str, list[dict[str, Any]]] = {}
+        for sample in family["samples"]:
+            by_dataset.setdefault(sample["labels"]["dataset"], []).append(sample)
+        counts = {name: len(samples) for name, samples in by_dataset.items()}
+        if limit:
+            family["samples"] = [
+                sample for samples in by_dataset.values()
+                for sample in heapq.nsmallest(limit, samples, key=lambda x: -(x["value"] or 0))
+            ]  # fmt: skip
+    return counts
 
 
 def _answer(

@@ -225,6 +225,7 @@ class DatasetInfo(google.protobuf.message.Message):
     LOST_RECORDS_FIELD_NUMBER: builtins.int
     COMMIT_GAPS_FIELD_NUMBER: builtins.int
     TIME_SKEW_MS_FIELD_NUMBER: builtins.int
+    PARTITION_COUNT_FIELD_NUMBER: builtins.int
     kind: global___DatasetKind.ValueType
     total_records: builtins.int
     """batch: records per epoch; stream: records planned so far"""
@@ -255,6 +256,8 @@ class DatasetInfo(google.protobuf.message.Message):
     shard not yet acked (at most sr.max_skew_ms; 0 when nothing is leased). Kafka: broker timestamps; others:
     when the master planned the shards.
     """
+    partition_count: builtins.int
+    """every partition the dataset has; `partitions` holds them all, or (a partition_limit) the most lagging first"""
     @property
     def spec(self) -> global___DatasetSpec: ...
     @property
@@ -288,9 +291,10 @@ class DatasetInfo(google.protobuf.message.Message):
         lost_records: builtins.int = ...,
         commit_gaps: collections.abc.Iterable[global___CommitGap] | None = ...,
         time_skew_ms: builtins.float = ...,
+        partition_count: builtins.int = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["shards", b"shards", "spec", b"spec"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["commit_gaps", b"commit_gaps", "dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "lost_records", b"lost_records", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "time_skew_ms", b"time_skew_ms", "total_records", b"total_records"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["commit_gaps", b"commit_gaps", "dead_letters", b"dead_letters", "epochs_planned", b"epochs_planned", "error", b"error", "failed", b"failed", "finished", b"finished", "kind", b"kind", "lag", b"lag", "lost_records", b"lost_records", "partition_count", b"partition_count", "partitions", b"partitions", "records_acked", b"records_acked", "records_committed", b"records_committed", "schema_json", b"schema_json", "shards", b"shards", "spec", b"spec", "time_skew_ms", b"time_skew_ms", "total_records", b"total_records"]) -> None: ...
 
 global___DatasetInfo = DatasetInfo
 
@@ -374,26 +378,39 @@ class DescribeDatasetRequest(google.protobuf.message.Message):
 
     NAME_FIELD_NUMBER: builtins.int
     SPEC_ONLY_FIELD_NUMBER: builtins.int
+    PARTITION_LIMIT_FIELD_NUMBER: builtins.int
     name: builtins.str
     spec_only: builtins.bool
     """only spec, kind and schema_json (what a worker needs to open the source; no counts)"""
+    partition_limit: builtins.int
+    """0: every partition, by index; N > 0: the N with the most lag (ties by index)"""
     def __init__(
         self,
         *,
         name: builtins.str = ...,
         spec_only: builtins.bool = ...,
+        partition_limit: builtins.int = ...,
     ) -> None: ...
-    def ClearField(self, field_name: typing.Literal["name", b"name", "spec_only", b"spec_only"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["name", b"name", "partition_limit", b"partition_limit", "spec_only", b"spec_only"]) -> None: ...
 
 global___DescribeDatasetRequest = DescribeDatasetRequest
 
 @typing.final
 class ListDatasetsRequest(google.protobuf.message.Message):
+    """partition_limit: partitions per dataset, the most lagging first: 0 = 20 (a topic of 10,000 partitions is not
+    listed whole), N > 0 = N, -1 = all (by index). partition_count and the totals are of every partition.
+    """
+
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
+    PARTITION_LIMIT_FIELD_NUMBER: builtins.int
+    partition_limit: builtins.int
     def __init__(
         self,
+        *,
+        partition_limit: builtins.int = ...,
     ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["partition_limit", b"partition_limit"]) -> None: ...
 
 global___ListDatasetsRequest = ListDatasetsRequest
 
@@ -1208,9 +1225,14 @@ global___WorkerStatus = WorkerStatus
 class StatusRequest(google.protobuf.message.Message):
     DESCRIPTOR: google.protobuf.descriptor.Descriptor
 
+    PARTITION_LIMIT_FIELD_NUMBER: builtins.int
+    partition_limit: builtins.int
     def __init__(
         self,
+        *,
+        partition_limit: builtins.int = ...,
     ) -> None: ...
+    def ClearField(self, field_name: typing.Literal["partition_limit", b"partition_limit"]) -> None: ...
 
 global___StatusRequest = StatusRequest
 

@@ -205,6 +205,7 @@ class StreamroverAgent(LocalElasticAgent):
         if self._standby is None:
             return super()._start_workers(worker_group)
         served = self._standby.served
+        log.info("rendezvous done: starting %d workers", len(worker_group.workers))
         with self._standby.serving():
             pids = super()._start_workers(worker_group)
         log.info("started %d workers, %d in warm standbys", len(pids), self._standby.served - served)

@@ -1,0 +1,120 @@
+"""The fast paths of issue 35: the first save written with pwrite, persists paused during a save."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from streamrover.ckpt import Checkpointer, copier, memory
+from streamrover.ckpt.shm import SharedBuffer, shm_path
+
+
+def make_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "model": {"w": torch.randn(300, 70), "b": torch.randn(70), "half": torch.randn(33).half()},
+        "optim": {"state": {0: {"exp_avg": torch.randn(300, 70)}}, "lr": 0.1},
+        "np": np.arange(10.0),
+        "step": 5,
+    }
+
+
+def test_first_save_leaves_the_buffer_allocated_and_loads_back(tmp_path: Path) -> None:
+    state = make_state()
+    with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
+        ckpt.save(1, state, persist=False)
+        snap = ckpt.engine.newest()
+        assert snap is not None
+        st = os.stat(shm_path(snap.name))
+        # written with pwrite into a sparse file, then allocated whole: no page is left to fault in (SIGBUS on a
+        # full /dev/shm) when the header or a later save writes through the mapping
+        assert st.st_blocks * 512 >= st.st_size
+        loaded = ckpt.load(zero_copy=False, restore=False)
+        assert torch.equal(loaded.state["model"]["w"], state["model"]["w"])
+        assert torch.equal(loaded.state["model"]["half"], state["model"]["half"])
+        np.testing.assert_array_equal(loaded.state["np"], state["np"])
+        ckpt.save(2, state, persist=False)  # the second buffer, allocated in the background meanwhile
+        ckpt.save(3, state, persist=False)  # the first buffer again, through its (populated) mapping
+        assert ckpt.load(zero_copy=False, restore=False).step == 3
+        ckpt.close(unlink=True)
+
+
+def test_a_save_pauses_the_persist_of_the_other_buffer_until_its_copy_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memory, "MIN_PAUSE", 120.0)  # only the end of the copy may end this pause
+    state = {"w": torch.randn(1 << 20)}  # 4 MiB: one chunk
+    copying, release = threading.Event(), threading.Event()
+    real = copier._memmove
+
+    def gated(dst: int, src: int, n: int) -> Any:
+        copying.set()
+        assert release.wait(60)
+        return real(dst, src, n)
+
+    with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
+        ckpt.save(1, state, persist=False)  # buffer 0 (pwrite: not gated)
+        ckpt.save(2, state, persist=False)  # buffer 1
+        first = ckpt.engine.newest()
+        assert first is not None and first.step == 2
+        reader = SharedBuffer.open(first.name)  # what the saver maps to persist step 2
+        assert reader is not None
+        assert reader.wait_while_paused() == 0.0  # nobody writes: a persist goes on at once
+        monkeypatch.setattr(copier, "_memmove", gated)
+        saving = threading.Thread(target=ckpt.save, args=(3, state), kwargs={"persist": False})
+        saving.start()  # writes buffer 0 through its mapping, blocked in the copy
+        assert copying.wait(60)
+        waited: list[float] = []
+        persist = threading.Thread(target=lambda: waited.append(reader.wait_while_paused()))
+        persist.start()
+        persist.join(0.3)
+        assert persist.is_alive()  # paused while the save copies
+        release.set()
+        saving.join(60)
+        persist.join(60)
+        assert not persist.is_alive() and waited and waited[0] > 0
+        assert reader.wait_while_paused() == 0.0  # the copy cleared the pause
+        reader.close()
+        assert ckpt.load(zero_copy=False, restore=False).step == 3
+        ckpt.close(unlink=True)
+
+
+def test_a_pause_left_by_a_dead_writer_expires(tmp_path: Path) -> None:
+    buf = SharedBuffer.create(f"srckpt-test-pause-{os.getpid()}", 1 << 16)
+    try:
+        buf.set_pause(0.05)  # the writer dies without clearing it
+        assert buf.wait_while_paused() >= 0.04
+    finally:
+        buf.close()
+        buf.unlink()
+
+
+def test_a_persist_after_the_trainer_died_ignores_its_pause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamrover.ckpt import RetentionPolicy
+    from streamrover.ckpt.persist import PersistTarget, persist_buffer
+    from streamrover.ckpt.storage import Storage
+
+    with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
+        ckpt.save(1, make_state(), persist=False)
+        snap = ckpt.engine.newest()
+        assert snap is not None
+        reader = SharedBuffer.open(snap.name)
+        assert reader is not None
+        target = PersistTarget(Storage(str(tmp_path / "ck")), 0, 1, RetentionPolicy())
+
+        def waits() -> float:
+            raise AssertionError("a persist on death waited for a pause")
+
+        monkeypatch.setattr(reader, "wait_while_paused", waits)
+        result = persist_buffer(target, reader, snap.generation, yield_to_saves=False)
+        assert result.ok and result.manifest_published
+        with pytest.raises(AssertionError, match="waited"):  # the live path does consult it
+            persist_buffer(target, reader, snap.generation)
+        reader.close()
+        ckpt.close(unlink=True)
