@@ -181,29 +181,36 @@ def test_a_list_offsets_answer_that_never_comes_is_a_source_error(kafka_broker: 
     import threading
 
     from streamrover.sources import kafka as kafka_module
+    from streamrover.sources import kafka_client
     from streamrover.sources.api import SourceUnavailableError
 
     topic = _create_topic(kafka_broker, 1)
     source = kafka_module.KafkaSource(f"kafka://{kafka_broker.bootstrap}/{topic}", "raw", {})
     monkeypatch.setattr(kafka_module, "REQUEST_TIMEOUT", 0.5)
-    source._admin = _Unanswered(source._admin_client())  # type: ignore[assignment]
-    raised: list[BaseException] = []
-
-    def poll() -> None:
-        try:
-            source.poll()
-        except BaseException as exc:  # what poll raised is the test's subject
-            raised.append(exc)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    thread.join(60)
+    monkeypatch.setattr(kafka_client, "REQUEST_TIMEOUT", 0.5)
+    # The dataset's first look (partitions: the admin's list_offsets) and every poll after it (the consumer's
+    # ListOffsets requests in chunks, kafka_client.watermarks) each get no answer.
+    admin = source._admin = _Unanswered(source._admin_client())  # type: ignore[assignment]
+    consumer = source._consumer = _UnansweredConsumer(source._consumer_client())  # type: ignore[assignment]
     try:
-        assert not thread.is_alive(), "poll still blocked on a list-offsets answer after 60 s"
-        assert len(raised) == 1 and isinstance(raised[0], SourceUnavailableError), raised
-        assert "no answer in" in str(raised[0])
+        for call in (source.partitions, source.poll):
+            raised: list[BaseException] = []
+
+            def run(call: Any = call, raised: list[BaseException] = raised) -> None:
+                try:
+                    call()
+                except BaseException as exc:  # what the call raised is the test's subject
+                    raised.append(exc)
+
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            thread.join(60)
+            assert not thread.is_alive(), f"{call.__name__} still blocked on a list-offsets answer after 60 s"
+            assert len(raised) == 1 and isinstance(raised[0], SourceUnavailableError), raised
+        assert "no answer in" in str(raised[0]) or "Timed out" in str(raised[0]), raised[0]
+        assert consumer.timeouts and all(t == 0.5 for t in consumer.timeouts), consumer.timeouts
     finally:
-        source._admin = None
+        source._admin, source._consumer = admin.real, consumer.real  # closed by close()
         source.close()
 
 
@@ -223,6 +230,36 @@ def test_a_poller_whose_source_keeps_failing_reopens_it(tmp_path: Path, kafka_br
             assert not admin.describe_dataset("s").failed
     finally:
         _WedgedKafka.wedge, _WedgedKafka.wedged = False, None
+
+
+class _UnansweredConsumer:
+    """A Consumer whose offsets_for_times gets no answer: it waits out the timeout it is given and fails as
+    librdkafka does then (_TIMED_OUT); ``timeouts`` keeps what each call was given (an unbounded call would block)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.timeouts = real, list[float]()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def offsets_for_times(self, partitions: list[Any], timeout: float = -1) -> list[Any]:
+        from confluent_kafka import KafkaError, KafkaException
+
+        self.timeouts.append(timeout)
+        if timeout < 0:
+            threading.Event().wait()  # librdkafka's default: wait for good
+        threading.Event().wait(timeout)
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Local: Timed out"))
+
+
+class _NoOffsetConsumer(_UnansweredConsumer):
+    """A Consumer whose ListOffsets answers carry no offset (-1001) for partition 0."""
+
+    def offsets_for_times(self, partitions: list[Any], timeout: float = -1) -> list[Any]:
+        from confluent_kafka import TopicPartition
+
+        answered = self.real.offsets_for_times(partitions, timeout)
+        return [TopicPartition(tp.topic, tp.partition, -1001 if tp.partition == 0 else tp.offset) for tp in answered]
 
 
 class _NoOffset(_Unanswered):
@@ -246,10 +283,13 @@ def test_a_list_offsets_answer_without_an_offset_is_a_source_error(kafka_broker:
 
     topic = _create_topic(kafka_broker, 2)
     source = KafkaSource(f"kafka://{kafka_broker.bootstrap}/{topic}", "raw", {})
-    source._admin = _NoOffset(source._admin_client())  # type: ignore[assignment]
+    admin = source._admin = _NoOffset(source._admin_client())  # type: ignore[assignment]
+    consumer = source._consumer = _NoOffsetConsumer(source._consumer_client())  # type: ignore[assignment]
     try:
         with pytest.raises(SourceUnavailableError, match=r"no offset in the answer for partition\(s\) 0 \(-1001\), 1"):
+            source.partitions()
+        with pytest.raises(SourceUnavailableError, match=r"partition 0: no offset in the answer \(-1001\)"):
             source.poll()
     finally:
-        source._admin = None
+        source._admin, source._consumer = admin.real, consumer.real  # closed by close()
         source.close()
