@@ -120,9 +120,13 @@ class _Plain:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.ended = False  # the peer ended its side with what the last recv gave (TLS close_notify)
 
     def handshake(self) -> None:
         pass
+
+    def buffered(self) -> bool:
+        return False
 
     def recv(self) -> bytes | None:
         """What arrived (b"" at the peer's end; raises OSError on a reset)."""
@@ -160,18 +164,28 @@ class _Tls(_Plain):
                     raise ConnectionResetError("the peer closed during the TLS handshake") from None
                 self.incoming.write(data)
 
+    def buffered(self) -> bool:
+        """Records that arrived with the handshake's last flight and wait in the BIO (no socket event comes)."""
+        return self.incoming.pending > 0
+
     def recv(self) -> bytes | None:
-        data = self.sock.recv(65536)
-        if not data:
-            return b""
-        self.incoming.write(data)
+        if not self.buffered():
+            data = self.sock.recv(65536)
+            if not data:
+                return b""
+            self.incoming.write(data)
         plain = []
         try:
-            while True:
-                plain.append(self.obj.read(65536))
+            while chunk := self.obj.read(65536):
+                plain.append(chunk)
+            # b"": the peer's close_notify (CPython's read answers b"" then, again at every call, not
+            # SSLZeroReturnError: a loop that kept appending grew one list to 21 GB in a CI rehearsal)
+            self.ended = True
+            return b"".join(plain) or b""
         except ssl.SSLWantReadError:
             pass
         except ssl.SSLZeroReturnError:  # close_notify: the peer's end
+            self.ended = True
             return b"".join(plain) or b""
         self._flush()  # (post-handshake messages: TLS 1.3 session tickets, key updates)
         return b"".join(plain) or None
@@ -203,6 +217,9 @@ class _Connection:
             _reset(self.client)
             _reset(self.upstream)
             return
+        for side, handle in ((self.client_side, self._request), (self.upstream_side, self._answer)):
+            if side.buffered() and not handle():  # (a client may send data in its handshake's last flight)
+                return
         with selectors.DefaultSelector() as sel:
             sel.register(self.client, selectors.EVENT_READ, self._request)
             sel.register(self.upstream, selectors.EVENT_READ, self._answer)
@@ -231,6 +248,10 @@ class _Connection:
                     self.client_side.sendall(GARBLED_FRAME)
                 self.proxy.cuts.append(self.cut.mode)
                 self.cut.fired.set()
+            if self.client_side.ended:  # close_notify came with the last data: the client's end follows it
+                self.upstream.close()
+                self.client.close()
+                return False
             return True
         except (OSError, ssl.SSLError):
             _reset(self.upstream)
@@ -256,6 +277,10 @@ class _Connection:
             except (OSError, ssl.SSLError):
                 _reset(self.upstream)
                 self.client.close()
+                return False
+            if self.upstream_side.ended:  # close_notify came with the last data: the master's end follows it
+                self.client.close()
+                self.upstream.close()
                 return False
             return True
         if self.cut.mode in ("reset", "garble"):  # the master answered: the commit landed

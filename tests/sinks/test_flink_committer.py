@@ -191,3 +191,61 @@ def test_the_committer_sends_previous_epoch_and_the_master_shows_the_gap(tmp_pat
             assert list(info.commit_gaps) == [] and info.total_records == 30, out
     finally:
         master.stop()
+
+
+def test_the_tls_proxy_ends_a_connection_whose_client_sent_close_notify(tmp_path: Path) -> None:
+    """The chaos proxy's TLS side after a close_notify: CPython's read answers b"" (at every call), and a pump that
+    took it for "more to read" spun for good, growing one list to 21 GB inside a CI run (the suite's process, long
+    after the Flink test). Now the connection ends: the upstream sees EOF and the pump thread is gone."""
+    import socket
+    import ssl
+
+    from tests.sinks.flink_proxy import ProxyTls
+
+    ca = make_ca(tmp_path / "ca")
+    server = issue(ca, tmp_path / "server", "server")
+    upstream_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    upstream_ctx.load_cert_chain(str(server.cert), str(server.key))
+    listener = socket.create_server(("127.0.0.1", 0))
+    proxy = CutProxy(lambda: f"127.0.0.1:{listener.getsockname()[1]}",
+                     ProxyTls(str(server.cert), str(server.key), str(ca.cert)))  # fmt: skip
+    got: list[bytes] = []
+
+    def serve() -> None:  # the master's side: TLS, collects what arrives until EOF
+        conn, _ = listener.accept()
+        with upstream_ctx.wrap_socket(conn, server_side=True) as tls:
+            while data := tls.recv(65536):
+                got.append(data)
+
+    upstream = threading.Thread(target=serve, daemon=True)
+    upstream.start()
+    pumps_before = {t for t in threading.enumerate() if t.name.endswith("(_pump)")}
+    host, port = proxy.address.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=30)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = ssl.create_default_context(cafile=str(ca.cert)).wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")
+    try:
+        while True:  # the handshake over memory BIOs
+            try:
+                client.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                raw.sendall(outgoing.read())
+                incoming.write(raw.recv(65536))
+        client.write(b"hello")
+        try:
+            client.unwrap()  # close_notify (not waiting for the proxy's); the TCP connection stays open
+        except ssl.SSLWantReadError:
+            pass
+        raw.sendall(outgoing.read())
+        upstream.join(30)
+        assert not upstream.is_alive(), "the proxied connection did not end after the client's close_notify"
+        assert b"".join(got) == b"hello"
+        pumps = [t for t in threading.enumerate() if t.name.endswith("(_pump)") and t not in pumps_before]
+        for pump in pumps:
+            pump.join(30)
+        assert not any(p.is_alive() for p in pumps), "the proxy's pump still runs"
+    finally:
+        raw.close()
+        proxy.close()
+        listener.close()
