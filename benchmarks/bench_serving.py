@@ -6,8 +6,9 @@ Two measures, each with its peer in the same run:
    flash checkpoints persisted by an in-process saver, trained without an exporter and with one (every durable
    checkpoint exported to ONNX, tables as base + deltas, in the exporter's background thread), alternated
    ``--reps`` times (4); the estimate is the median of each rep's with/without ratio (two runs of one kind differ
-   by up to ~9% here: the best of two, once used, could not tell 5% apart). (a) At the demo's checkpoint rate: a step starts every ``--demo-step-ms`` (the demo's steps wait for
-   the stream: 2 ranks x 256 records at 1,500 records/s is a step every 341 ms), a checkpoint every
+   by up to ~9% here: the best of two, once used, could not tell 5% apart). (a) At the demo's checkpoint rate:
+   a step starts every ``--demo-step-ms`` (the demo's steps wait for the stream: 2 ranks x 256 records at 1,500
+   records/s is a step every 341 ms), a checkpoint every
    ``DemoConfig.ckpt_every`` steps; the step time is each step's busy time. Goal: at most 5% above the run
    without export. (b) A tight loop (~2 ms a step, a checkpoint every 20 steps: one every ~50 ms), a worst
    case no stream produces. Adagrad, not the demo's Adam: touched-row deltas are exact only for
