@@ -1,7 +1,9 @@
 """``streamrover``: run a job master, manage datasets, watch status.
 
 Client commands find the master with ``--master HOST:PORT`` (or ``$STREAMROVER_MASTER``)
-and authenticate with ``--token`` (or ``$STREAMROVER_TOKEN``, or ``--token-file``).
+and authenticate with ``--token`` (or ``$STREAMROVER_TOKEN``, or ``--token-file``). The tables
+they print are drawn in ``cli_tables.py``; ``run`` and ``jobs`` are ``operator/cli.py``'s, ``checkpoints``
+``ckpt/cli.py``'s.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from types import FrameType
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from streamrover.ckpt import cli as ckpt_cli
+from streamrover.cli_tables import commit_gaps_table, dataset_table, partitions_table, status_view
 from streamrover.cursor import DataCursor
 from streamrover.operator import cli as operator_cli
 from streamrover.shard_service.api import DEFAULT_LEASE_TTL, DEFAULT_MAX_SESSIONS, DatasetSpec, ShardServiceError
@@ -240,99 +242,6 @@ def _partition_count(text: str) -> int:
     return int(text)
 
 
-def _partitions_table(info: Any) -> Table:
-    """A dataset's partitions as sent (the most lagging first when limited), titled with how many of how many."""
-    shown, total = len(info.partitions), info.partition_count or len(info.partitions)
-    more = "" if shown >= total else f", {shown:,} of {total:,}: the most lagging (--partitions N|all)"
-    parts = Table(title=f"{info.spec.name}: partitions{more}")
-    for col in ("#", "id", "start", "planned end", "available", "committed", "lag"):
-        parts.add_column(col)
-    stream = info.kind == 2
-    for p in info.partitions:
-        parts.add_row(
-            str(p.index), p.id, str(p.start), str(p.end),
-            str(p.available_end) if stream else "", str(p.committed_end), str(p.lag) if stream else "",
-        )  # fmt: skip
-    return parts
-
-
-def _dataset_table(infos: list[Any]) -> Table:
-    table = Table(title="datasets")
-    for col in (
-        "name",
-        "kind",
-        "partitions",
-        "records",
-        "todo",
-        "leased",
-        "acked",
-        "committed",
-        "records acked",
-        "records committed",
-        "lag",
-        "time skew",
-        "dead letters",
-        "state",
-    ):
-        table.add_column(col, justify="right" if col not in ("name", "kind") else "left")
-    for info in infos:
-        kind = "batch" if info.kind == 1 else "stream"
-        table.add_row(
-            info.spec.name,
-            kind,
-            f"{info.partition_count or len(info.partitions):,}",
-            f"{info.total_records:,}",
-            str(info.shards.todo),
-            str(info.shards.leased),
-            str(info.shards.acked),
-            str(info.shards.committed),
-            f"{info.records_acked:,}",
-            f"{info.records_committed:,}",
-            f"{info.lag:,}" if kind == "stream" else "",
-            f"{info.time_skew_ms / 1000:.1f} s" if kind == "stream" else "",
-            f"{info.dead_letters:,}",
-            _state(info),
-        )
-    return table
-
-
-def _state(info: Any) -> str:
-    if info.failed:
-        return f"[red]failed: {info.error}[/red]"
-    if info.error:
-        return f"[yellow]{info.error}[/yellow]"
-    waiting = [g for g in info.commit_gaps if not g.skipped]
-    if waiting:  # a sink's commit named as the previous of a later one has not arrived (dataset describe lists them)
-        return f"[yellow]running, {len(waiting)} commit(s) missing for up to {waiting[0].age_seconds:.0f} s[/yellow]"
-    return "finished" if info.finished else "running"
-
-
-def _status_view(client, partitions: int | None = None) -> Table:  # type: ignore[no-untyped-def]
-    st = client.status(partitions or 0)
-    outer = Table.grid()
-    outer.add_row(_dataset_table(list(st.datasets)))
-    for info in st.datasets if partitions is not None else ():
-        outer.add_row(_partitions_table(info))
-    workers = Table(title="workers")
-    for col in ("worker", "name", "leases", "records acked", "last seen"):
-        workers.add_column(col)
-    for w in st.workers:
-        workers.add_row(
-            w.worker_id, w.name, str(w.leases), f"{w.records_acked:,}", f"{w.last_seen_seconds_ago:.1f}s ago"
-        )
-    outer.add_row(workers)
-    outer.add_row(
-        f"{st.records_per_second:,.0f} records/s  {st.acks_per_second:,.1f} acks/s  "
-        f"last committed cut {st.last_committed_cut} ({st.persisting_cuts} being persisted)  "
-        f"up {st.uptime_seconds:,.0f}s"
-    )
-    if st.cut_commit_error:
-        outer.add_row(f"[red]cut commit refused:[/red] {st.cut_commit_error}")
-    if st.security_warning:
-        outer.add_row(f"[red]{st.security_warning}[/red]")
-    return outer
-
-
 def _console() -> Console:
     """The console to print to. Not a terminal (piped to a log or a file) and no ``$COLUMNS``: no width limit,
     as rich would squeeze every table to 80 columns and cut its headers to a letter or two."""
@@ -388,19 +297,19 @@ def main(argv: list[str] | None = None) -> int:
         with _client(args) as client:
             if args.command == "status":
                 if not args.watch:
-                    console.print(_status_view(client, args.partitions))
+                    console.print(status_view(client, args.partitions))
                     return 0
                 if not console.is_terminal:  # a log: one timestamped view per interval (a live view redraws in place)
                     while True:
-                        console.print(time.strftime("%Y-%m-%d %H:%M:%S"), _status_view(client, args.partitions))
+                        console.print(time.strftime("%Y-%m-%d %H:%M:%S"), status_view(client, args.partitions))
                         sys.stdout.flush()
                         time.sleep(args.watch)  # display refresh interval
                 from rich.live import Live
 
-                with Live(_status_view(client, args.partitions), console=console, refresh_per_second=4) as live:
+                with Live(status_view(client, args.partitions), console=console, refresh_per_second=4) as live:
                     while True:
                         time.sleep(args.watch)  # display refresh interval
-                        live.update(_status_view(client, args.partitions))
+                        live.update(status_view(client, args.partitions))
             if args.command == "restore":
                 return _restore(console, client, args)
             if args.dataset_command == "add":
@@ -418,12 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                 resp = client.register_dataset(spec)
                 verb = "registered" if resp.created else "already registered (same spec)"
                 console.print(f"dataset {args.name!r} {verb}")
-                console.print(_dataset_table([resp.dataset]))
+                console.print(dataset_table([resp.dataset]))
             elif args.dataset_command == "resume":
                 resumed = client.resume_dataset(args.name, skip_lost=args.skip_lost)
                 verb = "resumed" if resumed.resumed else "was not failed (nothing to resume)"
                 console.print(f"dataset {args.name!r} {verb}")
-                console.print(_dataset_table([resumed.dataset]))
+                console.print(dataset_table([resumed.dataset]))
             elif args.dataset_command == "remove":
                 removed = client.remove_dataset(args.name)
                 console.print(
@@ -431,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{removed.leases_revoked} leases revoked)"
                 )
             elif args.dataset_command == "list":
-                console.print(_dataset_table(client.list_datasets()))
+                console.print(dataset_table(client.list_datasets()))
             elif args.dataset_command == "describe":
                 from google.protobuf.json_format import MessageToDict
 
@@ -439,17 +348,10 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json:
                     print(json.dumps(MessageToDict(info), indent=2))
                 else:
-                    console.print(_dataset_table([info]))
-                    console.print(_partitions_table(info))
+                    console.print(dataset_table([info]))
+                    console.print(partitions_table(info))
                     if info.commit_gaps:
-                        gaps = Table(title="commit gaps (a later commit names this one as its previous; see "
-                                     "sr.commit_gap_ms)")  # fmt: skip
-                        for col in ("producer", "part", "missing epoch", "named by epoch", "open for", "state"):
-                            gaps.add_column(col)
-                        for g in info.commit_gaps:
-                            gaps.add_row(g.producer, g.part, str(g.epoch), str(g.next_epoch), f"{g.age_seconds:.0f} s",
-                                         "skipped" if g.skipped else "open")  # fmt: skip
-                        console.print(gaps)
+                        console.print(commit_gaps_table(info))
         return 0
     except (ShardServiceError, SourceError, ValueError) as exc:  # ValueError: a token file that cannot be read
         console.print(f"[red]error:[/red] {exc}")

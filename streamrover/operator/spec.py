@@ -23,7 +23,7 @@ the bad field (``trainer.nodes: ...``). Example::
     autoscaling: {target_lag_records: 50000, cooldown_seconds: 60, min_nodes: 1, max_nodes: 3}
     health: {node_check: true, straggler_policy: replace, hang_timeout_seconds: 30}
 
-Nothing here imports anything heavier than pydantic and PyYAML.
+Memory and CPU sizes are ``quantities.py``'s. Nothing here imports anything heavier than pydantic and PyYAML.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from streamrover.operator.api import PlatformError
+from streamrover.operator.quantities import Cpu, Memory, format_memory
+from streamrover.operator.quantities import parse_cpu as parse_cpu  # re-exported: defined here before
+from streamrover.operator.quantities import parse_memory as parse_memory  # re-exported: defined here before
 
 SCHEMA_PATH = Path(__file__).with_name("jobspec.schema.json")
-_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label: a Kubernetes object name too
 
 
@@ -54,44 +54,6 @@ class SpecError(PlatformError, ValueError):
         self.problems = problems
         lines = "\n".join(f"  {where}: {what}" for where, what in problems)
         super().__init__(f"{source}: invalid job spec\n{lines}")
-
-
-def parse_memory(value: Any) -> int:
-    """Bytes from a Kubernetes memory quantity (``512Mi``, ``2Gi``, ``1.5G``) or a plain integer."""
-    if isinstance(value, bool):
-        raise ValueError("a memory size, like 512Mi or 2Gi")
-    if isinstance(value, int):
-        return value
-    match = _QUANTITY.match(str(value).strip())
-    if not match:
-        raise ValueError(f"{value!r} is not a memory size (like 512Mi, 2Gi or a number of bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
-
-
-def parse_cpu(value: Any) -> float:
-    """Cores from a Kubernetes CPU quantity (``2``, ``0.5``, ``500m``)."""
-    if isinstance(value, bool):
-        raise ValueError("a CPU count, like 2 or 500m")
-    text = str(value).strip()
-    try:
-        cores = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
-    except ValueError:
-        raise ValueError(f"{value!r} is not a CPU count (like 2, 0.5 or 500m)") from None
-    if cores <= 0:
-        raise ValueError("must be more than 0")
-    return cores
-
-
-def format_memory(nbytes: int) -> str:
-    """The shortest exact binary quantity (``1536Mi``), else bytes."""
-    for unit in ("Ti", "Gi", "Mi", "Ki"):
-        if nbytes % _UNITS[unit] == 0:
-            return f"{nbytes // _UNITS[unit]}{unit}"
-    return str(nbytes)
-
-
-Memory = Annotated[int, BeforeValidator(parse_memory), Field(gt=0, description="bytes; or 512Mi, 2Gi, 1.5G")]
-Cpu = Annotated[float, BeforeValidator(parse_cpu), Field(description="cores; or 500m")]
 
 
 def _stringify(value: Any) -> Any:

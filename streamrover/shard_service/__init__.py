@@ -4,9 +4,9 @@ Public API: the contract in :mod:`~streamrover.shard_service.api` (:class:`Shard
 :class:`Shard`, :class:`DatasetSpec`, the error types), :class:`ShardClient` that keeps it over
 gRPC for workers and tools, and :class:`MasterServer` to run a master in-process.
 
-Layout: ``api.py`` (the contract), ``v1/`` (the wire), ``convert.py`` (messages <-> types, both sides),
-:mod:`~streamrover.shard_service.master` (what runs only in the job master) and
-:mod:`~streamrover.shard_service.client` (what a worker runs); those two never import each other.
+Layout: ``api.py`` (the contract; its error types in ``errors.py``), ``v1/`` (the wire), ``convert.py``
+(messages <-> types, both sides), :mod:`~streamrover.shard_service.master` (what runs only in the job master)
+and :mod:`~streamrover.shard_service.client` (what a worker runs); those two never import each other.
 """
 
 from typing import TYPE_CHECKING

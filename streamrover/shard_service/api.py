@@ -60,6 +60,23 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+# The error types live in errors.py (the **Errors** paragraph above is their contract); they are part of this API.
+from streamrover.shard_service.errors import (
+    AckFailedError,
+    AckFailure,
+    AlreadyExistsError,
+    DataLostError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    LeaseLostError,
+    NotFoundError,
+    PermissionDeniedError,
+    ShardServiceError,
+    StaleLeaseError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     from streamrover.cursor import DataCursor
     from streamrover.sources.api import ReadBatch
@@ -68,60 +85,6 @@ DEFAULT_RECORDS_PER_SHARD = 10_000  # streams
 MAX_AUTO_RECORDS_PER_SHARD = 1 << 18  # batch files: one shard per row group, up to this many rows
 DEFAULT_LEASE_TTL = 10.0
 DEFAULT_MAX_SESSIONS = 4096  # worker session streams one master serves at once (a server thread each)
-
-
-class ShardServiceError(Exception):
-    """Base of the errors the service returns; ``code`` is the gRPC status name."""
-
-    code = "INTERNAL"
-
-
-class InvalidArgumentError(ShardServiceError):
-    """The request is malformed: the message names the bad field or value."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class NotFoundError(ShardServiceError):
-    """The request names a dataset, shard, worker or cut the service does not know (or no longer remembers)."""
-
-    code = "NOT_FOUND"
-
-
-class AlreadyExistsError(ShardServiceError):
-    """A dataset of that name is registered with a different spec."""
-
-    code = "ALREADY_EXISTS"
-
-
-class FailedPreconditionError(ShardServiceError):
-    """The request is well-formed but the state forbids it (stale lease, old cut...)."""
-
-    code = "FAILED_PRECONDITION"
-
-
-class StaleLeaseError(FailedPreconditionError):
-    """An ack or progress report for a lease that is no longer current."""
-
-
-class LeaseLostError(StaleLeaseError):
-    """This worker no longer holds the shard: stop applying its records."""
-
-
-class DataLostError(FailedPreconditionError):
-    """A leased shard's data can no longer be read (a file deleted before it was trained): the dataset failed."""
-
-
-class UnauthenticatedError(ShardServiceError):
-    """The call carried no token or the wrong one (the master's state directory holds the right one)."""
-
-    code = "UNAUTHENTICATED"
-
-
-class PermissionDeniedError(ShardServiceError):
-    """The token's role may not make this call (a worker token on an administrator's call): see :data:`ADMIN_CALLS`."""
-
-    code = "PERMISSION_DENIED"
 
 
 class Role(enum.Enum):
@@ -141,12 +104,6 @@ WORKER_CALLS = frozenset({
 })  # fmt: skip
 #: The RPCs only the admin token may make (but see the module docstring's two exceptions).
 ADMIN_CALLS = frozenset({"RegisterDataset", "RemoveDataset", "ResumeDataset", "Restore", "Stop"})
-
-
-class UnavailableError(ShardServiceError):
-    """No master answered within the client's timeout (calls retry ``UNAVAILABLE`` until then)."""
-
-    code = "UNAVAILABLE"
 
 
 class ShardState(enum.Enum):
@@ -272,42 +229,6 @@ def parse_shard_id(shard_id: str) -> tuple[str, int, int, int, int] | None:
         return dataset, int(epoch), int(pindex), int(start), int(end)
     except ValueError:
         return None
-
-
-@dataclass(frozen=True)
-class AckFailure:
-    """An ack the master refused after ``ack()`` had returned (a queued ack)."""
-
-    shard_id: str
-    attempt: int
-    position: int
-    step: int | None
-    error: ShardServiceError
-
-    @property
-    def lease_lost(self) -> bool:
-        """The lease is gone (stale attempt, revoked, unknown shard or worker): its records are not acked."""
-        return isinstance(self.error, (FailedPreconditionError, NotFoundError))
-
-    def __str__(self) -> str:
-        step = "" if self.step is None else f" (step {self.step})"
-        return f"ack of shard {self.shard_id!r} attempt {self.attempt} at {self.position}{step}: {self.error}"
-
-
-class AckFailedError(ShardServiceError):
-    """Acks sent in the background were refused; :attr:`failures` says which and why.
-
-    The records of a lost lease were applied by this worker but are not acked: the
-    shard service will hand them out again. State bound to checkpoints must restart
-    from the last checkpoint; a sink that fences writes by position can note it and go on.
-    """
-
-    def __init__(self, failures: list[AckFailure]) -> None:
-        self.failures = failures
-        self.code = failures[0].error.code if failures else "INTERNAL"
-        shown = "; ".join(str(f) for f in failures[:3])
-        more = f"; and {len(failures) - 3} more" if len(failures) > 3 else ""
-        super().__init__(f"{len(failures)} ack(s) sent in the background were refused: {shown}{more}")
 
 
 class RestoreOutcome(Protocol):
@@ -489,3 +410,13 @@ class ShardService(Protocol):
     def close(self) -> None:
         """Send the acks still queued (briefly), stop the client's threads, close the connection."""
         ...
+
+
+__all__ = [
+    "ADMIN_CALLS", "DEFAULT_LEASE_TTL", "DEFAULT_MAX_SESSIONS", "DEFAULT_RECORDS_PER_SHARD",
+    "MAX_AUTO_RECORDS_PER_SHARD", "WORKER_CALLS", "AckFailedError", "AckFailure", "AckResult", "AlreadyExistsError",
+    "DataLostError", "DatasetSpec", "FailedPreconditionError", "InvalidArgumentError", "LeaseGrant",
+    "LeaseLostError", "LeaseStatus", "NotFoundError", "PartitionPlan", "PermissionDeniedError", "RestoreOutcome",
+    "Role", "Shard", "ShardService", "ShardServiceError", "ShardState", "StaleLeaseError", "UnauthenticatedError",
+    "UnavailableError", "parse_shard_id", "shard_id_for",
+]

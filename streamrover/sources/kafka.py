@@ -44,10 +44,7 @@ from confluent_kafka import (
     OFFSET_BEGINNING,
     OFFSET_END,
     Consumer,
-    ConsumerGroupTopicPartitions,
-    IsolationLevel,
     KafkaError,
-    KafkaException,
     TopicPartition,
 )
 from confluent_kafka import Message as KafkaMessage
@@ -59,9 +56,7 @@ from streamrover.sources.api import (
     Source,
     SourceDataLostError,
     SourceError,
-    SourceGoneError,
     SourceKind,
-    SourceUnavailableError,
     register_source,
 )
 from streamrover.sources.kafka_client import (
@@ -69,8 +64,11 @@ from streamrover.sources.kafka_client import (
     RecordTimes,
     TopicDeadLetters,
     check_client_options,
+    commit_group_offsets,
+    list_offsets,
     non_consumer_options,
     parse_uri,
+    partition_numbers,
     watermarks,
     with_logger,
 )
@@ -214,45 +212,11 @@ class KafkaSource(Source):
 
     # -- master side ----------------------------------------------------------
     def _partition_numbers(self) -> list[int]:
-        try:
-            meta = self._admin_client().list_topics(self.topic, timeout=REQUEST_TIMEOUT)
-        except KafkaException as exc:
-            raise SourceUnavailableError(f"cannot reach Kafka at {self.bootstrap}: {exc}") from exc
-        topic = meta.topics.get(self.topic)
-        if topic is None or (topic.error is not None and topic.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
-            raise SourceGoneError(f"Kafka topic {self.topic!r} does not exist at {self.bootstrap}")
-        if topic.error is not None:
-            raise SourceUnavailableError(f"Kafka topic {self.topic!r}: {topic.error}")
-        return sorted(topic.partitions)
+        return partition_numbers(self._admin_client(), self.topic, self.bootstrap)
 
     def _offsets(self, numbers: list[int], spec: Any, exact: bool = True) -> dict[int, int]:
-        """Per partition number, the offset ``spec`` names; ``exact``: every answer must be one (not -1 or -1001)."""
-        level = IsolationLevel.READ_COMMITTED if self.read_committed else IsolationLevel.READ_UNCOMMITTED
-        request = {TopicPartition(self.topic, n): spec for n in numbers}
-        try:
-            futures = self._admin_client().list_offsets(request, isolation_level=level, request_timeout=REQUEST_TIMEOUT)
-            # Bounded here too: a future librdkafka never resolved (a broker fenced and back under load) held the
-            # master's poller for good, and with it the stream's planning, silently.
-            deadline = time.monotonic() + REQUEST_TIMEOUT + 5
-            found = {
-                tp.partition: int(f.result(timeout=max(deadline - time.monotonic(), 0.0)).offset)
-                for tp, f in futures.items()
-            }
-        except TimeoutError as exc:
-            raise SourceUnavailableError(
-                f"cannot list offsets of {self.topic!r} at {self.bootstrap}: no answer in {REQUEST_TIMEOUT + 5:.0f}s"
-            ) from exc
-        except KafkaException as exc:
-            raise SourceUnavailableError(f"cannot list offsets of {self.topic!r} at {self.bootstrap}: {exc}") from exc
-        # An answer without an offset (-1001, seen from a broker stopped and resumed) is no end: taken as one it
-        # read as "the end went back" (reported as records gone) and lag went negative.
-        invalid = sorted(n for n, off in found.items() if off < 0)
-        if exact and invalid:
-            raise SourceUnavailableError(
-                f"cannot list offsets of {self.topic!r} at {self.bootstrap}: no offset in the answer for partition(s) "
-                + ", ".join(f"{n} ({found[n]})" for n in invalid)
-            )
-        return found
+        """Per partition number, the offset ``spec`` names (:func:`.kafka_client.list_offsets`)."""
+        return list_offsets(self._admin_client(), self.topic, self.bootstrap, numbers, spec, self.read_committed, exact)
 
     def _starts(self, numbers: list[int]) -> dict[int, int]:
         start = self.options.start
@@ -288,22 +252,7 @@ class KafkaSource(Source):
         offsets = [TopicPartition(self.topic, self._pid(pid), pos) for pid, pos in sorted(positions.items())]
         if not offsets:
             return
-        # Through the admin API, bounded by REQUEST_TIMEOUT: a consumer's synchronous commit waits for the group
-        # coordinator with no bound, so an outage would stall the master's poller (and its status) until it ended.
-        group = str(self.rdkafka["group.id"])
-        try:
-            futures = self._admin_client().alter_consumer_group_offsets(
-                [ConsumerGroupTopicPartitions(group, offsets)], request_timeout=REQUEST_TIMEOUT
-            )
-            answered = futures[group].result(timeout=REQUEST_TIMEOUT + 5)
-        except (KafkaException, TimeoutError) as exc:
-            raise SourceUnavailableError(f"cannot commit offsets to group {group!r}: {exc}") from exc
-        refused = [tp for tp in answered.topic_partitions or [] if tp.error is not None]
-        if refused:
-            raise SourceUnavailableError(
-                f"cannot commit offsets to group {group!r}: "
-                + ", ".join(f"partition {tp.partition}: {tp.error}" for tp in refused)
-            )
+        commit_group_offsets(self._admin_client(), str(self.rdkafka["group.id"]), offsets)
 
     def schema(self) -> pa.Schema:
         return self._schema

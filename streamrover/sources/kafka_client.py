@@ -1,4 +1,5 @@
-"""Kafka client plumbing of the Kafka source: its URI, librdkafka settings, the dead-letter topic.
+"""Kafka client plumbing of the Kafka source: its URI, librdkafka settings, the dead-letter topic, and the
+master's requests (topic partitions, offsets, consumer-group commits), each bounded by :data:`REQUEST_TIMEOUT`.
 
 The source itself (partitions, reads, commits) is ``kafka.py``; this module holds what
 does not depend on the source's state.
@@ -13,9 +14,19 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    TIMESTAMP_NOT_AVAILABLE,
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
 
-from streamrover.sources.api import SourceError, SourceUnavailableError
+from streamrover.sources.api import SourceError, SourceGoneError, SourceUnavailableError
 from streamrover.sources.options import OptionError
 from streamrover.sources.serde import DeadLetters, Message
 
@@ -84,6 +95,72 @@ def watermarks(consumer: Consumer, topic: str, numbers: list[int], which: int, w
     except KafkaException as exc:
         raise SourceUnavailableError(f"cannot list offsets of {topic!r} at {where}: {exc}") from exc
     return found
+
+
+# -- the master's admin requests (bounded: a wedged client must not hold the master's poller) ----------------------
+def partition_numbers(admin: AdminClient, topic: str, where: str) -> list[int]:
+    """The partition numbers of ``topic``, sorted; SourceGoneError when it does not exist (``where``: bootstrap)."""
+    try:
+        meta = admin.list_topics(topic, timeout=REQUEST_TIMEOUT)
+    except KafkaException as exc:
+        raise SourceUnavailableError(f"cannot reach Kafka at {where}: {exc}") from exc
+    found = meta.topics.get(topic)
+    if found is None or (found.error is not None and found.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+        raise SourceGoneError(f"Kafka topic {topic!r} does not exist at {where}")
+    if found.error is not None:
+        raise SourceUnavailableError(f"Kafka topic {topic!r}: {found.error}")
+    return sorted(found.partitions)
+
+
+def list_offsets(
+    admin: AdminClient, topic: str, where: str, numbers: list[int], spec: Any, read_committed: bool, exact: bool = True
+) -> dict[int, int]:
+    """Per partition number, the offset ``spec`` names; ``exact``: every answer must be one (not -1 or -1001)."""
+    level = IsolationLevel.READ_COMMITTED if read_committed else IsolationLevel.READ_UNCOMMITTED
+    request = {TopicPartition(topic, n): spec for n in numbers}
+    try:
+        futures = admin.list_offsets(request, isolation_level=level, request_timeout=REQUEST_TIMEOUT)
+        # Bounded here too: a future librdkafka never resolved (a broker fenced and back under load) held the
+        # master's poller for good, and with it the stream's planning, silently.
+        deadline = time.monotonic() + REQUEST_TIMEOUT + 5
+        found = {
+            tp.partition: int(f.result(timeout=max(deadline - time.monotonic(), 0.0)).offset)
+            for tp, f in futures.items()
+        }
+    except TimeoutError as exc:
+        raise SourceUnavailableError(
+            f"cannot list offsets of {topic!r} at {where}: no answer in {REQUEST_TIMEOUT + 5:.0f}s"
+        ) from exc
+    except KafkaException as exc:
+        raise SourceUnavailableError(f"cannot list offsets of {topic!r} at {where}: {exc}") from exc
+    # An answer without an offset (-1001, seen from a broker stopped and resumed) is no end: taken as one it
+    # read as "the end went back" (reported as records gone) and lag went negative.
+    invalid = sorted(n for n, off in found.items() if off < 0)
+    if exact and invalid:
+        raise SourceUnavailableError(
+            f"cannot list offsets of {topic!r} at {where}: no offset in the answer for partition(s) "
+            + ", ".join(f"{n} ({found[n]})" for n in invalid)
+        )
+    return found
+
+
+def commit_group_offsets(admin: AdminClient, group: str, offsets: list[TopicPartition]) -> None:
+    """Commit ``offsets`` to consumer group ``group``; SourceUnavailableError when it fails or any is refused."""
+    # Through the admin API, bounded by REQUEST_TIMEOUT: a consumer's synchronous commit waits for the group
+    # coordinator with no bound, so an outage would stall the master's poller (and its status) until it ended.
+    try:
+        futures = admin.alter_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(group, offsets)], request_timeout=REQUEST_TIMEOUT
+        )
+        answered = futures[group].result(timeout=REQUEST_TIMEOUT + 5)
+    except (KafkaException, TimeoutError) as exc:
+        raise SourceUnavailableError(f"cannot commit offsets to group {group!r}: {exc}") from exc
+    refused = [tp for tp in answered.topic_partitions or [] if tp.error is not None]
+    if refused:
+        raise SourceUnavailableError(
+            f"cannot commit offsets to group {group!r}: "
+            + ", ".join(f"partition {tp.partition}: {tp.error}" for tp in refused)
+        )
 
 
 def with_logger(conf: Mapping[str, Any]) -> dict[str, Any]:

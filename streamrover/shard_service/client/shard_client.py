@@ -17,19 +17,18 @@ recorded waits for them first (``flush()``, ``prepare_cut()``, ``get_cursor()``,
 cut, each acking process must ``flush()`` before the barrier. The full semantics are in
 :mod:`streamrover.shard_service.client.client_acks`.
 
-Leases, acks and heartbeats go as messages on one worker session stream (:mod:`.transport`).
+Leases, acks and heartbeats go as messages on one worker session stream (:mod:`.transport`); joining,
+the heartbeats and leaving are :mod:`.membership`'s, the cut and cursor calls :mod:`.cursor_client`'s.
 Calls survive a master restart: they are retried through ``UNAVAILABLE`` for up to ``timeout``
 seconds (safe: acks are idempotent per attempt, lease requests carry a request id).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any, Literal, overload
 
@@ -45,9 +44,9 @@ from streamrover.shard_service.api import (
     ShardServiceError,
 )
 from streamrover.shard_service.client.client_acks import AckFailure, AckQueue, QueuedAck
-from streamrover.shard_service.client.cursor_client import CursorClient
 from streamrover.shard_service.client.lease_table import LeaseTable
 from streamrover.shard_service.client.leased import LeasedShard
+from streamrover.shard_service.client.membership import MemberClient
 from streamrover.shard_service.client.pacing import Pacing, PrefetchPace
 from streamrover.shard_service.client.tls import ClientTls
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
@@ -57,7 +56,7 @@ log = logging.getLogger(__name__)
 CLOSE_ACK_WAIT = 10.0  # seconds close() waits for queued acks (a master restarting comes back within this)
 
 
-class ShardClient(CursorClient):
+class ShardClient(MemberClient):
     """A connection to the shard service, as a worker and as an administrator."""
 
     def __init__(
@@ -137,26 +136,6 @@ class ShardClient(CursorClient):
             return source
 
     # ------------------------------------------------------------------- worker
-    def join(self) -> str:
-        """Join the job as a worker (:meth:`ShardService.join`); returns the worker id and starts the heartbeats.
-
-        The id is chosen here, before the call, so that a join retried after its answer was lost is the same
-        worker's (a master-chosen id would make a second worker, and leave the first to expire).
-        """
-        worker_id = self.worker_id or f"w-{uuid.uuid4().hex[:12]}"
-        resp = self._call(self._stub.Join, pb.JoinRequest(name=self.name, worker_id=worker_id))
-        self.worker_id = resp.worker_id
-        self._left = False
-        self.heartbeat_interval = resp.heartbeat_interval_seconds
-        if self._want_heartbeat and self._transport.streaming:  # the stream opens now, not in the first lease's time
-            beat = pb.HeartbeatRequest(worker_id=self.worker_id)
-            with contextlib.suppress(ShardServiceError):  # it opens again with the next call
-                self._transport.worker_call("heartbeat", self._stub.Heartbeat, beat)
-        if self._want_heartbeat and self._hb_thread is None:
-            self._hb_thread = threading.Thread(target=self._heartbeats, name="shard-heartbeat", daemon=True)
-            self._hb_thread.start()
-        return self.worker_id
-
     def report_unreadable(self, lease: LeaseGrant, position: int, error: Exception) -> bool:
         """Say ``lease``'s data could not be read from ``position`` (ReportUnreadable: the master checks it).
 
@@ -180,38 +159,6 @@ class ShardClient(CursorClient):
             raise DataLostError(f"dataset {lease.dataset!r} failed: {answer.reason}") from error
         log.error("dataset %s: %s (%d records accounted as lost)", lease.dataset, answer.reason, answer.lost_records)
         return True
-
-    def leave(self) -> int:
-        """Leave the job: queued acks are sent first, then every lease still held goes back.
-
-        Returns how many leases went back. Raises :class:`AckFailedError` afterwards (the
-        worker has left) if acks sent in the background were refused and not yet reported.
-        """
-        self._stop.set()
-        self._left = True
-        self._acks.wait()
-        request = pb.LeaveRequest(worker_id=self.worker_id)
-        returned = self._transport.call(self._stub.Leave, request, gone=pb.LeaveResponse()).leases_returned
-        self.worker_id = ""
-        self._acks.raise_failures()
-        return returned
-
-    def _heartbeats(self) -> None:
-        while not self._stop.wait(self.heartbeat_interval):
-            progress = [pb.ShardProgress(shard_id=i, attempt=a, position=p) for i, a, p in self.leases.progress()]
-            request = pb.HeartbeatRequest(worker_id=self.worker_id, progress=progress)
-            try:
-                resp = self._transport.worker_call("heartbeat", self._stub.Heartbeat, request)
-            except NotFoundError:  # declared dead (paused too long): every lease is gone; join afresh
-                if self._stop.is_set():  # ...unless this client left meanwhile (leave() or close())
-                    return
-                self.leases.revoke_held()
-                self.worker_id = ""
-                self.join()
-                continue
-            except ShardServiceError:
-                continue
-            self.leases.revoke((r.shard_id, r.attempt) for r in resp.revoked)
 
     def lease(self, dataset: str, max_shards: int = 1, wait: float = 5.0) -> tuple[LeaseStatus, list[LeasedShard]]:
         """Lease up to ``max_shards``; returns (the lease status, leased shards).

@@ -27,8 +27,8 @@ from streamrover.shard_service.api import (
 )
 from streamrover.shard_service.master.auth import Tokens, role_in
 from streamrover.shard_service.master.bookkeeping import DatasetRecord
-from streamrover.shard_service.master.compaction import expand
 from streamrover.shard_service.master.core import AckItem, ShardCore
+from streamrover.shard_service.master.cursor_rpc import cut_commit, cut_prepare, get_cursor, restore
 from streamrover.shard_service.master.group_commit import CommitLock
 from streamrover.shard_service.master.info import dataset_info, partition_limit
 from streamrover.shard_service.master.journal import JournalWriteError
@@ -36,7 +36,7 @@ from streamrover.shard_service.master.kv_rpc import kv_delete_range, kv_get, kv_
 from streamrover.shard_service.master.poller import StreamPoller
 from streamrover.shard_service.master.reported import ReportedMetrics
 from streamrover.shard_service.master.session import DEFAULT_MAX_SESSIONS, WorkerSessions, lease_limits, status_of
-from streamrover.shard_service.master.staged_rpc import commit_staged, delete_trained_files
+from streamrover.shard_service.master.staged_rpc import commit_staged
 from streamrover.shard_service.master.stragglers import StragglerWatch, paces_pb
 from streamrover.shard_service.master.unreadable import report_unreadable
 from streamrover.shard_service.v1 import shard_service_pb2 as pb
@@ -114,11 +114,6 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
         poller = StreamPoller(self, name)  # options journalled by an older build fail the dataset in its thread
         self.pollers[name] = poller
         poller.start()
-
-    def _commit_upstream(self) -> None:
-        """Hand the committed positions of stream datasets to their pollers (called with the lock held)."""
-        for name, poller in self.pollers.items():
-            poller.commit_later(self.core.committed_positions(self.core.datasets[name]))
 
     def fail_stop(self, reason: str) -> None:
         """A journal write failed: answer nothing more (memory may be ahead of the journal) and stop the master."""
@@ -369,63 +364,10 @@ class ShardServicer(pb_grpc.ShardServiceServicer):
             self.cond.notify_all()
 
     # ------------------------------------------------------------------- cursor
-    @_rpc
-    def CutPrepare(self, request: pb.CutPrepareRequest, context: Any) -> pb.CutPrepareResponse:
-        """RPC: :meth:`ShardCore.cut_prepare`."""
-        with self.cond:
-            cut = self.core.cut_prepare(request.step if request.has_step else None, persisting=request.persisting)
-            return pb.CutPrepareResponse(cut_id=cut.id, cursor=convert.cursor_to_pb(cut.cursor))
-
-    @_rpc
-    def CutCommit(self, request: pb.CutCommitRequest, context: Any) -> pb.CutCommitResponse:
-        """RPC: :meth:`ShardCore.cut_commit`; upstream commits and staged retention follow."""
-        with self.cond:
-            committed = self.core.cut_commit(request.cut_id)
-            self._commit_upstream()
-            trained = self.core.staged.trained_staged_files()
-        delete_trained_files(trained)  # I/O outside the lock
-        return pb.CutCommitResponse(committed=convert.cursor_to_pb(committed))
-
-    @_rpc
-    def GetCursor(self, request: pb.GetCursorRequest, context: Any) -> pb.GetCursorResponse:
-        """RPC: the committed cursor and the acked cursor."""
-        with self.cond:
-            return pb.GetCursorResponse(
-                committed=convert.cursor_to_pb(self.core.committed),
-                acked=convert.cursor_to_pb(self.core.acked_cursor()),
-            )
-
-    @_rpc
-    def Restore(self, request: pb.RestoreRequest, context: Any) -> pb.RestoreResponse:
-        """RPC: :meth:`ShardCore.restore` to a cursor or a remembered cut."""
-        which = request.WhichOneof("target")
-        if which is None:
-            raise InvalidArgumentError("restore: give a cut_id or a cursor")
-        worker = role_in(context, self.tokens) is not Role.ADMIN
-        if worker and (which != "cursor" or request.discard_committed):
-            raise PermissionDeniedError(
-                "Restore to a cut or discarding committed progress: the worker role may not; it needs the admin token"
-            )
-        with self.cond:
-            asked = expand(convert.cursor_from_pb(request.cursor), self.core.datasets) if worker else None
-            if asked is not None and not self.core.cut_book.issued(asked):
-                raise PermissionDeniedError(
-                    "Restore to a cursor this master did not issue (not the committed or durable cursor, nor a "
-                    "cut it remembers): the worker role may not; it needs the admin token"
-                )
-            if which == "cursor":
-                revoked, requeued = self.core.restore(
-                    cursor=convert.cursor_from_pb(request.cursor),
-                    discard_committed=request.discard_committed,
-                    from_memory=request.from_memory,
-                )
-            else:
-                revoked, requeued = self.core.restore(
-                    cut_id=request.cut_id, discard_committed=request.discard_committed
-                )
-            self._commit_upstream()
-            self.cond.notify_all()
-            return pb.RestoreResponse(leases_revoked=revoked, records_requeued=requeued)
+    CutPrepare = _rpc(cut_prepare)  # cuts, commits and restores (.cursor_rpc)
+    CutCommit = _rpc(cut_commit)
+    GetCursor = _rpc(get_cursor)
+    Restore = _rpc(restore)
 
     # ------------------------------------------------------------------- status
     @_rpc
