@@ -334,9 +334,10 @@ class TorchExporter:
         self._trace = self._bindable(blob, model_state)
         return blob
 
-    def _traced(self, model_state: dict[str, Any]) -> bytes:
-        import torch
-
+    def _module_and_args(self, model_state: dict[str, Any], clone: bool = False) -> tuple[Any, tuple[Any, ...]]:
+        """A fresh model (``model_factory``) holding ``model_state``, in eval mode, wrapped so that the tracked
+        tables are inputs after the model's own, and the arguments to trace it with (the tables' weights cloned
+        with ``clone``: a TorchScript trace keeps its example inputs)."""
         model = self.model_factory()
         try:
             model.load_state_dict(model_state)
@@ -346,7 +347,13 @@ class TorchExporter:
         model.eval()
         params = dict(model.named_parameters())
         module = _TablesAsInputs.build(model, self.tables, len(self.example_inputs)) if self.tables else model
-        args = (*self.example_inputs, *(params[t].detach() for t in self.tables))
+        tables = (params[t].detach() for t in self.tables)
+        return module, (*self.example_inputs, *((t.clone() for t in tables) if clone else tables))
+
+    def _traced(self, model_state: dict[str, Any]) -> bytes:
+        import torch
+
+        module, args = self._module_and_args(model_state)
         dynamic = {n: {0: "batch"} for n in [*self.input_names, *self.output_names]}
         with tempfile.TemporaryDirectory(prefix="streamrover-export-") as tmp, torch.no_grad():
             path = os.path.join(tmp, MODEL_FILE)

@@ -19,8 +19,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from streamrover.serving.api import ExportError
-from streamrover.serving.export import TorchExporter, _TablesAsInputs
+from streamrover.serving.export import TorchExporter
 
 TORCHSCRIPT_FILE = "model.pt"
 
@@ -37,16 +36,7 @@ class TorchScriptExporter(TorchExporter):
     def _model_files(self, model_state: dict[str, Any]) -> dict[str, bytes]:
         import torch
 
-        model = self.model_factory()
-        try:
-            model.load_state_dict(model_state)
-        except RuntimeError as exc:
-            raise ExportError(f"the checkpoint's model state does not fit the model factory's module (select="
-                              f"{self.select!r}): {exc}") from exc  # fmt: skip
-        model.eval()
-        params = dict(model.named_parameters())
-        module = _TablesAsInputs.build(model, self.tables, len(self.example_inputs)) if self.tables else model
-        args = (*self.example_inputs, *(params[t].detach().clone() for t in self.tables))
+        module, args = self._module_and_args(model_state, clone=True)
         with torch.no_grad():
             traced = torch.jit.trace(module, args, check_trace=False)
         buffer = io.BytesIO()
