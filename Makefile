@@ -17,7 +17,7 @@ comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
 
-.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s seaweedfs-build-start seaweedfs flink-sink image serving-venv
+.PHONY: setup install demo demo-backfill test lint docs bench clean proto jars browser k8s-build-start k8s seaweedfs-build-start seaweedfs flink-sink image serving-venv dlrover-venv
 
 # The operator image (deploy/docker/Dockerfile), tagged with the package's version: the tag deploy/k8s names.
 # Needs docker (BuildKit: it reads deploy/docker/Dockerfile.dockerignore) or podman; this project's CI machines
@@ -93,6 +93,11 @@ flink-sink:
 serving-venv:
 	PYTHON=$(PYTHON) bash scripts/build-serving-venv.sh
 
+# DLRover's flash checkpoint, the peer of `python -m benchmarks ckpt` (torch from $(VENV) through a .pth), cached
+# under ~/.cache/streamrover.
+dlrover-venv: install
+	BASE_VENV=$(VENV) bash scripts/build-dlrover-venv.sh
+
 # The k8s tests' control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok) is built from Go
 # modules into ~/.cache/streamrover/k8s: ~17 min cold on 2 cores, seconds when cached. `test` starts that
 # build first, in the background, so it overlaps the network-bound set-up (pip, Maven) and the first tests;
@@ -120,7 +125,7 @@ setup: k8s-build-start seaweedfs-build-start
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
-bench: $(BENCH_STAMP) jars flink-sink serving-venv seaweedfs
+bench: $(BENCH_STAMP) jars flink-sink serving-venv seaweedfs dlrover-venv
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 proto: install

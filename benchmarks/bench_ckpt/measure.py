@@ -14,7 +14,9 @@ from typing import Any
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
-DLROVER_PY = os.environ.get("STREAMROVER_DLROVER_PYTHON", "/work/venvs/dlrover/bin/python")
+#: DLRover's venv (``make dlrover-venv``: scripts/build-dlrover-venv.sh) unless STREAMROVER_DLROVER_PYTHON names one
+DLROVER_PY = os.environ.get("STREAMROVER_DLROVER_PYTHON") or os.path.join(
+    os.environ.get("STREAMROVER_CACHE") or os.path.expanduser("~/.cache/streamrover"), "dlrover-venv", "bin", "python")
 # Peak resident memory of one size, in state sizes: the state, our two shared-memory buffers and the memcpy
 # peer's destination while saving (page cache is reclaimable); the restore children need less.
 PEAK_FACTOR = 4.0

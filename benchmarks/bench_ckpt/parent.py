@@ -146,7 +146,7 @@ def run_size(size: int, a: argparse.Namespace) -> dict[str, Any]:
 
 def bench_dlrover(run: Run, size: int, a: argparse.Namespace) -> dict[str, Any]:
     if not os.path.exists(DLROVER_PY):
-        return {"error": f"no DLRover venv at {DLROVER_PY} (set STREAMROVER_DLROVER_PYTHON)"}
+        return {"error": f"no DLRover venv at {DLROVER_PY} (make dlrover-venv, or set STREAMROVER_DLROVER_PYTHON)"}
     script = Path(__file__).with_name("dlrover_peer.py")
     cmd = [DLROVER_PY, str(script), "--bytes", str(size), "--tensors", str(a.tensors), "--dir", str(run.work)]
     cmd += ["--warmups", str(a.warmups), "--repeats", str(a.repeats)]
