@@ -37,12 +37,13 @@ from streamrover.ckpt.api import (
     SaverError,
     SharedMemoryTooSmallError,
     SnapshotCopyError,
+    SnapshotRef,
     StorageUnavailableError,
     UnsupportedStateError,
 )
 from streamrover.ckpt.checkpointer import Checkpointer, CheckpointFallbackWarning
 from streamrover.ckpt.lineage import CheckpointInfo, list_checkpoints, new_since
-from streamrover.ckpt.memory import purge_shared_memory
+from streamrover.ckpt.memory import load_shared, purge_shared_memory
 from streamrover.ckpt.saver import CheckpointSaver
 from streamrover.ckpt.tf_adapter import load_tf_variables_state, tf_variables_state
 from streamrover.ckpt.torch_adapter import (
@@ -71,12 +72,14 @@ __all__ = [
     "SaverError",
     "SharedMemoryTooSmallError",
     "SnapshotCopyError",
+    "SnapshotRef",
     "StorageUnavailableError",
     "TorchCheckpoint",
     "UnsupportedStateError",
     "fsdp_sharded_state",
     "list_checkpoints",
     "load_fsdp_sharded_state",
+    "load_shared",
     "load_tf_variables_state",
     "load_torch_state",
     "namespace_for",

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from streamrover.ckpt.api import FORMAT_VERSION, SnapshotCopyError
+from streamrover.ckpt.api import FORMAT_VERSION, SnapshotCopyError, SnapshotRef
 from streamrover.ckpt.copier import CopyError, CopyJob, file_writer
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
 from streamrover.ckpt.shm import ALIGN, DATA_START, SHM_DIR, SharedBuffer, align, check_shm_space, shm_path
@@ -91,6 +91,11 @@ class Snapshot:
     def seq(self) -> int:
         """The snapshot's sequence number (the newest snapshot has the highest)."""
         return int(self.header["seq"])
+
+    def ref(self) -> SnapshotRef | None:
+        """Where another process of this node can map this snapshot (None: written before snapshots had ids)."""
+        uid = self.header.get("uid")
+        return SnapshotRef(self.name, self.generation, str(uid)) if uid else None
 
 
 def plan_layout(entries: list[TensorEntry]) -> tuple[list[int], int]:
@@ -216,6 +221,7 @@ class MemoryEngine:
         header: dict[str, Any] = {
             "format": FORMAT_VERSION,
             "seq": self._seq + 1,
+            "uid": os.urandom(8).hex(),  # names this snapshot for processes that map it (SnapshotRef)
             "step": step,
             "rank": self.rank,
             "skeleton": skeleton,
@@ -386,6 +392,25 @@ class SnapshotWrite:
             ) from exc
         assert self.snapshot is not None
         return self.snapshot
+
+
+def load_shared(ref: SnapshotRef, consume: Callable[[Any], object]) -> bool:
+    """Map the snapshot ``ref`` names and hand its state (views of shared memory) to ``consume``, which must copy
+    what it keeps (``load_state_dict`` does). Returns False, without calling ``consume``, when this node holds no
+    such snapshot (another node, or the buffer is gone or holds another snapshot now); also False when the
+    snapshot was overwritten while ``consume`` ran (what it copied is then torn: load it again from elsewhere).
+    """
+    buf = SharedBuffer.open(ref.name, writable=True)  # writable: torch warns on read-only views; never written
+    if buf is None:
+        return False
+    try:
+        found = buf.read_header()
+        if found is None or found[0] != ref.generation or found[1].get("uid") != ref.uid:
+            return False
+        consume(read_state(buf.mm, found[1], zero_copy=True))
+        return buf.still_valid(ref.generation)
+    finally:
+        buf.close()  # consume's views are gone; a view still alive keeps the mapping until it goes
 
 
 def read_state(buffer: Any, header: dict[str, Any], zero_copy: bool) -> Any:
