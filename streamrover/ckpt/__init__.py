@@ -43,8 +43,9 @@ from streamrover.ckpt.api import (
 )
 from streamrover.ckpt.checkpointer import Checkpointer, CheckpointFallbackWarning
 from streamrover.ckpt.lineage import CheckpointInfo, list_checkpoints, new_since
-from streamrover.ckpt.memory import load_shared, purge_shared_memory
+from streamrover.ckpt.memory import purge_shared_memory
 from streamrover.ckpt.saver import CheckpointSaver
+from streamrover.ckpt.shared import load_shared, newest_ref
 from streamrover.ckpt.tf_adapter import load_tf_variables_state, tf_variables_state
 from streamrover.ckpt.torch_adapter import (
     TorchCheckpoint,
@@ -84,6 +85,7 @@ __all__ = [
     "load_torch_state",
     "namespace_for",
     "new_since",
+    "newest_ref",
     "purge_shared_memory",
     "saver_address",
     "tf_variables_state",

@@ -141,7 +141,7 @@ class RetentionPolicy:
 
 @dataclass(frozen=True)
 class SnapshotRef:
-    """A shared-memory snapshot that another process on the same node can map (:func:`~streamrover.ckpt.memory.
+    """A shared-memory snapshot that another process on the same node can map (:func:`~streamrover.ckpt.shared.
     load_shared`): its buffer's name, the seqlock generation it was read at and the snapshot's random id. A
     process on another node never matches it: a buffer of the same name there holds another id."""
 

@@ -394,25 +394,6 @@ class SnapshotWrite:
         return self.snapshot
 
 
-def load_shared(ref: SnapshotRef, consume: Callable[[Any], object]) -> bool:
-    """Map the snapshot ``ref`` names and hand its state (views of shared memory) to ``consume``, which must copy
-    what it keeps (``load_state_dict`` does). Returns False, without calling ``consume``, when this node holds no
-    such snapshot (another node, or the buffer is gone or holds another snapshot now); also False when the
-    snapshot was overwritten while ``consume`` ran (what it copied is then torn: load it again from elsewhere).
-    """
-    buf = SharedBuffer.open(ref.name, writable=True)  # writable: torch warns on read-only views; never written
-    if buf is None:
-        return False
-    try:
-        found = buf.read_header()
-        if found is None or found[0] != ref.generation or found[1].get("uid") != ref.uid:
-            return False
-        consume(read_state(buf.mm, found[1], zero_copy=True))
-        return buf.still_valid(ref.generation)
-    finally:
-        buf.close()  # consume's views are gone; a view still alive keeps the mapping until it goes
-
-
 def read_state(buffer: Any, header: dict[str, Any], zero_copy: bool) -> Any:
     """Rebuild the state of a snapshot header from ``buffer`` (mmap or bytes-like)."""
     rows = header["tensors"]

@@ -1,4 +1,5 @@
-"""``load_shared``: another process of the node maps the very snapshot a load returned, or learns it cannot.
+"""``load_shared`` / ``newest_ref``: another process of the node maps the very snapshot a load returned, or
+learns it cannot.
 
 A restarted DDP group's ranks on rank 0's node read rank 0's restored snapshot from shared memory instead of
 receiving it by broadcast (``StreamSession``); they must get exactly those bytes or a clear "no", never another
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from streamrover.ckpt import Checkpointer, LoadedFrom, load_shared
+from streamrover.ckpt import Checkpointer, LoadedFrom, load_shared, namespace_for, newest_ref
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -30,6 +31,8 @@ def test_a_process_maps_the_loaded_snapshot_and_refuses_any_other(root: str) -> 
         loaded = ckpt.load(restore=False)
         assert loaded.source is LoadedFrom.MEMORY and loaded.snapshot is not None
         ref = loaded.snapshot
+        assert newest_ref(namespace_for(root), 0) == ref, "found by its namespace and rank as well"
+        assert newest_ref(namespace_for(root), 1) is None and newest_ref(namespace_for(root + "x"), 0) is None
         # another process of this node: it gets the snapshot's bytes (the state crosses as a checksum)
         code = (
             "import sys, json, numpy as np; from streamrover.ckpt import SnapshotRef, load_shared; "
@@ -54,6 +57,7 @@ def test_a_process_maps_the_loaded_snapshot_and_refuses_any_other(root: str) -> 
         assert not load_shared(ref, calls.append) and not calls, "its generation moved on: the snapshot is gone"
         newest = ckpt.load(restore=False)
         assert newest.step == 3 and newest.snapshot is not None and newest.snapshot.name == ref.name
+        assert newest_ref(namespace_for(root), 0) == newest.snapshot
         got: list[Any] = []
         assert load_shared(newest.snapshot, lambda s: got.append(np.array(s["w"])))
         np.testing.assert_array_equal(got[0], _state(3)["w"])

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -48,6 +49,7 @@ from streamrover.trainers.torch.pace import progress_ages
 
 log = logging.getLogger(__name__)
 SAVER_DRAIN_TIMEOUT = 300.0
+MONITOR_TICK = 1e-4  # torchelastic's sleep between monitor calls; ours waits in ExitWatch.wait instead
 
 
 class HealthReporter:
@@ -155,6 +157,43 @@ def _proc_state(pid: int) -> str:
         return "?"
 
 
+class ExitWatch:
+    """Wakes the agent's monitor loop as soon as a worker process exits, instead of at its next
+    ``--monitor-interval`` tick (a pidfd per worker, Linux >= 5.3; elsewhere it sleeps the interval)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}  # pidfd -> pid
+
+    def watch(self, pids: list[int]) -> None:
+        """Watch these workers (the ones watched before are dropped)."""
+        self.close()
+        for pid in pids:
+            try:
+                self._fds[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:  # exited already: the monitor's next look sees it
+                continue
+            except (OSError, AttributeError):  # no pidfd here: sleep the interval (torchelastic's own way)
+                self.close()
+                return
+
+    def wait(self, timeout: float) -> None:
+        """Return after ``timeout`` seconds, or at once when a watched worker has exited (each exit wakes once)."""
+        if not self._fds:
+            time.sleep(timeout)
+            return
+        poller = select.poll()
+        for fd in self._fds:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(timeout * 1000):
+            self._fds.pop(fd, None)
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
 def progress_directory() -> Path:
     """A fresh directory for this agent's workers' progress marks (``--hang-timeout``)."""
     return Path(tempfile.mkdtemp(prefix="streamrover-progress-"))
@@ -175,6 +214,12 @@ class StreamroverAgent(LocalElasticAgent):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        # torchelastic sleeps --monitor-interval between looks at its workers, so a dead worker was seen 0.05 s
+        # later on average (0.1 s at worst); the exit watch wakes it at once, and waits the interval otherwise
+        spec = self._worker_group.spec
+        self._monitor_interval = spec.monitor_interval
+        spec.monitor_interval = MONITOR_TICK
+        self._exits = ExitWatch()
         self._hang_timeout = hang_timeout if progress_dir is not None else 0.0
         self._progress_dir = progress_dir
         self._standby = standby
@@ -203,11 +248,14 @@ class StreamroverAgent(LocalElasticAgent):
             for mark in self._progress_dir.glob("progress-*"):
                 mark.unlink(missing_ok=True)
         if self._standby is None:
-            return super()._start_workers(worker_group)
+            pids = super()._start_workers(worker_group)
+            self._exits.watch(list(pids.values()))
+            return pids
         served = self._standby.served
         log.info("rendezvous done: starting %d workers", len(worker_group.workers))
         with self._standby.serving():
             pids = super()._start_workers(worker_group)
+        self._exits.watch(list(pids.values()))
         log.info("started %d workers, %d in warm standbys", len(pids), self._standby.served - served)
         self._standby.schedule_fill()  # later: the standbys' imports would slow these workers' start-up
         return pids
@@ -221,6 +269,7 @@ class StreamroverAgent(LocalElasticAgent):
                  time.monotonic() - stopped)  # fmt: skip
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._exits.wait(self._monitor_interval)
         result = super()._monitor_workers(worker_group)
         if result.state is WorkerState.HEALTHY and self._hang_timeout > 0 and self._hung(worker_group):
             return RunResult(state=WorkerState.UNHEALTHY)  # torchelastic restarts the group (a worker restart)
@@ -277,6 +326,7 @@ class StreamroverAgent(LocalElasticAgent):
                                 self._rdzv_handler_round(), result.failures)  # fmt: skip
             return result
         finally:
+            self._exits.close()
             if self._standby is not None:
                 self._standby.close()
             if self._progress_dir is not None:

@@ -51,7 +51,15 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from streamrover.ckpt import Checkpointer, CursorBinder, RetentionPolicy, SnapshotRef, load_shared
+from streamrover.ckpt import (
+    Checkpointer,
+    CursorBinder,
+    RetentionPolicy,
+    SnapshotRef,
+    load_shared,
+    namespace_for,
+    newest_ref,
+)
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
 from streamrover.ckpt.torch_adapter import TorchCheckpoint, load_torch_state, torch_state
 from streamrover.serving.tables import TOUCHED_KEY
@@ -126,6 +134,7 @@ class StreamSession:
         root = ckpt_dir or cfg.ckpt_dir
         if not root:
             raise ValueError("no checkpoint location: run under dlrover-run --ckpt-dir URL, or pass ckpt_dir=")
+        self._namespace = namespace_for(root, cfg.ckpt_job)  # rank 0's snapshots, if on this node
         node = cfg.node_id or "local"
         self.client = ShardClient(address, token=cfg.token if token is None else token, name=f"rank{self.rank}@{node}")
         self.client.join()
@@ -229,9 +238,19 @@ class StreamSession:
 
     def _share_state(self, shared: SnapshotRef | None) -> str:
         """Give every rank rank 0's restored state (a collective; rank 0 has reset the cursor already, so no rank
-        leases before that). Ranks on rank 0's node map the snapshot it restored from shared memory themselves;
+        leases before that). Ranks on rank 0's node map the snapshot it restored from shared memory themselves (the
+        newest one of its part while rank 0 loads, checked against the one rank 0 names after);
         the gloo broadcast of the whole state runs only if some rank could not (another node, a restore from
         storage, a fresh start). Every rank then holds the bytes of the one snapshot rank 0 restored."""
+
+        def consume(state: Any) -> None:
+            load_torch_state(state, self.model, self.optimizer)
+
+        guess = None  # meanwhile rank 0 loads: the newest snapshot of its part on this node is likely the one
+        if self.rank != 0:
+            guess = newest_ref(self._namespace, 0)
+            if guess is not None and not load_shared(guess, consume):
+                guess = None
         header: list[Any] = [{"step": self.step, "from": self.restored_from,
                               "snapshot": dataclasses.asdict(shared) if shared is not None else None}]  # fmt: skip
         dist.broadcast_object_list(header, src=0)
@@ -240,10 +259,9 @@ class StreamSession:
         if self.rank != 0:
             self.step = int(info["step"])
             self.restored_from = info["from"]
-            ref = info["snapshot"]
-            mapped = ref is not None and load_shared(
-                SnapshotRef(**ref), lambda state: load_torch_state(state, self.model, self.optimizer)
-            )
+            ref = SnapshotRef(**info["snapshot"]) if info["snapshot"] is not None else None
+            # the same buffer, generation and id as rank 0's: the bytes it loaded (read whole, seqlock checked)
+            mapped = ref is not None and (ref == guess or load_shared(ref, consume))
         everyone = torch.tensor([1 if mapped else 0], dtype=torch.int32)
         dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
         if int(everyone.item()) == 1:
