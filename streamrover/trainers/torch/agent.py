@@ -47,6 +47,7 @@ from streamrover.ckpt import CheckpointSaver, purge_shared_memory
 from streamrover.shard_service import ShardClient, ShardServiceError
 from streamrover.trainers.standby import StandbyPool
 from streamrover.trainers.torch.pace import progress_ages
+from streamrover.trainers.torch.rendezvous import no_first_round_skew
 
 log = logging.getLogger(__name__)
 SAVER_DRAIN_TIMEOUT = 300.0
@@ -246,6 +247,7 @@ class StreamroverAgent(LocalElasticAgent):
         self._monitor_interval = spec.monitor_interval
         spec.monitor_interval = MONITOR_TICK
         self._exits = ExitWatch()
+        self._rendezvoused = False
         self._hang_timeout = hang_timeout if progress_dir is not None else 0.0
         self._progress_dir = progress_dir
         self._standby = standby
@@ -292,6 +294,14 @@ class StreamroverAgent(LocalElasticAgent):
         for handler in getattr(self._pcontext, "subprocess_handlers", {}).values():
             if type(handler.proc) is subprocess.Popen:
                 handler.proc.__class__ = PidfdPopen
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if not self._rendezvoused:  # the first join keeps torch's random skew of the nodes' joins
+            self._rendezvoused = True
+            super()._rendezvous(worker_group)
+            return
+        with no_first_round_skew():  # a restart: no 0-0.3 s sleep (rendezvous.py)
+            super()._rendezvous(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
