@@ -1,13 +1,14 @@
 """A master restarted after a long history (issue 32, piece 4): replay time and journal bytes against shards acked.
 
 The core (``ShardCore`` over the master's own SQLite journal, in this process) is driven at full speed: a stream
-dataset of ``--partitions`` partitions is extended poll after poll, one worker leases the new shards (``LEASE_BATCH``
-a call) and acks them to their ends in one batch, and a cut is taken and committed after every poll, as a checkpoint would. At each
-milestone (a tenth of ``--shards`` and ``--shards``) the journal's bytes (database and WAL) are read; at the end the
-journal is closed and a real ``streamrover master`` process is started on that state dir: the row is the time from
-its start until a ``status`` call is answered (replayed and serving). The peer, in the same run: the same restart
-of a master whose journal holds the same dataset with no history. Goal (issue 32): <= 5 s at 10M shards; journal
-bytes per million shards flat (+-10 %) between 1M and 10M (a journal that does not grow is flat at any count).
+dataset of ``--partitions`` partitions is extended poll after poll, one worker leases the new shards
+(``LEASE_BATCH`` a call) and acks them to their ends in one batch, and a cut is taken and committed after every
+poll, as a checkpoint would. At each milestone (a tenth of ``--shards`` and ``--shards``) the journal's bytes
+(database and WAL) are read; at the end the journal is closed and a real ``streamrover master`` process is started
+on that state dir: the row is the time from its start until a ``status`` call is answered (replayed and serving).
+The peer, in the same run: the same restart of a master whose journal holds the same dataset with no history. Goal
+(issue 32): <= 5 s at 10M shards; journal bytes per million shards flat (+-10 %) between 1M and 10M (a journal that
+does not grow is flat at any count).
 
 ``restart_seconds(state_dir)`` is what ``python -m benchmarks scale`` calls for its restart row.
 """
