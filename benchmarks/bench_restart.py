@@ -126,4 +126,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goal: <= 5 s after 10M shards: {'met' if after <= 5 else 'NOT met'} at {shards:,} shards "
               f"(pid {os.getpid()})")  # fmt: skip
     return 0
-
