@@ -82,6 +82,21 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+#: util-linux's setpriv sets the child's parent-death signal itself, so Popen needs no ``preexec_fn``: a
+#: ``preexec_fn`` makes CPython fork() instead of vfork(), and a fork runs gRPC's fork handlers in the child,
+#: which restart its poller there; Popen's close_fds then closes the poller's epoll fd and the child aborts
+#: before its exec (grpc/grpc#43055, grpcio >= 1.81; seen: kube-scheduler "exited with code -6" after "Epoll1Poller
+#: ... epoll_wait error: Bad file descriptor" in its log, every k8s test erroring at set-up).
+_SETPRIV = shutil.which("setpriv")
+
+
+def _spawn_argv(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """``argv`` to start a child that is SIGKILLed when this process dies, and the ``preexec_fn`` it still needs."""
+    if _SETPRIV is not None:
+        return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv], None
+    return argv, _die_with_parent
+
+
 class ChildProcess:
     """One long-running child process with its output appended to a log file.
 
@@ -117,9 +132,10 @@ class ChildProcess:
             self.log_offset = log.tell()
             log.write(f"===== {self.name} starting: {' '.join(self.argv)}\n".encode())
             log.flush()
+            argv, preexec = _spawn_argv(self.argv)
             self._proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd,
-                env=self.env, start_new_session=True, preexec_fn=_die_with_parent,
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd,
+                env=self.env, start_new_session=True, preexec_fn=preexec,
             )
         atexit.register(self._atexit_kill)
 
