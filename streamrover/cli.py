@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                    help="worker session streams served at once, a server thread each (default %(default)s); past it"
                    " a worker uses unary calls")
+    m.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="the interpreter's thread switch interval (Python's default 5 ms); 1 halves the lease p99"
+                   " of a master serving ~1,000 worker streams, for ~20%% more CPU per shard (issue 32)")
 
     wt = sub.add_parser("worker-token", help="print the worker token of an admin token (what workers are given)")
     wt.add_argument("--token", default=os.environ.get("STREAMROVER_TOKEN"), help="the admin token")
@@ -202,6 +205,10 @@ def _run_master(args: argparse.Namespace) -> int:
     http_port = args.http_port
     if http_port is None:
         http_port = args.port + 1 if args.port else 0
+    if args.switch_interval_ms is not None:
+        if not 0 < args.switch_interval_ms <= 1000:
+            raise SystemExit(f"streamrover master: --switch-interval-ms {args.switch_interval_ms} must be in (0, 1000]")
+        sys.setswitchinterval(args.switch_interval_ms / 1000)  # a thread woken by gRPC waits this long at most
     server = MasterServer(
         state_dir, tokens, host=args.host, port=args.port, lease_ttl=args.lease_ttl, durability=args.durability,
         http_port=None if http_port < 0 else http_port, http_host=args.http_host, http_fallback=args.http_port is None,

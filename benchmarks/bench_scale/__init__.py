@@ -52,7 +52,16 @@ def _topic(bootstrap: str, partitions: int, records: int) -> str:
     admin.create_topics([NewTopic(name, min(partitions, step), 1)])[name].result(300)
     for n in range(2 * step, partitions + step, step):
         admin.create_partitions([NewPartitions(name, min(n, partitions))])[name].result(300)
+    deadline = time.monotonic() + 300
+    while True:  # a partition the producer's metadata does not know yet is refused (UNKNOWN_PARTITION)
+        meta = admin.list_topics(name, timeout=60).topics[name].partitions
+        if len(meta) == partitions and all(p.leader >= 0 for p in meta.values()):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name}: {len(meta)} of {partitions} partitions with a leader after 300 s")
+        time.sleep(0.5)  # polling the broker's metadata, not synchronisation
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+    producer.list_topics(name, timeout=60)  # its metadata holds every partition before the first record
     for i in range(records):
         while True:
             try:

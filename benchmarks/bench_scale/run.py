@@ -43,6 +43,7 @@ class Point:
     restart_s: float
     sessions: int           # the master's worker_sessions gauge with every worker connected (and the bench's own)
     errors: int
+    master_cpu_share: float  # the master's CPU seconds per wall second in the window (the machine has 2 cores)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -157,6 +158,7 @@ def run_point(
         rss_mib=rss / 2**20, journal_per_m_shards_mib=(journal1 - journal0) / max(shards, 1) * 1e6 / 2**20,
         status_ms=status_s * 1e3, metrics_ms=metrics_s * 1e3, dashboard_ms=dashboard_s * 1e3, restart_s=restart,
         sessions=sessions if ready == workers else -ready, errors=len(result.errors),
+        master_cpu_share=cpu / max(wall, 1e-9),
     )  # fmt: skip
 
 

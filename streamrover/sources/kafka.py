@@ -75,6 +75,12 @@ from streamrover.sources.kafka_client import (
 from streamrover.sources.options import KafkaOptions, client_options
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
+#: A poll lists the topic's partitions (new ones are planned, a deleted topic is told) at most once per this many
+#: partitions a second: at every poll below a thousand, every 10 s at 10,000. Issue 32: one listing of 10,000
+#: partitions is 100-300 ms of the master's CPU in one call (10,000 metadata objects); at every poll (100 ms apart)
+#: it stalled the master's threads 100-300 ms about once a second (lease p99 128-378 ms at W = 1,000).
+LISTED_PER_SECOND = 1000
+
 RAW_SCHEMA = pa.schema(
     [("key", pa.binary()), ("value", pa.binary()), ("timestamp", pa.int64()), ("offset", pa.int64())]
 )
@@ -187,6 +193,7 @@ class KafkaSource(Source):
         self._dead = TopicDeadLetters(self.rdkafka, topic) if topic else DeadLetters(self.options.dead_letter_dir)
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
+        self._listed: tuple[float, list[int]] | None = None  # the partition numbers polls ask for, and until when
         self._resume: _Resume | None = None  # where the consumer is after a finished read
         self._times: RecordTimes | None = None  # the master's reader of record timestamps
         self.not_before: int | None = None  # ms: records timestamped before are skipped (history.py holds them)
@@ -243,10 +250,23 @@ class KafkaSource(Source):
         return [Partition(f"{self.topic}-{n}", starts[n], max(ends[n], starts[n])) for n in numbers]
 
     def poll(self) -> list[Partition]:  # the ends in requests of 250 partitions (kafka_client.watermarks)
-        numbers, consumer = self._partition_numbers(), self._consumer_client()
-        ends = watermarks(consumer, self.topic, numbers, OFFSET_END, self.bootstrap)
-        earliest = watermarks(consumer, self.topic, numbers, OFFSET_BEGINNING, self.bootstrap)
+        numbers, consumer = self._polled_numbers(), self._consumer_client()
+        try:
+            ends = watermarks(consumer, self.topic, numbers, OFFSET_END, self.bootstrap)
+            earliest = watermarks(consumer, self.topic, numbers, OFFSET_BEGINNING, self.bootstrap)
+        except SourceError:
+            self._listed = None  # the next poll lists the partitions again (a deleted topic is told so)
+            raise
         return [Partition(f"{self.topic}-{n}", earliest[n], ends[n], earliest=earliest[n]) for n in numbers]
+
+    def _polled_numbers(self) -> list[int]:
+        """The topic's partition numbers for a poll: listed again once ``LISTED_PER_SECOND`` of them have had a
+        second (at every poll below a thousand partitions)."""
+        now = time.monotonic()
+        if self._listed is None or now >= self._listed[0]:
+            numbers = self._partition_numbers()
+            self._listed = (now + len(numbers) / LISTED_PER_SECOND, numbers)
+        return self._listed[1]
 
     def commit(self, positions: Mapping[str, int]) -> None:
         offsets = [TopicPartition(self.topic, self._pid(pid), pos) for pid, pos in sorted(positions.items())]

@@ -185,3 +185,62 @@ def test_batches_span_consumer_calls_and_keep_every_column(kafka_broker: Any) ->
         assert max(sizes) == 2 * CHUNK + 7  # batches made of several consume() calls
     finally:
         source.close()
+
+
+def test_a_large_topic_is_listed_once_per_period_and_again_after_a_failed_poll(
+    kafka_broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32: listing 10,000 partitions at every poll (100 ms apart) stalled the master's answers; a poll now
+    reuses the listing for len/LISTED_PER_SECOND seconds, and a poll that fails lists again, so a deleted topic
+    is still told as gone (SourceGoneError), not only as a broker that does not answer."""
+    import time
+
+    from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
+
+    from streamrover.sources import kafka as kafka_module
+    from streamrover.sources.api import SourceError, SourceGoneError
+
+    monkeypatch.setattr(kafka_module, "LISTED_PER_SECOND", 2 / 3600)  # two partitions: listed once an hour
+    topic = f"listed-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap})
+    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
+    source = KafkaSource(f"kafka://{kafka_broker.bootstrap}/{topic}", options={"sr.format": "raw"})
+    listings: list[int] = []
+    real = source._partition_numbers
+
+    def counted() -> list[int]:
+        listings.append(1)
+        return real()
+
+    source._partition_numbers = counted  # type: ignore[method-assign]
+
+    def poll_until(error: type[Exception] | None, seconds: float = 60.0) -> Exception | None:
+        """Poll until a poll succeeds (``error`` None) or raises ``error``; other source errors are retried."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                source.poll()
+                if error is None:
+                    return None
+            except SourceError as exc:
+                if error is not None and isinstance(exc, error):
+                    return exc
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {error} within {seconds} s")
+            time.sleep(0.2)  # the next poll (a poller's interval), not synchronisation
+
+    try:
+        poll_until(None)  # a new topic's leaders may take a moment
+        listings.clear()
+        for _ in range(3):
+            assert [p.id for p in source.poll()] == [f"{topic}-0", f"{topic}-1"]
+        assert listings == []  # (every poll listed the topic before)
+        admin.create_partitions([NewPartitions(topic, 3)])[topic].result(30)
+        assert len(source.poll()) == 2  # the listing is reused within its period: a new partition waits for it
+        admin.delete_topics([topic])[topic].result(30)
+        assert isinstance(poll_until(SourceGoneError), SourceGoneError)  # a failed poll dropped the listing
+        assert listings
+    finally:
+        source.close()
