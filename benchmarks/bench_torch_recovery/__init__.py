@@ -167,7 +167,8 @@ def breakdown(job: Job, t0: float, old: set[int]) -> dict[str, float]:
     terminated), drain (the saver's persist of the dead worker's snapshot), rendezvous (-> workers
     started), hand-off (-> the workers' code runs: a warm standby becomes the worker), process group
     (init_process_group), model + DDP (built, DDP's first parameter broadcast), restore (torch.load; ours:
-    attach, i.e. the snapshot loaded, the cursor reset, the state broadcast to the other ranks), first step.
+    attach, i.e. the snapshot loaded, the cursor reset, the state handed to the other ranks: mapped from
+    shared memory on rank 0's node, else broadcast), first step.
     torchrun: its agent logs no times here: "to worker code" covers detection, stop, rendezvous, the
     new processes' start and their imports.
     """
@@ -209,7 +210,7 @@ def breakdown(job: Job, t0: float, old: set[int]) -> dict[str, float]:
     out["process group"] = stamps["init_process_group"] - stamps["imports"]
     out["model + DDP"] = stamps["model"] - stamps["init_process_group"]
     restored = stamps.get("attach", stamps.get("torch.load", stamps["model"]))
-    out["restore"] = restored - stamps["model"]  # streamrover: attach (load, cursor reset, broadcast to the ranks)
+    out["restore"] = restored - stamps["model"]  # streamrover: attach (load, cursor reset, state to the ranks)
     out["first step"] = stamps["first"] - restored
     return out
 

@@ -37,6 +37,7 @@ from streamrover.ckpt.api import (
     SaverError,
     SharedMemoryTooSmallError,
     SnapshotCopyError,
+    SnapshotRef,
     StorageUnavailableError,
     UnsupportedStateError,
 )
@@ -44,6 +45,7 @@ from streamrover.ckpt.checkpointer import Checkpointer, CheckpointFallbackWarnin
 from streamrover.ckpt.lineage import CheckpointInfo, list_checkpoints, new_since
 from streamrover.ckpt.memory import purge_shared_memory
 from streamrover.ckpt.saver import CheckpointSaver
+from streamrover.ckpt.shared import load_shared, newest_ref
 from streamrover.ckpt.tf_adapter import load_tf_variables_state, tf_variables_state
 from streamrover.ckpt.torch_adapter import (
     TorchCheckpoint,
@@ -71,16 +73,19 @@ __all__ = [
     "SaverError",
     "SharedMemoryTooSmallError",
     "SnapshotCopyError",
+    "SnapshotRef",
     "StorageUnavailableError",
     "TorchCheckpoint",
     "UnsupportedStateError",
     "fsdp_sharded_state",
     "list_checkpoints",
     "load_fsdp_sharded_state",
+    "load_shared",
     "load_tf_variables_state",
     "load_torch_state",
     "namespace_for",
     "new_since",
+    "newest_ref",
     "purge_shared_memory",
     "saver_address",
     "tf_variables_state",

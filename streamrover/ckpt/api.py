@@ -139,6 +139,17 @@ class RetentionPolicy:
         return [s for s in ordered if s not in keep]
 
 
+@dataclass(frozen=True)
+class SnapshotRef:
+    """A shared-memory snapshot that another process on the same node can map (:func:`~streamrover.ckpt.shared.
+    load_shared`): its buffer's name, the seqlock generation it was read at and the snapshot's random id. A
+    process on another node never matches it: a buffer of the same name there holds another id."""
+
+    name: str
+    generation: int
+    uid: str
+
+
 @dataclass
 class LoadedCheckpoint:
     """What :meth:`Checkpointer.load` returns.
@@ -146,6 +157,7 @@ class LoadedCheckpoint:
     ``state`` has the nested structure that was saved. With ``LoadedFrom.MEMORY`` and
     ``zero_copy=True`` its tensors are views of shared memory, valid until this
     rank's next save: copy them into the model (``load_state_dict`` does) first.
+    ``snapshot`` (from memory): where other processes of this node can map the same snapshot.
     """
 
     step: int
@@ -155,6 +167,7 @@ class LoadedCheckpoint:
     cut_id: int | None = None
     path: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    snapshot: SnapshotRef | None = None
 
 
 @dataclass(frozen=True)

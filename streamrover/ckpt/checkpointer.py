@@ -376,6 +376,7 @@ class Checkpointer:
                 snap.header.get("cut_id"),
                 None,
                 {"skipped": skipped, "meta": snap.header.get("meta")},
+                snap.ref(),
             )
         raise NoCheckpointError(
             f"no consistent checkpoint for rank {part} in shared memory or at {self.url!r}"

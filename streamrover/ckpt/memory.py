@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from streamrover.ckpt.api import FORMAT_VERSION, SnapshotCopyError
+from streamrover.ckpt.api import FORMAT_VERSION, SnapshotCopyError, SnapshotRef
 from streamrover.ckpt.copier import CopyError, CopyJob, file_writer
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
 from streamrover.ckpt.shm import ALIGN, DATA_START, SHM_DIR, SharedBuffer, align, check_shm_space, shm_path
@@ -91,6 +91,11 @@ class Snapshot:
     def seq(self) -> int:
         """The snapshot's sequence number (the newest snapshot has the highest)."""
         return int(self.header["seq"])
+
+    def ref(self) -> SnapshotRef | None:
+        """Where another process of this node can map this snapshot (None: written before snapshots had ids)."""
+        uid = self.header.get("uid")
+        return SnapshotRef(self.name, self.generation, str(uid)) if uid else None
 
 
 def plan_layout(entries: list[TensorEntry]) -> tuple[list[int], int]:
@@ -216,6 +221,7 @@ class MemoryEngine:
         header: dict[str, Any] = {
             "format": FORMAT_VERSION,
             "seq": self._seq + 1,
+            "uid": os.urandom(8).hex(),  # names this snapshot for processes that map it (SnapshotRef)
             "step": step,
             "rank": self.rank,
             "skeleton": skeleton,

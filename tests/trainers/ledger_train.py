@@ -108,8 +108,8 @@ def main() -> None:
     if log is not None:
         timings = " ".join(f"{k} {v:.2f}" for k, v in {"gloo": gloo, "ddp": ddp_s, **session.timings}.items())
         log.write(f"# attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} world {dist.get_world_size()} "
-                  f"resumed at {session.step} from {session.restored_from}; up {up:.3f} {timings} "
-                  f"at {time.time():.3f}\n")  # fmt: skip
+                  f"resumed at {session.step} from {session.restored_from} via {session.state_via}; up {up:.3f} "
+                  f"{timings} at {time.time():.3f}\n")  # fmt: skip
     until = Path(args.until_file) if args.until_file else None
     target = args.records if until is None else None  # None: not known yet (the producer has not finished)
     done = target is not None and bool(model.ledger.sum() >= target)

@@ -2,7 +2,8 @@
 
 The agent restarts its worker group (not itself); rank 0 restores the newest checkpoint
 (from the agent-hosted saver's shared memory or storage) and resets the shard service's
-cursor before any rank leases again. The ledger inside the model must count every record
+cursor before any rank leases again; rank 1 maps the snapshot rank 0 restored from shared memory
+(no state broadcast). The ledger inside the model must count every record
 exactly once, and the master must report the restart in the node's health document.
 """
 
@@ -57,5 +58,9 @@ def test_worker_sigkill_restarts_the_group_and_the_ledger_is_exact(tmp_path: Pat
         assert health["restarts_left"] == 29
         losses = job.losses()
         assert np.mean(losses[-20:]) < np.mean(losses[:20]) / 5, "the loss decreases"
+        attempts = [ln for ln in (job.out / "loss.txt").read_text().splitlines() if ln.startswith("# attempt")]
+        assert len(attempts) == 2 and "from None via broadcast" in attempts[0], attempts  # a fresh start: rank 0's
+        # restart on the same node: rank 1 mapped the snapshot rank 0 restored, no broadcast
+        assert "from memory:" in attempts[1] and "via shared memory" in attempts[1], attempts
     finally:
         job.stop()

@@ -29,9 +29,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -45,9 +47,11 @@ from streamrover.ckpt import CheckpointSaver, purge_shared_memory
 from streamrover.shard_service import ShardClient, ShardServiceError
 from streamrover.trainers.standby import StandbyPool
 from streamrover.trainers.torch.pace import progress_ages
+from streamrover.trainers.torch.rendezvous import no_first_round_skew
 
 log = logging.getLogger(__name__)
 SAVER_DRAIN_TIMEOUT = 300.0
+MONITOR_TICK = 1e-4  # torchelastic's sleep between monitor calls; ours waits in ExitWatch.wait instead
 
 
 class HealthReporter:
@@ -155,6 +159,68 @@ def _proc_state(pid: int) -> str:
         return "?"
 
 
+class ExitWatch:
+    """Wakes the agent's monitor loop as soon as a worker process exits, instead of at its next
+    ``--monitor-interval`` tick (a pidfd per worker, Linux >= 5.3; elsewhere it sleeps the interval)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}  # pidfd -> pid
+
+    def watch(self, pids: list[int]) -> None:
+        """Watch these workers (the ones watched before are dropped)."""
+        self.close()
+        for pid in pids:
+            try:
+                self._fds[os.pidfd_open(pid)] = pid
+            except ProcessLookupError:  # exited already: the monitor's next look sees it
+                continue
+            except (OSError, AttributeError):  # no pidfd here: sleep the interval (torchelastic's own way)
+                self.close()
+                return
+
+    def wait(self, timeout: float) -> None:
+        """Return after ``timeout`` seconds, or at once when a watched worker has exited (each exit wakes once)."""
+        if not self._fds:
+            time.sleep(timeout)
+            return
+        poller = select.poll()
+        for fd in self._fds:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(timeout * 1000):
+            self._fds.pop(fd, None)
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+class PidfdPopen(subprocess.Popen[bytes]):
+    """A worker's Popen whose ``wait(timeout)`` returns when the process exits (a pidfd), not at the next of
+    Popen's own polls, which back off to 50 ms apart: torchelastic waits so for every worker it stops (the
+    survivors of a group in which one died), before it restarts the group. The agent sets it on the Popen objects
+    of the workers it starts (:meth:`StreamroverAgent._start_workers`)."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None or self.returncode is not None:
+            return super().wait(timeout)
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (OSError, AttributeError):  # reaped elsewhere, or no pidfd here: Popen's own wait
+            return super().wait(timeout)
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            poller.poll(timeout * 1000)
+        finally:
+            os.close(fd)
+        try:
+            return super().wait(0)
+        except subprocess.TimeoutExpired:
+            raise subprocess.TimeoutExpired(self.args, timeout) from None
+
+
 def progress_directory() -> Path:
     """A fresh directory for this agent's workers' progress marks (``--hang-timeout``)."""
     return Path(tempfile.mkdtemp(prefix="streamrover-progress-"))
@@ -175,6 +241,13 @@ class StreamroverAgent(LocalElasticAgent):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        # torchelastic sleeps --monitor-interval between looks at its workers, so a dead worker was seen 0.05 s
+        # later on average (0.1 s at worst); the exit watch wakes it at once, and waits the interval otherwise
+        spec = self._worker_group.spec
+        self._monitor_interval = spec.monitor_interval
+        spec.monitor_interval = MONITOR_TICK
+        self._exits = ExitWatch()
+        self._rendezvoused = False
         self._hang_timeout = hang_timeout if progress_dir is not None else 0.0
         self._progress_dir = progress_dir
         self._standby = standby
@@ -203,14 +276,32 @@ class StreamroverAgent(LocalElasticAgent):
             for mark in self._progress_dir.glob("progress-*"):
                 mark.unlink(missing_ok=True)
         if self._standby is None:
-            return super()._start_workers(worker_group)
+            pids = super()._start_workers(worker_group)
+            self._watch(pids)
+            return pids
         served = self._standby.served
         log.info("rendezvous done: starting %d workers", len(worker_group.workers))
         with self._standby.serving():
             pids = super()._start_workers(worker_group)
+        self._watch(pids)
         log.info("started %d workers, %d in warm standbys", len(pids), self._standby.served - served)
         self._standby.schedule_fill()  # later: the standbys' imports would slow these workers' start-up
         return pids
+
+    def _watch(self, pids: dict[int, int]) -> None:
+        """Wake the monitor loop at these workers' exits, and torchelastic's waits for them as they end."""
+        self._exits.watch(list(pids.values()))
+        for handler in getattr(self._pcontext, "subprocess_handlers", {}).values():
+            if type(handler.proc) is subprocess.Popen:
+                handler.proc.__class__ = PidfdPopen
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if not self._rendezvoused:  # the first join keeps torch's random skew of the nodes' joins
+            self._rendezvoused = True
+            super()._rendezvous(worker_group)
+            return
+        with no_first_round_skew():  # a restart: no 0-0.3 s sleep (rendezvous.py)
+            super()._rendezvous(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
@@ -221,6 +312,7 @@ class StreamroverAgent(LocalElasticAgent):
                  time.monotonic() - stopped)  # fmt: skip
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._exits.wait(self._monitor_interval)
         result = super()._monitor_workers(worker_group)
         if result.state is WorkerState.HEALTHY and self._hang_timeout > 0 and self._hung(worker_group):
             return RunResult(state=WorkerState.UNHEALTHY)  # torchelastic restarts the group (a worker restart)
@@ -277,6 +369,7 @@ class StreamroverAgent(LocalElasticAgent):
                                 self._rdzv_handler_round(), result.failures)  # fmt: skip
             return result
         finally:
+            self._exits.close()
             if self._standby is not None:
                 self._standby.close()
             if self._progress_dir is not None:

@@ -5,8 +5,10 @@ contract (:mod:`streamrover.trainers.api`); for synchronous data parallelism:
 
 1. **Restore once, before anyone leases.** Rank 0 loads the newest checkpoint (this node's
    shared memory if newest, else storage) and resets the shard service to its cursor,
-   which revokes every lease of the previous round. It then broadcasts the model and
-   optimizer state to all ranks (in place, one byte buffer), and a barrier follows: no rank leases a shard until the
+   which revokes every lease of the previous round. Then every rank gets that state: ranks on rank 0's node map
+   the very snapshot rank 0 restored from shared memory (named by its buffer, generation and random id), and
+   only when some rank cannot (another node, a restore from storage) does rank 0 broadcast the model and
+   optimizer state (in place, one byte buffer). A barrier follows: no rank leases a shard until the
    cursor is reset. So after any failure all ranks resume from the same checkpoint.
 2. **Ack after the step.** :meth:`step_done` (after ``optimizer.step()``) acks, tagged with
    the step number, every record each rank's datasets yielded for it. The acks are queued
@@ -38,6 +40,7 @@ reported last goes into each checkpoint, and so into its version's lineage.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -48,7 +51,15 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from streamrover.ckpt import Checkpointer, CursorBinder, RetentionPolicy
+from streamrover.ckpt import (
+    Checkpointer,
+    CursorBinder,
+    RetentionPolicy,
+    SnapshotRef,
+    load_shared,
+    namespace_for,
+    newest_ref,
+)
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
 from streamrover.ckpt.torch_adapter import TorchCheckpoint, load_torch_state, torch_state
 from streamrover.serving.tables import TOUCHED_KEY
@@ -123,6 +134,7 @@ class StreamSession:
         root = ckpt_dir or cfg.ckpt_dir
         if not root:
             raise ValueError("no checkpoint location: run under dlrover-run --ckpt-dir URL, or pass ckpt_dir=")
+        self._namespace = namespace_for(root, cfg.ckpt_job)  # rank 0's snapshots, if on this node
         node = cfg.node_id or "local"
         self.client = ShardClient(address, token=cfg.token if token is None else token, name=f"rank{self.rank}@{node}")
         self.client.join()
@@ -155,6 +167,7 @@ class StreamSession:
         if cfg.under_agent:
             self._leave_on_sigterm()
         self.restored_from: str | None = None
+        self.state_via: str | None = None  # how ranks other than 0 got the state: "shared memory" or "broadcast"
         self._restore()
         # the straggler watch's evidence (pace.py) and the agent's hang watch (--hang-timeout)
         self.pace = StepPace(lambda values, step: self.client.report(values, step=step))
@@ -198,6 +211,7 @@ class StreamSession:
     def _restore(self) -> None:
         started = time.monotonic()
         ckpt = self._ckpt
+        shared: SnapshotRef | None = None
         if ckpt is not None:  # rule 1 of trainers/api.py: the load resets the shard service to its cursor
             restored = restore_before_lease(lambda: ckpt.load(restore=True), self.client)
             if restored is None:  # nothing applied: a crashed first round's acks were forgotten
@@ -207,24 +221,56 @@ class StreamSession:
                 loaded = restored[0]
                 self.step = loaded.step
                 self.restored_from = f"{loaded.source.value}:{loaded.step}"
+                shared = loaded.snapshot
                 if self.tracker is not None:
                     self.tracker.load_state(restored[1].get(TOUCHED_KEY))
             if self.exporter is not None:  # before any step: versions above the resumed step are retired
                 self.exporter.start(self.step)
         loaded_at = time.monotonic()
         if self.world_size > 1:
-            # rank 0 sends only after it has reset the cursor, so no rank leases before that
-            state = torch_state(self.model, self.optimizer) if self.rank == 0 else None
-            meta, received = broadcast_state({"step": self.step, "from": self.restored_from}, state)
-            if self.rank != 0:
-                self.step = int(meta["step"])
-                self.restored_from = meta["from"]
-                load_torch_state(received, self.model, self.optimizer)
+            self.state_via = self._share_state(shared)
             dist.barrier()
         self.timings["load"] = loaded_at - started
-        self.timings["broadcast"] = time.monotonic() - loaded_at
-        log.info("rank %d resumes at step %d (%s); %s", self.rank, self.step, self.restored_from or "fresh start",
+        self.timings["share"] = time.monotonic() - loaded_at
+        log.info("rank %d resumes at step %d (%s; state via %s); %s", self.rank, self.step,
+                 self.restored_from or "fresh start", self.state_via or "-",
                  ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()))  # fmt: skip
+
+    def _share_state(self, shared: SnapshotRef | None) -> str:
+        """Give every rank rank 0's restored state (a collective; rank 0 has reset the cursor already, so no rank
+        leases before that). Ranks on rank 0's node map the snapshot it restored from shared memory themselves (the
+        newest one of its part while rank 0 loads, checked against the one rank 0 names after);
+        the gloo broadcast of the whole state runs only if some rank could not (another node, a restore from
+        storage, a fresh start). Every rank then holds the bytes of the one snapshot rank 0 restored."""
+
+        def consume(state: Any) -> None:
+            load_torch_state(state, self.model, self.optimizer)
+
+        guess = None  # meanwhile rank 0 loads: the newest snapshot of its part on this node is likely the one
+        if self.rank != 0:
+            guess = newest_ref(self._namespace, 0)
+            if guess is not None and not load_shared(guess, consume):
+                guess = None
+        header: list[Any] = [{"step": self.step, "from": self.restored_from,
+                              "snapshot": dataclasses.asdict(shared) if shared is not None else None}]  # fmt: skip
+        dist.broadcast_object_list(header, src=0)
+        info = header[0]
+        mapped = True
+        if self.rank != 0:
+            self.step = int(info["step"])
+            self.restored_from = info["from"]
+            ref = SnapshotRef(**info["snapshot"]) if info["snapshot"] is not None else None
+            # the same buffer, generation and id as rank 0's: the bytes it loaded (read whole, seqlock checked)
+            mapped = ref is not None and (ref == guess or load_shared(ref, consume))
+        everyone = torch.tensor([1 if mapped else 0], dtype=torch.int32)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+        if int(everyone.item()) == 1:
+            return "shared memory"
+        state = torch_state(self.model, self.optimizer) if self.rank == 0 else None
+        _, received = broadcast_state({}, state)
+        if self.rank != 0:  # a rank that mapped the snapshot loads the same bytes again: simpler than a subgroup
+            load_torch_state(received, self.model, self.optimizer)
+        return "broadcast"
 
     # -- datasets --------------------------------------------------------------------------
     def dataset(self, name: str, batch_size: int = 256, **kwargs: Any) -> StreamDataset:
