@@ -154,8 +154,9 @@ class HealthReporter:
             log.warning("could not report node health to the master: %s", exc)
 
     def outage_age(self) -> float | None:
-        """For the hang watch: 0 while the master is unreachable (no report answered for two heartbeat intervals and 2 s), the
-        seconds since it answered again after an outage, or None (no outage seen, or no heartbeats to tell).
+        """For the hang watch: 0 while the master is unreachable (no report answered for two heartbeat intervals
+        and 2 s), the seconds since it answered again after an outage, or None (no outage seen, or no heartbeats to
+        tell).
 
         Workers wait for a master that is down (their calls retry), so they make no progress then: that is not a
         hang. The agent counts a worker's time without progress only from the master's return."""
