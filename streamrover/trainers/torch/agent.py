@@ -69,11 +69,16 @@ class HealthReporter:
         self._beat: threading.Thread | None = None
         self.node_check: dict[str, Any] | None = None  # the pre-flight check's result (nodecheck.py)
         self.hangs: list[dict[str, Any]] = []  # hung worker groups this agent restarted (the newest 20)
+        self.clock = time.monotonic
+        self._grace = 0.0  # no report for this long: the master is unreachable (start_heartbeat sets it)
+        self._answered_at: float | None = None  # the master's last answer to a report
+        self._back_at: float | None = None  # when it answered again after a silence longer than the grace
 
     def start_heartbeat(self, interval: float) -> None:
         """Rewrite the health document every ``interval`` seconds (``heartbeat_at``): the node is alive."""
         if self.client is None or interval <= 0 or self._beat is not None:
             return
+        self._grace = 2 * interval + 2.0
         self._beat = threading.Thread(target=self._heartbeats, args=(interval,), name="node-heartbeat", daemon=True)
         self._beat.start()
 
@@ -141,8 +146,34 @@ class HealthReporter:
                 ok, _, version = self.client.kv_set(self.key, data, version)
                 if ok:
                     break
+            now = self.clock()
+            if self._answered_at is not None and self._grace and now - self._answered_at > self._grace:
+                self._back_at = now  # the master answers again after an outage
+            self._answered_at = now
         except ShardServiceError as exc:  # health reports are advisory: never fail the node for one
             log.warning("could not report node health to the master: %s", exc)
+
+    def outage_age(self) -> float | None:
+        """For the hang watch: 0 while the master is unreachable (no report answered for two heartbeat intervals
+        and 2 s), the seconds since it answered again after an outage, or None (no outage seen, or no heartbeats to
+        tell).
+
+        Workers wait for a master that is down (their calls retry), so they make no progress then: that is not a
+        hang. The agent counts a worker's time without progress only from the master's return."""
+        if not self._grace or self._answered_at is None:
+            return None
+        now = self.clock()
+        if now - self._answered_at > self._grace:
+            return 0.0
+        return now - self._back_at if self._back_at is not None else None
+
+
+def stuck_ranks(ages: dict[int, float], hang_timeout: float, outage_age: float | None) -> dict[int, float]:
+    """The local ranks whose progress marks are older than ``hang_timeout`` (their ages), a master outage's time
+    not counted (:meth:`HealthReporter.outage_age`)."""
+    if outage_age is not None:
+        ages = {rank: min(age, outage_age) for rank, age in ages.items()}
+    return {rank: age for rank, age in ages.items() if age > hang_timeout}
 
 
 def read_health(client: ShardClient, run_id: str, node_id: str) -> dict[str, Any] | None:
@@ -330,8 +361,7 @@ class StreamroverAgent(LocalElasticAgent):
         """Whether a worker's progress mark is older than the hang timeout; if so its group is SIGKILLed (a stuck
         process ignores the SIGTERM torchelastic would send first and wait ``shutdown_timeout`` on)."""
         assert self._progress_dir is not None
-        ages = progress_ages(self._progress_dir)
-        stuck = {rank: age for rank, age in ages.items() if age > self._hang_timeout}
+        stuck = stuck_ranks(progress_ages(self._progress_dir), self._hang_timeout, self._health.outage_age())
         if not stuck:
             return False
         pids = {w.local_rank: w.id for w in worker_group.workers if w.id is not None}
