@@ -73,28 +73,43 @@ def checksum(data: Any, algo: str = CHECKSUM_ALGO) -> str:
 
 
 class _ParallelHasher:
-    """Hashes chunks on another thread while the caller writes them (hashlib releases the GIL)."""
+    """Hashes chunks on another thread while the caller writes them (hashlib releases the GIL).
+
+    An error on the hashing thread is raised to the caller (by its next :meth:`update` or by :meth:`result`); the
+    thread then drains what is queued, so the caller never blocks on a queue nobody reads."""
 
     def __init__(self, algo: str, pause: Callable[[], object] | None = None) -> None:
         self.algo = algo
         self._pause = pause
         self._hasher = new_hasher(algo)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=4)
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-hash", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while (chunk := self._queue.get()) is not None:
-            if self._pause is not None:
-                self._pause()
-            self._hasher.update(chunk)
+        try:
+            while (chunk := self._queue.get()) is not None:
+                if self._pause is not None:
+                    self._pause()
+                self._hasher.update(chunk)
+        except BaseException as exc:  # handed to the caller; keep reading so its puts return
+            self._error = exc
+            while self._queue.get() is not None:
+                pass
 
     def update(self, chunk: Any) -> None:
+        if self._error is not None:
+            raise self._error
         self._queue.put(chunk)
 
-    def result(self) -> str:
+    def result(self, quiet: bool = False) -> str:
+        """The checksum of what was hashed; the hashing thread's error is raised unless ``quiet`` (the caller is
+        failing already: its own error is the one to raise)."""
         self._queue.put(None)
         self._thread.join()
+        if self._error is not None and not quiet:
+            raise self._error
         return f"{self.algo}:{self._hasher.hexdigest()}"
 
 
@@ -177,6 +192,7 @@ class Storage:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+                digest = hasher.result()  # before the rename: a failed checksum leaves nothing at path
                 os.replace(tmp, path)
                 self._fsync_dir(os.path.dirname(path))
             else:
@@ -186,12 +202,12 @@ class Storage:
                         hasher.update(chunk)
                         fh.write(chunk)
                         written += len(chunk)
+                digest = hasher.result()
                 self.fs.mv(tmp, path)
         except BaseException:
-            digest = hasher.result()
+            hasher.result(quiet=True)
             self._remove_quietly(tmp)
             raise
-        digest = hasher.result()
         return written, digest
 
     def _upload(self, path: str, parts: Iterable[Any], hasher: _ParallelHasher) -> tuple[int, str]:
@@ -204,9 +220,10 @@ class Storage:
             written = s3_upload.upload(
                 self.fs, path, _chunks(parts), hasher, part_size=part_size, concurrency=int(self.fs.max_concurrency)
             )
-        finally:
-            digest = hasher.result()
-        return written, digest
+        except BaseException:
+            hasher.result(quiet=True)
+            raise
+        return written, hasher.result()
 
     def write_bytes(self, path: str, data: bytes, algo: str = CHECKSUM_ALGO) -> str:
         """Write ``data`` atomically to ``path``; return its checksum."""

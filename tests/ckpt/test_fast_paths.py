@@ -118,3 +118,20 @@ def test_a_persist_after_the_trainer_died_ignores_its_pause(tmp_path: Path, monk
             persist_buffer(target, reader, snap.generation)
         reader.close()
         ckpt.close(unlink=True)
+
+
+def test_a_hashing_error_fails_the_write_and_leaves_no_file(tmp_path: Path) -> None:
+    """The checksum is computed on a thread beside the write; an error there (here: its pause) used to kill the
+    thread quietly and the write published the file with the checksum of what was hashed before it."""
+    from streamrover.ckpt.storage import Storage
+
+    def pause() -> None:
+        if threading.current_thread().name == "ckpt-hash":
+            raise OSError("the hashing thread failed")
+
+    storage = Storage(str(tmp_path))
+    path = str(tmp_path / "part.safetensors")
+    data = np.ones(40 << 20, dtype=np.uint8)  # two 32 MiB chunks
+    with pytest.raises(OSError, match="hashing thread"):
+        storage.write(path, [memoryview(data)], pause=pause)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "neither the file nor its temporary is left"
