@@ -148,8 +148,10 @@ class Checkpointer:
         """
         self.wait_snapshot()
         cut_id: int | None = None
+        run_id: str | None = None
         if cursor is None and self.binder is not None:
             cut_id, cursor = self.binder.prepare_cut(step, persisting=persist)
+            run_id = getattr(self.binder, "run_id", None)  # the cut's run (CursorBinder): checked at a restore
         with self._cond:
             if persist:
                 self._ensure_link()  # in this thread: a saver it starts must not be a child of a copy thread
@@ -166,6 +168,7 @@ class Checkpointer:
                     "world_size": self.world_size,
                     "cursor": cursor.to_json() if cursor is not None else None,
                     "cut_id": cut_id,
+                    "run_id": run_id,
                     "meta": meta or {},
                 },
                 defer=defer,
@@ -308,14 +311,52 @@ class Checkpointer:
         ``restore``, the shard service is reset to the loaded cursor. When storage wins, this
         rank's memory snapshots of later steps are invalidated: training resumes from the loaded
         step, and a snapshot of the abandoned run must not be persisted or loaded later.
+
+        A shared-memory snapshot the shard service refuses to restore (``FAILED_PRECONDITION``: it is not of
+        this run, e.g. left on this node by an earlier run of the job with the same URL and job name) is
+        discarded with every snapshot of its rank, and storage is loaded instead (:class:`NoCheckpointError`
+        when storage holds none: start fresh).
         """
         self.wait_snapshot()  # the caller will mutate what an overlapped save may still be copying
-        loaded = self._load(self.rank if part is None else part, zero_copy, memory)
+        part = self.rank if part is None else part
+        loaded = self._load(part, zero_copy, memory)
+        if loaded.source == LoadedFrom.MEMORY and restore and self.binder is not None:
+            try:
+                self._restore_snapshot(self.binder, loaded)
+                return loaded
+            except Exception as exc:
+                if getattr(exc, "code", None) != "FAILED_PRECONDITION":
+                    raise
+                log.warning("the shared-memory snapshot of step %d (cut %s of run %s, rank %d) is refused by the "
+                            "shard service: %s; it is not of this run: discarded (with this rank's other "
+                            "snapshots), loading from storage instead (starting fresh when storage holds none)",
+                            loaded.step, loaded.cut_id, loaded.extra.get("run_id"), part, exc)  # fmt: skip
+                self._discard_snapshots(part)
+            loaded = self._load(part, zero_copy, memory=False)
         if loaded.source == LoadedFrom.STORAGE:
             self._drop_newer_snapshots(loaded.step)
         if restore and self.binder is not None:
-            self.binder.restore_cursor(loaded.cursor, from_memory=loaded.source == LoadedFrom.MEMORY)
+            self.binder.restore_cursor(loaded.cursor)
         return loaded
+
+    @staticmethod
+    def _restore_snapshot(binder: CursorBinder, loaded: LoadedCheckpoint) -> None:
+        """Reset ``binder`` to a memory snapshot's cursor, naming its cut and run when it has them."""
+        run_id = loaded.extra.get("run_id")
+        if loaded.cut_id is None and not run_id:  # nothing to name (a snapshot saved with a cursor of its own)
+            binder.restore_cursor(loaded.cursor, from_memory=True)
+        else:
+            binder.restore_cursor(loaded.cursor, from_memory=True, snapshot_cut=loaded.cut_id, snapshot_run=run_id)
+
+    def _discard_snapshots(self, part: int) -> None:
+        """Invalidate every snapshot of rank ``part`` in shared memory (none is of this run): none may be loaded,
+        nor persisted by a saver after this trainer's death."""
+        engine = self.engine if part == self.rank else MemoryEngine(self.namespace, part, self.engine.num_buffers)
+        with self._cond:
+            for snap in engine.snapshots():
+                buf = engine.buffers[snap.index]
+                if buf is not None and not (engine is self.engine and snap.index in self._busy):
+                    buf.invalidate()
 
     def _drop_newer_snapshots(self, step: int) -> None:
         """Training resumes from ``step``: snapshots of this rank from a later, abandoned timeline must never
@@ -375,7 +416,7 @@ class Checkpointer:
                 LoadedFrom.MEMORY,
                 snap.header.get("cut_id"),
                 None,
-                {"skipped": skipped, "meta": snap.header.get("meta")},
+                {"skipped": skipped, "meta": snap.header.get("meta"), "run_id": snap.header.get("run_id")},
                 snap.ref(),
             )
         raise NoCheckpointError(
