@@ -321,8 +321,10 @@ class Checkpointer:
         part = self.rank if part is None else part
         loaded = self._load(part, zero_copy, memory)
         if loaded.source == LoadedFrom.MEMORY and restore and self.binder is not None:
+            run = loaded.extra.get("run_id")  # the snapshot's cut and run, named when it has them (CursorBinder)
+            named: dict[str, Any] = {"snapshot_cut": loaded.cut_id, "snapshot_run": run} if loaded.cut_id or run else {}
             try:
-                self._restore_snapshot(self.binder, loaded)
+                self.binder.restore_cursor(loaded.cursor, from_memory=True, **named)
                 return loaded
             except Exception as exc:
                 if getattr(exc, "code", None) != "FAILED_PRECONDITION":
@@ -330,41 +332,25 @@ class Checkpointer:
                 log.warning("the shared-memory snapshot of step %d (cut %s of run %s, rank %d) is refused by the "
                             "shard service: %s; it is not of this run: discarded (with this rank's other "
                             "snapshots), loading from storage instead (starting fresh when storage holds none)",
-                            loaded.step, loaded.cut_id, loaded.extra.get("run_id"), part, exc)  # fmt: skip
-                self._discard_snapshots(part)
+                            loaded.step, loaded.cut_id, run, part, exc)  # fmt: skip
+                self._drop_snapshots(-1, part)
             loaded = self._load(part, zero_copy, memory=False)
         if loaded.source == LoadedFrom.STORAGE:
-            self._drop_newer_snapshots(loaded.step)
+            self._drop_snapshots(loaded.step)
         if restore and self.binder is not None:
             self.binder.restore_cursor(loaded.cursor)
         return loaded
 
-    @staticmethod
-    def _restore_snapshot(binder: CursorBinder, loaded: LoadedCheckpoint) -> None:
-        """Reset ``binder`` to a memory snapshot's cursor, naming its cut and run when it has them."""
-        run_id = loaded.extra.get("run_id")
-        if loaded.cut_id is None and not run_id:  # nothing to name (a snapshot saved with a cursor of its own)
-            binder.restore_cursor(loaded.cursor, from_memory=True)
-        else:
-            binder.restore_cursor(loaded.cursor, from_memory=True, snapshot_cut=loaded.cut_id, snapshot_run=run_id)
-
-    def _discard_snapshots(self, part: int) -> None:
-        """Invalidate every snapshot of rank ``part`` in shared memory (none is of this run): none may be loaded,
-        nor persisted by a saver after this trainer's death."""
-        engine = self.engine if part == self.rank else MemoryEngine(self.namespace, part, self.engine.num_buffers)
+    def _drop_snapshots(self, after: int, part: int | None = None) -> None:
+        """Invalidate this rank's (or rank ``part``'s) snapshots of steps > ``after``: training resumes from
+        ``after`` (-1: none is of this run), so none of them may be loaded later, nor persisted after a death."""
+        engine = self.engine
+        if part not in (None, self.rank):
+            engine = MemoryEngine(self.namespace, int(part or 0), engine.num_buffers)
         with self._cond:
             for snap in engine.snapshots():
                 buf = engine.buffers[snap.index]
-                if buf is not None and not (engine is self.engine and snap.index in self._busy):
-                    buf.invalidate()
-
-    def _drop_newer_snapshots(self, step: int) -> None:
-        """Training resumes from ``step``: snapshots of this rank from a later, abandoned timeline must never
-        be persisted (after a death) or loaded (after a restart) in place of the resumed run's."""
-        with self._cond:
-            for snap in self.engine.snapshots():
-                buf = self.engine.buffers[snap.index]
-                if snap.step > step and snap.index not in self._busy and buf is not None:
+                if snap.step > after and buf is not None and not (engine is self.engine and snap.index in self._busy):
                     buf.invalidate()
 
     def _memory_snapshot(self, part: int) -> tuple[MemoryEngine, Snapshot] | None:

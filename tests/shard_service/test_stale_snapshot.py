@@ -19,7 +19,11 @@ import numpy as np
 import pytest
 
 from streamrover.ckpt import Checkpointer, LoadedFrom, namespace_for, purge_shared_memory
-from streamrover.shard_service import DatasetSpec, LeaseLostError, ShardClient
+from streamrover.cursor import DataCursor
+from streamrover.shard_service import DatasetSpec, FailedPreconditionError, LeaseLostError, ShardClient
+from streamrover.shard_service.master.core import ShardCore
+from streamrover.shard_service.master.journal import Journal
+from streamrover.sources.api import Partition, SourceKind
 from streamrover.testing.procs import MasterProcess
 from streamrover.trainers.api import restore_before_lease
 from tests.helpers import write_parquet_dataset
@@ -28,7 +32,9 @@ ROWS = 4_000
 JOB = "stale-snapshot"
 
 
-def _train(client: ShardClient, ckpt: Checkpointer, state: dict[str, np.ndarray], step: int, stop_at: int | None) -> int:
+def _train(
+    client: ShardClient, ckpt: Checkpointer, state: dict[str, np.ndarray], step: int, stop_at: int | None
+) -> int:
     """Consume ``rows`` to its end (or ``stop_at`` steps), a memory snapshot every 2 steps (persisted every 4)."""
     for shard in client.shards("rows"):
         try:
@@ -112,7 +118,7 @@ def test_a_new_run_never_restores_an_old_runs_snapshot(tmp_path: Path, caplog: p
         assert (source, step) == (LoadedFrom.MEMORY.value, 6)
         _train(client, ckpt, state, step, stop_at=None)
         committed, acked = client.get_cursor()
-        assert acked.size() == ROWS
+        assert committed.size() <= acked.size() == ROWS
         assert np.all(state["seen"] == 1), f"{int((state['seen'] != 1).sum())} records not applied exactly once"
         _kill_saver(ckpt)
         ckpt.close(unlink=True)
@@ -121,3 +127,42 @@ def test_a_new_run_never_restores_an_old_runs_snapshot(tmp_path: Path, caplog: p
         old.stop()
         new.stop()
         purge_shared_memory(namespace_for(url, JOB))
+
+
+def test_which_snapshots_a_master_takes_as_its_runs(tmp_path: Path) -> None:
+    """``CutBook.check_snapshot``'s rules, in the core: the run id decides; without one, the cut says what it can."""
+    spec = DatasetSpec("d", "mem://", records_per_shard=10)
+
+    def core_at(path: Path) -> ShardCore:
+        core = ShardCore(Journal(path / "j.db"), lease_ttl=5.0)
+        core.register_dataset(spec, SourceKind.BATCH, [Partition("p0", 0, 30)], "[]")
+        return core
+
+    core = core_at(tmp_path / "a")
+    w = core.join("w").id
+    (grant,) = core.lease(w, "d").leases
+    core.ack(w, grant.shard_id, grant.attempt, grant.end, step=1)
+    cut = core.cut_prepare(1)
+    run = core.cut_book.run_id
+    assert run and core_at(tmp_path / "b").cut_book.run_id != run, "each journal is a run of its own"
+    other = core.cut_book.cursor_of(cut.id).copy()
+    other.add(next(iter(other.keys())), 10, 20)
+
+    refused = [
+        (cut.cursor, cut.id, "0123456789abcdef"),  # another run's snapshot
+        (cut.cursor, cut.id + 5, None),  # a snapshot from before run ids, of a cut this journal never prepared
+        (other, cut.id, None),  # ... of a cut it remembers, with another cursor
+    ]
+    for cursor, cut_id, run_id in refused:
+        with pytest.raises(FailedPreconditionError, match="not of this run"):
+            core.restore(cursor, from_memory=True, snapshot_cut=cut_id, snapshot_run=run_id)
+        assert core.committed == DataCursor() and len(core.acked_cursor().keys()) == 1, "nothing changed"
+
+    core.journal.close()
+    core = core_at(tmp_path / "a")  # the master restarted on its journal: the same run
+    assert core.cut_book.run_id == run
+    core.restore(cut.cursor, from_memory=True, snapshot_cut=cut.id, snapshot_run=run)
+    assert core.committed == cut.cursor
+    core.restore(cut.cursor, from_memory=True, snapshot_cut=cut.id)  # cut forgotten (the restore discarded it)
+    core.restore(other, from_memory=True)  # nothing recorded to tell: taken, as before run ids
+    assert core.committed == other

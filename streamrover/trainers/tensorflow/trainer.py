@@ -88,17 +88,8 @@ class _CutBinder:
     def commit_cut(self, cut_id: int) -> object:
         return self.client.commit_cut(cut_id)
 
-    def restore_cursor(
-        self,
-        cursor: DataCursor,
-        *,
-        from_memory: bool = False,
-        snapshot_cut: int | None = None,
-        snapshot_run: str | None = None,
-    ) -> object:
-        return self.client.restore_cursor(
-            cursor, from_memory=from_memory, snapshot_cut=snapshot_cut, snapshot_run=snapshot_run
-        )
+    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False, **snapshot: Any) -> object:
+        return self.client.restore_cursor(cursor, from_memory=from_memory, **snapshot)  # its cut and run
 
 
 @dataclass
