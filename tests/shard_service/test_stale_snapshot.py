@@ -54,7 +54,12 @@ def _train(
 def _run(master: MasterProcess, data: Path, url: str) -> tuple[ShardClient, Checkpointer]:
     client = ShardClient(master.address, token=master.token, timeout=60)
     client.register_dataset(DatasetSpec("rows", str(data), records_per_shard=500))
-    return client, Checkpointer(url, binder=client, job=JOB)  # the node's saver: a process that outlives trainers
+    return client, _checkpointer(url, client)
+
+
+def _checkpointer(url: str, client: ShardClient) -> Checkpointer:
+    """The node's saver is a process that outlives trainers (one the test loses ends when idle for a minute)."""
+    return Checkpointer(url, binder=client, job=JOB, linger=60)
 
 
 def _kill_saver(ckpt: Checkpointer) -> None:
@@ -63,7 +68,10 @@ def _kill_saver(ckpt: Checkpointer) -> None:
     saver = ckpt.saver_pid
     assert saver is not None
     os.kill(saver, signal.SIGKILL)
-    os.waitpid(saver, 0)
+    try:
+        os.waitpid(saver, 0)
+    except ChildProcessError:  # reaped already by subprocess's clean-up of the Popen the checkpointer dropped
+        pass
 
 
 def shm_names(url: str) -> list[str]:
@@ -113,7 +121,7 @@ def test_a_new_run_never_restores_an_old_runs_snapshot(tmp_path: Path, caplog: p
         new.kill()
         new.start()
         ckpt.close()  # the trainer restarts: its snapshots stay with the node's saver
-        ckpt = Checkpointer(url, binder=client, job=JOB)
+        ckpt = _checkpointer(url, client)
         step, state, source = _restore(client, ckpt)
         assert (source, step) == (LoadedFrom.MEMORY.value, 6)
         _train(client, ckpt, state, step, stop_at=None)
