@@ -80,7 +80,12 @@ class CursorBinder(Protocol):
       the same moment may both publish the same manifest). A cut whose snapshot is
       superseded in memory before it is persisted is never committed: the shard service
       must tolerate abandoned cuts.
-    * :meth:`restore_cursor` is called after a load, with the loaded cursor.
+    * :meth:`restore_cursor` is called after a load, with the loaded cursor. For a shared-memory snapshot
+      (``from_memory``) it names the snapshot's cut (``snapshot_cut``) and run (``snapshot_run``) when the
+      snapshot has them: a binder with a ``run_id`` attribute (the run its cuts are prepared in, read after each
+      :meth:`prepare_cut`) has it recorded in each snapshot. A snapshot that is not of the binder's run (it
+      outlived an earlier run of the job on this node) must be refused with an error whose ``code`` is
+      ``"FAILED_PRECONDITION"``: :meth:`Checkpointer.load` then discards it and loads storage instead.
     """
 
     def prepare_cut(self, step: int | None, *, persisting: bool = False) -> tuple[int, DataCursor]:
@@ -98,11 +103,19 @@ class CursorBinder(Protocol):
         stays durable; a later checkpoint commits a later cut). Any other error is a failure :meth:`wait` raises."""
         ...
 
-    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False) -> object:
+    def restore_cursor(
+        self,
+        cursor: DataCursor,
+        *,
+        from_memory: bool = False,
+        snapshot_cut: int | None = None,
+        snapshot_run: str | None = None,
+    ) -> object:
         """Reset the shard service to ``cursor``: everything acked or leased after it is read again.
 
         ``from_memory``: the cursor is of a shared-memory snapshot, not of a checkpoint on storage; the
-        shard service then commits nothing upstream beyond the newest durable checkpoint's cursor."""
+        shard service then commits nothing upstream beyond the newest durable checkpoint's cursor.
+        ``snapshot_cut``, ``snapshot_run``: that snapshot's cut id and run id (given only when it has one)."""
         ...
 
 

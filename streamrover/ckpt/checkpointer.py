@@ -148,8 +148,10 @@ class Checkpointer:
         """
         self.wait_snapshot()
         cut_id: int | None = None
+        run_id: str | None = None
         if cursor is None and self.binder is not None:
             cut_id, cursor = self.binder.prepare_cut(step, persisting=persist)
+            run_id = getattr(self.binder, "run_id", None)  # the cut's run (CursorBinder): checked at a restore
         with self._cond:
             if persist:
                 self._ensure_link()  # in this thread: a saver it starts must not be a child of a copy thread
@@ -166,6 +168,7 @@ class Checkpointer:
                     "world_size": self.world_size,
                     "cursor": cursor.to_json() if cursor is not None else None,
                     "cut_id": cut_id,
+                    "run_id": run_id,
                     "meta": meta or {},
                 },
                 defer=defer,
@@ -308,22 +311,46 @@ class Checkpointer:
         ``restore``, the shard service is reset to the loaded cursor. When storage wins, this
         rank's memory snapshots of later steps are invalidated: training resumes from the loaded
         step, and a snapshot of the abandoned run must not be persisted or loaded later.
+
+        A shared-memory snapshot the shard service refuses to restore (``FAILED_PRECONDITION``: it is not of
+        this run, e.g. left on this node by an earlier run of the job with the same URL and job name) is
+        discarded with every snapshot of its rank, and storage is loaded instead (:class:`NoCheckpointError`
+        when storage holds none: start fresh).
         """
         self.wait_snapshot()  # the caller will mutate what an overlapped save may still be copying
-        loaded = self._load(self.rank if part is None else part, zero_copy, memory)
+        part = self.rank if part is None else part
+        loaded = self._load(part, zero_copy, memory)
+        if loaded.source == LoadedFrom.MEMORY and restore and self.binder is not None:
+            run = loaded.extra.get("run_id")  # the snapshot's cut and run, named when it has them (CursorBinder)
+            named: dict[str, Any] = {"snapshot_cut": loaded.cut_id, "snapshot_run": run} if loaded.cut_id or run else {}
+            try:
+                self.binder.restore_cursor(loaded.cursor, from_memory=True, **named)
+                return loaded
+            except Exception as exc:
+                if getattr(exc, "code", None) != "FAILED_PRECONDITION":
+                    raise
+                log.warning("the shared-memory snapshot of step %d (cut %s of run %s, rank %d) is refused by the "
+                            "shard service: %s; it is not of this run: discarded (with this rank's other "
+                            "snapshots), loading from storage instead (starting fresh when storage holds none)",
+                            loaded.step, loaded.cut_id, run, part, exc)  # fmt: skip
+                self._drop_snapshots(-1, part)
+            loaded = self._load(part, zero_copy, memory=False)
         if loaded.source == LoadedFrom.STORAGE:
-            self._drop_newer_snapshots(loaded.step)
+            self._drop_snapshots(loaded.step)
         if restore and self.binder is not None:
-            self.binder.restore_cursor(loaded.cursor, from_memory=loaded.source == LoadedFrom.MEMORY)
+            self.binder.restore_cursor(loaded.cursor)
         return loaded
 
-    def _drop_newer_snapshots(self, step: int) -> None:
-        """Training resumes from ``step``: snapshots of this rank from a later, abandoned timeline must never
-        be persisted (after a death) or loaded (after a restart) in place of the resumed run's."""
+    def _drop_snapshots(self, after: int, part: int | None = None) -> None:
+        """Invalidate this rank's (or rank ``part``'s) snapshots of steps > ``after``: training resumes from
+        ``after`` (-1: none is of this run), so none of them may be loaded later, nor persisted after a death."""
+        engine = self.engine
+        if part not in (None, self.rank):
+            engine = MemoryEngine(self.namespace, int(part or 0), engine.num_buffers)
         with self._cond:
-            for snap in self.engine.snapshots():
-                buf = self.engine.buffers[snap.index]
-                if snap.step > step and snap.index not in self._busy and buf is not None:
+            for snap in engine.snapshots():
+                buf = engine.buffers[snap.index]
+                if snap.step > after and buf is not None and not (engine is self.engine and snap.index in self._busy):
                     buf.invalidate()
 
     def _memory_snapshot(self, part: int) -> tuple[MemoryEngine, Snapshot] | None:
@@ -375,7 +402,7 @@ class Checkpointer:
                 LoadedFrom.MEMORY,
                 snap.header.get("cut_id"),
                 None,
-                {"skipped": skipped, "meta": snap.header.get("meta")},
+                {"skipped": skipped, "meta": snap.header.get("meta"), "run_id": snap.header.get("run_id")},
                 snap.ref(),
             )
         raise NoCheckpointError(

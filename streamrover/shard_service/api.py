@@ -296,6 +296,10 @@ class ShardService(Protocol):
     from their last recorded ack, so the records are read again.
     """
 
+    run_id: str | None
+    """The run of the master's journal as the last :meth:`prepare_cut` answered it (None before one, or from a
+    master without run ids): a shared-memory snapshot records it, for :meth:`restore_cursor` to name."""
+
     def join(self) -> str:
         """Join the job as a worker; returns the worker id. Starts the heartbeats that keep leases alive."""
         ...
@@ -366,7 +370,7 @@ class ShardService(Protocol):
         the first rank asks (each flushes, then a barrier). Idempotent per step: every rank of one
         checkpoint gets the same cut. ``persisting``: its checkpoint goes to storage, so the cut is
         kept until it (or a newer cut) commits, however slow the persist; cuts of memory-only
-        snapshots may be evicted (:class:`NotFoundError` when committed later).
+        snapshots may be evicted (:class:`NotFoundError` when committed later). Sets :attr:`run_id`.
         """
         ...
 
@@ -389,7 +393,13 @@ class ShardService(Protocol):
         ...
 
     def restore_cursor(
-        self, cursor: DataCursor, *, from_memory: bool = False, discard_committed: bool = False
+        self,
+        cursor: DataCursor,
+        *,
+        from_memory: bool = False,
+        discard_committed: bool = False,
+        snapshot_cut: int | None = None,
+        snapshot_run: str | None = None,
     ) -> RestoreOutcome:
         """Reset the service to a loaded checkpoint's ``cursor``: everything outside it is read again.
 
@@ -397,7 +407,10 @@ class ShardService(Protocol):
         revoked and its later acks refused; uncovered ranges are planned again as fresh shards; the
         cursor becomes the committed cursor. This worker's queued acks are dropped (they concern
         revoked leases). ``from_memory``: the cursor is of a shared-memory snapshot storage does not
-        hold, so upstream commits stay at the newest durable checkpoint's. An empty cursor while
+        hold, so upstream commits stay at the newest durable checkpoint's; ``snapshot_cut`` and
+        ``snapshot_run`` are that snapshot's cut id and the run id its cut was prepared in (:attr:`run_id`),
+        and a snapshot of another run (another journal: a new run of the job on the same node) is refused
+        with :class:`FailedPreconditionError`, as is one whose cut the service never prepared. An empty cursor while
         progress is committed raises :class:`FailedPreconditionError` unless ``discard_committed``;
         a cursor naming what the service lacks raises :class:`InvalidArgumentError`.
         """

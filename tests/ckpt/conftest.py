@@ -36,7 +36,7 @@ class FakeShardService:
     def commit_cut(self, cut_id: int) -> None:
         self.committed.append(cut_id)
 
-    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False) -> None:
+    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False, **snapshot: object) -> None:
         self.cursor = cursor.copy()
         self.restored.append(cursor.copy())
 

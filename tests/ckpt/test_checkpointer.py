@@ -285,3 +285,43 @@ def test_a_commit_superseded_by_a_restore_is_not_a_failure(root: str, shard_serv
         ckpt.save(2, state_at(2))
         ckpt.wait(timeout=60)
         assert shard_service.committed == [2]
+
+
+class Refused(Exception):
+    def __init__(self, code: str) -> None:
+        super().__init__(f"refused [{code}]")
+        self.code = code
+
+
+class RunBinder(FakeShardService):
+    """A fake shard service of one run (``run_id``): a memory snapshot of another run is refused with ``code``."""
+
+    def __init__(self, run_id: str, code: str = "FAILED_PRECONDITION") -> None:
+        super().__init__()
+        self.run_id, self.code = run_id, code
+
+    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False, **snapshot: object) -> None:
+        if from_memory and snapshot.get("snapshot_run") != self.run_id:
+            raise Refused(self.code)
+        super().restore_cursor(cursor, from_memory=from_memory)
+
+
+def test_a_snapshot_the_shard_service_refuses_is_discarded_and_storage_loaded(root: str) -> None:
+    first = RunBinder("run-1")
+    first.ack("p0", 0, 10)
+    ckpt = Checkpointer(root, binder=first, saver="thread")
+    save_persisted(ckpt, [2])
+    first.ack("p0", 10, 20)
+    ckpt.save(4, state_at(4), persist=False)
+
+    same = RunBinder("run-1")  # the run's master restarted on its journal: takes its snapshot
+    loaded = Checkpointer(root, binder=same, saver="thread").load()
+    assert (loaded.source, loaded.step, same.restored) == (LoadedFrom.MEMORY, 4, [first.cuts[2]])
+    with pytest.raises(Refused):  # not a refusal of the snapshot (the master is away): raised, nothing discarded
+        Checkpointer(root, binder=RunBinder("run-2", "UNAVAILABLE"), saver="thread").load()
+
+    other = RunBinder("run-2")  # a new run: storage's checkpoint, and the old run's snapshots are gone
+    loaded = Checkpointer(root, binder=other, saver="thread").load()
+    assert (loaded.source, loaded.step, other.restored) == (LoadedFrom.STORAGE, 2, [first.cuts[1]])
+    assert ckpt.engine.newest() is None, "the refused run's snapshots must be invalidated"
+    ckpt.close(unlink=True)

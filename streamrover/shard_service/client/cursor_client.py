@@ -22,6 +22,7 @@ class CursorClient(AdminClient):
     _acks: AckQueue
     leases: LeaseTable
     _last_ack_answer: float
+    run_id: str | None = None  # the master journal's run, as the last prepare_cut answered it
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every ack queued so far is answered; raise :class:`AckFailedError` for refused ones.
@@ -66,6 +67,7 @@ class CursorClient(AdminClient):
         self.flush()
         request = pb.CutPrepareRequest(has_step=step is not None, step=step or 0, persisting=persisting)
         resp = self._call(self._stub.CutPrepare, request)
+        self.run_id = resp.run_id or None
         return resp.cut_id, convert.cursor_from_pb(resp.cursor)
 
     def get_cursor(self) -> tuple[DataCursor, DataCursor]:
@@ -75,12 +77,20 @@ class CursorClient(AdminClient):
         return convert.cursor_from_pb(resp.committed), convert.cursor_from_pb(resp.acked)
 
     def restore_cursor(
-        self, cursor: DataCursor, *, from_memory: bool = False, discard_committed: bool = False
+        self,
+        cursor: DataCursor,
+        *,
+        from_memory: bool = False,
+        discard_committed: bool = False,
+        snapshot_cut: int | None = None,
+        snapshot_run: str | None = None,
     ) -> pb.RestoreResponse:
         """Reset the service to ``cursor``; every lease (this client's too) is revoked.
 
         ``from_memory``: the cursor is of a shared-memory snapshot that storage does not hold, so offsets
-        committed upstream stay at the newest durable checkpoint's. An empty ``cursor`` while the service
+        committed upstream stay at the newest durable checkpoint's; a snapshot whose cut (``snapshot_cut``)
+        or run (``snapshot_run``, the :attr:`run_id` its cut was prepared in) is not of the master's journal
+        is refused (``FailedPreconditionError``). An empty ``cursor`` while the service
         has committed progress is refused (``FailedPreconditionError``) unless ``discard_committed``:
         that throws away every committed cut, and every record is read again.
 
@@ -89,7 +99,11 @@ class CursorClient(AdminClient):
         """
         self._acks.discard()
         request = pb.RestoreRequest(
-            cursor=convert.cursor_to_pb(cursor), from_memory=from_memory, discard_committed=discard_committed
+            cursor=convert.cursor_to_pb(cursor),
+            from_memory=from_memory,
+            discard_committed=discard_committed,
+            snapshot_cut_id=snapshot_cut or 0,
+            snapshot_run_id=snapshot_run or "",
         )
         resp = self._call(self._stub.Restore, request)
         self.leases.forget_all()

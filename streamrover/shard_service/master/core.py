@@ -305,16 +305,22 @@ class ShardCore(Liveness):
         *,
         discard_committed: bool = False,
         from_memory: bool = False,
+        snapshot_cut: int | None = None,
+        snapshot_run: str | None = None,
     ) -> tuple[int, int]:
         """Reset to ``cursor`` (or the cursor of cut ``cut_id``). Returns (leases revoked, records requeued).
 
         Everything outside the cursor is to be read again: leases are revoked and the uncovered ranges are
         re-planned as fresh shards. ``from_memory``: ``cursor`` is of a shared-memory snapshot, not on storage:
-        the upstream commit limit stays at the newest durable checkpoint's cursor. An empty cursor while the
-        committed cursor is not empty is refused unless ``discard_committed`` (it throws all committed progress away).
+        the upstream commit limit stays at the newest durable checkpoint's cursor, and a snapshot of another run
+        (``snapshot_cut``, ``snapshot_run``: its cut and run ids) is refused (:meth:`CutBook.check_snapshot`). An
+        empty cursor while the committed cursor is not empty is refused unless ``discard_committed`` (it throws
+        all committed progress away).
         """
         if cursor is None:
             cursor = self.cut_book.cursor_of(cut_id)
+        elif from_memory:
+            self.cut_book.check_snapshot(cursor, snapshot_cut, snapshot_run)
         self.cut_book.check_reset(cursor, discard_committed)
         cursor = expand(cursor, self.datasets)  # staged files compacted since: in the compacted form (compaction.py)
         fencing.check_restorable(cursor, self.datasets)

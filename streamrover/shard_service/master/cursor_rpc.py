@@ -25,7 +25,9 @@ def cut_prepare(self: ShardServicer, request: pb.CutPrepareRequest, context: Any
     """RPC: :meth:`ShardCore.cut_prepare`."""
     with self.cond:
         cut = self.core.cut_prepare(request.step if request.has_step else None, persisting=request.persisting)
-        return pb.CutPrepareResponse(cut_id=cut.id, cursor=convert.cursor_to_pb(cut.cursor))
+        return pb.CutPrepareResponse(
+            cut_id=cut.id, cursor=convert.cursor_to_pb(cut.cursor), run_id=self.core.cut_book.run_id
+        )
 
 
 def cut_commit(self: ShardServicer, request: pb.CutCommitRequest, context: Any) -> pb.CutCommitResponse:
@@ -57,7 +59,10 @@ def restore(self: ShardServicer, request: pb.RestoreRequest, context: Any) -> pb
         raise PermissionDeniedError(
             "Restore to a cut or discarding committed progress: the worker role may not; it needs the admin token"
         )
+    snapshot_cut, snapshot_run = request.snapshot_cut_id or None, request.snapshot_run_id or None
     with self.cond:
+        if which == "cursor" and request.from_memory:  # before the role's check: a precise answer to a stale snapshot
+            self.core.cut_book.check_snapshot(convert.cursor_from_pb(request.cursor), snapshot_cut, snapshot_run)
         asked = expand(convert.cursor_from_pb(request.cursor), self.core.datasets) if worker else None
         if asked is not None and not self.core.cut_book.issued(asked):
             raise PermissionDeniedError(
@@ -69,6 +74,8 @@ def restore(self: ShardServicer, request: pb.RestoreRequest, context: Any) -> pb
                 cursor=convert.cursor_from_pb(request.cursor),
                 discard_committed=request.discard_committed,
                 from_memory=request.from_memory,
+                snapshot_cut=snapshot_cut,
+                snapshot_run=snapshot_run,
             )
         else:
             revoked, requeued = self.core.restore(

@@ -12,10 +12,16 @@ durable and upstream cursors, the cut counters. It reads the shards only through
   becomes the committed cursor, and shards inside it are compacted away.
 - ``restore(cursor)`` (the core, with :meth:`CutBook.reset`): everything outside the cursor is to be read
   again: leases are revoked and the uncovered ranges are re-planned as fresh shards.
+
+The journal's **run id** (random, fixed when the journal is created; a journal from before it gets one when
+first opened) is answered with every cut. A shared-memory snapshot records it with its cut id, and outlives
+every process on purpose; a restore from such a snapshot names both, and :meth:`CutBook.check_snapshot`
+refuses a snapshot of another run (a new run of the job on the same node, with a fresh journal).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from streamrover.cursor import DataCursor
@@ -50,6 +56,11 @@ class CutBook:
         self.durable = DataCursor.from_json(durable) if durable else self.committed.copy()
         upstream = journal.get_meta("upstream_cursor")  # the durable checkpoint before it: what upstream may hold
         self.upstream = DataCursor.from_json(upstream) if upstream else self.durable.copy()
+        self.run_id = journal.get_meta("run_id") or ""
+        if not self.run_id:
+            self.run_id = os.urandom(8).hex()
+            with journal.transaction():
+                journal.put_meta("run_id", self.run_id)
 
     @property
     def seq(self) -> int:
@@ -188,6 +199,28 @@ class CutBook:
         """Whether ``cursor`` is one this master issued: the committed, durable or upstream cursor, or a cut's."""
         known = [self.committed, self.durable, self.upstream, *(c.cursor for c in self.cuts.values())]
         return any(cursor == k for k in known)
+
+    def check_snapshot(self, cursor: DataCursor, cut_id: int | None, run_id: str | None) -> None:
+        """Refuse (:class:`FailedPreconditionError`) a restore from a shared-memory snapshot not of this run.
+
+        ``run_id`` and ``cut_id`` are the snapshot's (None: not recorded). Another run id is another journal's
+        snapshot: refused. Without a run id (a snapshot taken before run ids existed) the cut says what it can:
+        a cut id this journal never reached, or a remembered cut whose cursor is not the snapshot's, is refused.
+        With neither (a snapshot saved with a cursor of its own, or an older client) nothing can be told: taken.
+        """
+        if run_id and run_id != self.run_id:
+            why = f"it was taken in run {run_id}, and this shard service's journal is of run {self.run_id}"
+        elif cut_id and cut_id > self._cut_seq:
+            why = f"its cut {cut_id} was never prepared by this shard service's journal (newest: {self._cut_seq})"
+        elif cut_id and not run_id and cut_id in self.cuts and self.cuts[cut_id].cursor != cursor:
+            why = f"its cursor is not the one of cut {cut_id} of this shard service's journal"
+        else:
+            return
+        raise FailedPreconditionError(
+            f"refusing to restore a shared-memory snapshot (cut {cut_id}) that is not of this run: {why}; its "
+            "cursor says nothing of this run's records (a new run of the job on this node, with the same checkpoint "
+            "path and job name?): restore from storage, or start fresh"
+        )
 
     def check_reset(self, cursor: DataCursor, discard_committed: bool) -> None:
         """Refuse a reset to an empty cursor while the committed one is not empty, unless ``discard_committed``."""

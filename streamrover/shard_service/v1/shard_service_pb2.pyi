@@ -1057,7 +1057,12 @@ class CutPrepareResponse(google.protobuf.message.Message):
 
     CUT_ID_FIELD_NUMBER: builtins.int
     CURSOR_FIELD_NUMBER: builtins.int
+    RUN_ID_FIELD_NUMBER: builtins.int
     cut_id: builtins.int
+    run_id: builtins.str
+    """The run of this service's journal (random, fixed when the journal was created): a shared-memory snapshot
+    records it, so that a later restore can tell a snapshot of this run from one an earlier run left behind.
+    """
     @property
     def cursor(self) -> global___Cursor: ...
     def __init__(
@@ -1065,9 +1070,10 @@ class CutPrepareResponse(google.protobuf.message.Message):
         *,
         cut_id: builtins.int = ...,
         cursor: global___Cursor | None = ...,
+        run_id: builtins.str = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["cursor", b"cursor"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["cursor", b"cursor", "cut_id", b"cut_id"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["cursor", b"cursor", "cut_id", b"cut_id", "run_id", b"run_id"]) -> None: ...
 
 global___CutPrepareResponse = CutPrepareResponse
 
@@ -1146,6 +1152,8 @@ class RestoreRequest(google.protobuf.message.Message):
     CURSOR_FIELD_NUMBER: builtins.int
     DISCARD_COMMITTED_FIELD_NUMBER: builtins.int
     FROM_MEMORY_FIELD_NUMBER: builtins.int
+    SNAPSHOT_CUT_ID_FIELD_NUMBER: builtins.int
+    SNAPSHOT_RUN_ID_FIELD_NUMBER: builtins.int
     cut_id: builtins.int
     """a cut this service still remembers"""
     discard_committed: builtins.bool
@@ -1156,6 +1164,12 @@ class RestoreRequest(google.protobuf.message.Message):
     """The cursor is of a shared-memory snapshot that storage does not hold: offsets committed to the
     broker stay at the newest durable checkpoint's cursor (never beyond what storage can restore).
     """
+    snapshot_cut_id: builtins.int
+    """With from_memory: the snapshot's cut id and run id (as CutPrepare answered them; 0 and "" = unknown). A
+    snapshot of another run (another journal), or of a cut this journal never prepared, is refused with
+    FAILED_PRECONDITION: its cursor says nothing about this run's records.
+    """
+    snapshot_run_id: builtins.str
     @property
     def cursor(self) -> global___Cursor:
         """the cursor from a checkpoint manifest"""
@@ -1167,9 +1181,11 @@ class RestoreRequest(google.protobuf.message.Message):
         cursor: global___Cursor | None = ...,
         discard_committed: builtins.bool = ...,
         from_memory: builtins.bool = ...,
+        snapshot_cut_id: builtins.int = ...,
+        snapshot_run_id: builtins.str = ...,
     ) -> None: ...
     def HasField(self, field_name: typing.Literal["cursor", b"cursor", "cut_id", b"cut_id", "target", b"target"]) -> builtins.bool: ...
-    def ClearField(self, field_name: typing.Literal["cursor", b"cursor", "cut_id", b"cut_id", "discard_committed", b"discard_committed", "from_memory", b"from_memory", "target", b"target"]) -> None: ...
+    def ClearField(self, field_name: typing.Literal["cursor", b"cursor", "cut_id", b"cut_id", "discard_committed", b"discard_committed", "from_memory", b"from_memory", "snapshot_cut_id", b"snapshot_cut_id", "snapshot_run_id", b"snapshot_run_id", "target", b"target"]) -> None: ...
     def WhichOneof(self, oneof_group: typing.Literal["target", b"target"]) -> typing.Literal["cut_id", "cursor"] | None: ...
 
 global___RestoreRequest = RestoreRequest

@@ -81,11 +81,15 @@ class _CutBinder:
         self.last_cursor = cursor
         return cut_id, cursor
 
+    @property
+    def run_id(self) -> str | None:
+        return self.client.run_id
+
     def commit_cut(self, cut_id: int) -> object:
         return self.client.commit_cut(cut_id)
 
-    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False) -> object:
-        return self.client.restore_cursor(cursor, from_memory=from_memory)
+    def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False, **snapshot: Any) -> object:
+        return self.client.restore_cursor(cursor, from_memory=from_memory, **snapshot)  # its cut and run
 
 
 @dataclass

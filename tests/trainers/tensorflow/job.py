@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from streamrover.ckpt import namespace_for, purge_shared_memory
+from streamrover.ckpt.wire import saver_address
 from streamrover.shard_service import DatasetSpec, ShardClient
 from streamrover.shard_service.client.tls import ClientTls
 from streamrover.testing.certs import issue, make_ca
@@ -118,12 +120,33 @@ class TFJob:
             self.launcher.kill()  # its tasks die with it (PR_SET_PDEATHSIG), the chief is killed below
             self.launcher.wait()
         chief = self.status().get("chief")
-        if chief:
+        for pid in ([int(chief)] if chief else []) + self._saver_pids():  # the saver's session is its own
             try:
-                os.kill(int(chief), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        # Nothing writes the snapshots now: free them. A later job of the same name and checkpoint path on this
+        # node (pytest's numbered tmp dirs repeat once their root is wiped) must find none of this one's.
+        purge_shared_memory(self.namespace)
         self.master.stop()
+
+    @property
+    def namespace(self) -> str:
+        """The job's checkpoint namespace on this node (its shared-memory snapshots and its saver's address)."""
+        return namespace_for(str(self.ckpt), self.workdir.name)
+
+    def _saver_pids(self) -> list[int]:
+        """The node's checkpoint saver serving this job (the chief started it: ``python -m streamrover.ckpt``)."""
+        address = "@" + saver_address(self.namespace)[1:]
+        pids = []
+        for proc in Path("/proc").iterdir():
+            try:
+                args = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+            except OSError:  # gone, or not ours to read
+                continue
+            if b"streamrover.ckpt" in args and address.encode() in args:
+                pids.append(int(proc.name))
+        return pids
 
     def logs(self) -> str:
         files = [self.workdir / "launcher.log", *sorted(self.logs_dir.glob("chief*.log"))]
