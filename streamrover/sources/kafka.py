@@ -75,10 +75,12 @@ from streamrover.sources.kafka_client import (
 from streamrover.sources.options import KafkaOptions, client_options
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
 
-#: A poll lists the topic's partitions (new ones are planned, a deleted topic is told) at most once per this many
-#: partitions a second: at every poll below a thousand, every 10 s at 10,000. Issue 32: one listing of 10,000
-#: partitions is 100-300 ms of the master's CPU in one call (10,000 metadata objects); at every poll (100 ms apart)
-#: it stalled the master's threads 100-300 ms about once a second (lease p99 128-378 ms at W = 1,000).
+#: A poll lists the topic's partitions (new ones are planned, a deleted topic is told) and asks their earliest
+#: offsets (retention's deletions are told) at most once per this many partitions a second: at every poll below a
+#: thousand, every 10 s at 10,000; it asks their ends at every poll. Issue 32: one listing of 10,000 partitions is
+#: 100-300 ms of the master's CPU in one call (10,000 metadata objects); at every poll (100 ms apart) it stalled
+#: the master's threads 100-300 ms about once a second (lease p99 128-378 ms at W = 1,000); the earliest offsets
+#: of 10,000 partitions at every poll (40 requests) were half of what the master spent per shard beyond W = 16's.
 LISTED_PER_SECOND = 1000
 
 RAW_SCHEMA = pa.schema(
@@ -194,6 +196,7 @@ class KafkaSource(Source):
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
         self._listed: tuple[float, list[int]] | None = None  # the partition numbers polls ask for, and until when
+        self._earliest: dict[int, int] | None = None  # their earliest offsets, asked again with the next listing
         self._resume: _Resume | None = None  # where the consumer is after a finished read
         self._times: RecordTimes | None = None  # the master's reader of record timestamps
         self.not_before: int | None = None  # ms: records timestamped before are skipped (history.py holds them)
@@ -253,19 +256,21 @@ class KafkaSource(Source):
         numbers, consumer = self._polled_numbers(), self._consumer_client()
         try:
             ends = watermarks(consumer, self.topic, numbers, OFFSET_END, self.bootstrap)
-            earliest = watermarks(consumer, self.topic, numbers, OFFSET_BEGINNING, self.bootstrap)
+            if self._earliest is None:
+                self._earliest = watermarks(consumer, self.topic, numbers, OFFSET_BEGINNING, self.bootstrap)
+            earliest = self._earliest
         except SourceError:
-            self._listed = None  # the next poll lists the partitions again (a deleted topic is told so)
+            self._listed = self._earliest = None  # the next poll lists the partitions again (a deleted topic is told)
             raise
         return [Partition(f"{self.topic}-{n}", earliest[n], ends[n], earliest=earliest[n]) for n in numbers]
 
     def _polled_numbers(self) -> list[int]:
-        """The topic's partition numbers for a poll: listed again once ``LISTED_PER_SECOND`` of them have had a
-        second (at every poll below a thousand partitions)."""
+        """The topic's partition numbers for a poll: listed again (and their earliest offsets asked again) once
+        ``LISTED_PER_SECOND`` of them have had a second (at every poll below a thousand partitions)."""
         now = time.monotonic()
         if self._listed is None or now >= self._listed[0]:
             numbers = self._partition_numbers()
-            self._listed = (now + len(numbers) / LISTED_PER_SECOND, numbers)
+            self._listed, self._earliest = (now + len(numbers) / LISTED_PER_SECOND, numbers), None
         return self._listed[1]
 
     def commit(self, positions: Mapping[str, int]) -> None:
