@@ -22,7 +22,10 @@ aborted records under ``isolation.level=read_committed``, librdkafka's default).
 A shard covers positions ``[start, end)``; reading stops at the first record at
 or past ``end``, or when the consumer reports the partition's end at or past it.
 End positions come from ListOffsets with the consumer's isolation level (the
-last stable offset under read_committed, the high watermark otherwise).
+last stable offset under read_committed, the high watermark otherwise). Which
+partitions a master's poll asks, and what it reuses between polls: ``kafka_poll.py``
+(on a topic of more than 250 partitions, the ends of partitions idle for 10 s are
+asked in turn, each at least once a second).
 
 A worker's consumer is assigned the shard's partition at its start, except when the
 worker's previous read finished exactly there (the next shard of the same partition,
