@@ -8,8 +8,9 @@ between polls (not timed). Rows, each a ratio against a peer of the same run:
 1. planning, polls made up: CPU per poll with 1% of the partitions moved by a shard vs with all of them moved.
 2. with ``--kafka`` (default; ``--no-kafka`` to skip): a real Kafka topic of P partitions (created 2,000 at a time:
    Kafka refuses one CreateTopics of 10,000 as "an excessively large batch operation"), 1% or all of them given a
-   record between polls; CPU per poll of the whole master side (the source's poll: two batched ListOffsets
-   requests for every partition, then the planning), 1% vs all, and the source's poll alone.
+   record between polls; CPU per poll of the whole master side (the source's poll: batched ListOffsets requests
+   of the partitions that moved lately and of a share of the idle ones, ``sources/kafka_poll.py``, then the
+   planning), 1% vs all, and the source's poll alone.
 
 Before issue 32's changes (main at 3e6f640) row 1 was 51 ms vs 235 ms at 10,000 partitions (0.22): every poll
 walked every partition and journalled the whole partition list. With that fixed and the source unchanged, row 2
