@@ -65,7 +65,6 @@ class TopicPolls:
         self._turn = 0  # where in the listing the next poll's idle partitions start
         self._last: float | None = None  # when the last poll asked
         self._parts: list[Partition] = []  # what the last poll reported, in listing order
-        self.asked = 0  # ends asked by the last poll (for tests and benchmarks)
 
     def poll(self) -> list[Partition]:
         """Every partition of the topic with its end and earliest offsets (see the module docstring)."""
@@ -80,7 +79,7 @@ class TopicPolls:
         except SourceError:
             self._listed = self._earliest = None  # the next poll lists the partitions again (a deleted topic is told)
             raise
-        self._last, self.asked = now, len(asked)
+        self._last = now
         earliest, row, parts = self._earliest, self._row, self._parts
         for n in ends.keys() if not fresh else numbers:  # (a new listing: every earliest offset may have changed)
             old = self._ends.get(n)
