@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Callable
 
-from streamrover.sources.api import Partition, SourceError
+from streamrover.sources.api import Partition, SourceError, SourceUnavailableError
 
 #: partitions a second whose listing and earliest offsets a poll asks again (see the module docstring)
 LISTED_PER_SECOND = 1000
@@ -74,6 +74,9 @@ class TopicPolls:
         try:
             asked = self._due(numbers, now)
             ends = self._ask_ends(asked)
+            unanswered = self._unasked.difference(ends)  # (a partition asked before keeps its last end)
+            if unanswered:
+                raise SourceUnavailableError(f"no end offset of {self.topic!r} partition(s) {sorted(unanswered)}")
             if self._earliest is None:
                 self._earliest = self._ask_earliest(numbers)
         except SourceError:

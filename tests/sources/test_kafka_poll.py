@@ -24,6 +24,7 @@ class _Topic:
         self.asked: list[list[int]] = []  # the partitions of each ends request
         self.listings = self.earliest_asks = 0
         self.fail = False
+        self.omit: set[int] = set()  # partitions the answers leave out
 
     def listing(self) -> list[int]:
         self.listings += 1
@@ -33,7 +34,7 @@ class _Topic:
         if self.fail:
             raise SourceUnavailableError("no answer")
         self.asked.append(list(numbers))
-        return {n: self.end[n] for n in numbers}
+        return {n: self.end[n] for n in numbers if n not in self.omit}
 
     def earliest(self, numbers: list[int]) -> dict[int, int]:
         self.earliest_asks += 1
@@ -91,11 +92,16 @@ def test_a_small_topic_is_asked_whole_and_a_failed_poll_lists_again() -> None:
     with pytest.raises(SourceError):
         polls.poll()
     topic.fail, listings = False, topic.listings
-    topic.numbers.append(IDLE_CHUNK)  # a partition added meanwhile
+    topic.numbers.append(IDLE_CHUNK)  # a partition added meanwhile: never asked, so an answer without it fails
     topic.end[IDLE_CHUNK], topic.first[IDLE_CHUNK] = 3, 1
+    topic.omit = {IDLE_CHUNK}
+    now[0] += 0.1
+    with pytest.raises(SourceError, match=rf"no end offset of 't' partition\(s\) \[{IDLE_CHUNK}\]"):
+        polls.poll()
+    topic.omit = set()
     now[0] += 0.1
     polled = polls.poll()
-    assert topic.listings == listings + 1  # listed again (a deleted topic is told as gone), new partition included
+    assert topic.listings == listings + 2  # listed again (a deleted topic is told as gone), new partition included
     assert (polled[-1].id, polled[-1].start, polled[-1].end) == (f"t-{IDLE_CHUNK}", 1, 3)
 
 
