@@ -17,6 +17,10 @@ the shards' (the journal's growth over millions of shards is measured where it i
 (issue 32) at W = 1,000 / P = 10,000: CPU per shard <= 2x the W = 16 figure, p99 lease <= 100 ms, RSS <= 1 GiB,
 status <= 1 s.
 
+``--reps N`` runs every point N times, the rounds interleaved (a round is every point once), and prints the
+medians, the ratios as medians of each round's ratio to its own W = 16 / P = 16 point, and each round's CPU
+ratio with the master's CPU share: the machine's other load moves single points by a third.
+
 ``--models`` first measures the gRPC concurrency models bare (:mod:`.models`): a thread per stream,
 ``grpc.aio``, and ``grpc.aio`` with the work in a small pool, at 16 and 1,000 streams.
 """
@@ -24,6 +28,7 @@ status <= 1 s.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from dataclasses import asdict
@@ -75,6 +80,16 @@ def _topic(bootstrap: str, partitions: int, records: int) -> str:
     return name
 
 
+def _median(points: tuple[Point, ...]) -> Point:
+    """The point whose every measured number is the median of those of ``points`` (rounds of the same W and P;
+    counts such as shards and sessions are the first round's)."""
+    out = {}
+    for key, value in asdict(points[0]).items():
+        values = [getattr(pt, key) for pt in points]
+        out[key] = statistics.median(values) if isinstance(value, float) else value
+    return Point(**out)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks scale", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="W = 16, 128 by P = 16, 1,000")
@@ -86,6 +101,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=15.0, help="measured seconds per point")
     parser.add_argument("--files", type=int, default=1000, help="F: committed files of the staged dataset")
     parser.add_argument("--processes", type=int, default=4, help="swarm processes (simulated workers per: W / this)")
+    parser.add_argument("--reps", type=int, default=1, help="rounds of every point, interleaved (ratios: medians of "
+                        "each round's ratio to its own W=16/P=16 point)")
     args = parser.parse_args(argv)
     print(environment())
     print(f"load: {load()}")
@@ -101,25 +118,30 @@ def main(argv: list[str]) -> int:
         ws, ps = [16, *[w for w in ws if w != 16]], [16, *[p for p in ps if p != 16]]  # the base point first
     from tests.brokers.kafka import KafkaBroker
 
-    points: list[Point] = []
+    rounds: list[list[Point]] = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         work = Path(tmp)
         files = stage_files(work / "staged", args.files)
         broker = KafkaBroker(work / "kafka", heap="1g")
         broker.start()
         try:
+            records = int(args.rate * args.seconds * 1.3) + 100
+            topics = {}
             for p in ps:
-                records = int(args.rate * args.seconds * 1.3) + 100
                 t0 = time.perf_counter()
-                topic = _topic(broker.bootstrap, p, records)
+                topics[p] = _topic(broker.bootstrap, p, records)
                 print(f"topic of {p:,} partitions, {records:,} records: {time.perf_counter() - t0:.1f}s", flush=True)
-                for w in ws:
-                    point = run_point(work, broker.bootstrap, topic, records, files, w, p, args.seconds, args.rate,
-                                      args.processes)  # fmt: skip
-                    print(f"  W={w} P={p}: {asdict(point)}", flush=True)
-                    points.append(point)
+            for rep in range(args.reps):
+                rounds.append([])
+                for p in ps:
+                    for w in ws:
+                        point = run_point(work, broker.bootstrap, topics[p], records, files, w, p, args.seconds,
+                                          args.rate, args.processes, tag=f"-{rep}")  # fmt: skip
+                        print(f"  round {rep + 1} W={w} P={p} (load {load()}): {asdict(point)}", flush=True)
+                        rounds[-1].append(point)
         finally:
             broker.stop(timeout=30)
+    points = [_median(same) for same in zip(*rounds)]
     base = points[0]
     head = ["W", "P", "shards", "sessions", *[h for _, h in COLUMNS]]
     rows = [[pt.workers, pt.partitions, pt.shards, pt.sessions, *[getattr(pt, k) for k, _ in COLUMNS]]
@@ -127,10 +149,18 @@ def main(argv: list[str]) -> int:
     print(f"\nscale: {args.rate:,.0f} shards/s offered by all workers together, {args.seconds:.0f} s per point, "
           f"F = {args.files:,} staged files, {args.processes} swarm processes; load now: {load()}")  # fmt: skip
     print(table(head, rows))
-    print("\nas ratios to W=16/P=16 of this run")
-    ratios = [[pt.workers, pt.partitions, *[getattr(pt, k) / max(getattr(base, k), 1e-9) for k, _ in COLUMNS]]
-              for pt in points]  # fmt: skip
+    rounds_said = f" (medians of {args.reps} rounds' ratios)" if args.reps > 1 else ""
+    print(f"\nas ratios to W=16/P=16 of this run{rounds_said}")
+    ratios = [[pt.workers, pt.partitions, *[statistics.median(getattr(r[i], k) / max(getattr(r[0], k), 1e-9)
+                                                              for r in rounds) for k, _ in COLUMNS]]
+              for i, pt in enumerate(points)]  # fmt: skip
     print(table(["W", "P", *[h for _, h in COLUMNS]], ratios))
+    if args.reps > 1:
+        print("\nmaster CPU per shard, each round's ratio to its W=16/P=16 point (master's CPU share in the window)")
+        print(table(["W", "P", *[f"round {i + 1}" for i in range(args.reps)]], [
+            [pt.workers, pt.partitions, *[f"{r[i].cpu_per_shard_us / r[0].cpu_per_shard_us:.2f} "
+                                          f"({r[i].master_cpu_share:.2f})" for r in rounds]]
+            for i, pt in enumerate(points)]))  # fmt: skip
     print(f"\nthe master's ceiling (one core, the GIL): about {1e6 / base.cpu_per_shard_us:,.0f} shards/s at W=16, "
           f"{1e6 / points[-1].cpu_per_shard_us:,.0f} at W={points[-1].workers}/P={points[-1].partitions}")  # fmt: skip
     worst = [pt for pt in points if pt.workers == max(ws) and pt.partitions == max(ps)]

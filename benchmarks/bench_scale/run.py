@@ -102,10 +102,10 @@ def stage_files(root: Path, count: int) -> list[tuple[str, int]]:
 
 def run_point(
     work: Path, bootstrap: str, topic: str, planned: int, files: list[tuple[str, int]], workers: int,
-    partitions: int, seconds: float, rate: float, processes: int,
+    partitions: int, seconds: float, rate: float, processes: int, tag: str = "",
 ) -> Point:  # fmt: skip
     """Measure one (W, P) point against a fresh master (see the module docstring)."""
-    state = work / f"master-w{workers}-p{partitions}-r{int(rate)}"
+    state = work / f"master-w{workers}-p{partitions}-r{int(rate)}{tag}"
     master = MasterProcess(state, lease_ttl=600.0)  # no lease expires in a run: every lease is acked
     master.start(timeout=120)
     try:

@@ -22,7 +22,10 @@ aborted records under ``isolation.level=read_committed``, librdkafka's default).
 A shard covers positions ``[start, end)``; reading stops at the first record at
 or past ``end``, or when the consumer reports the partition's end at or past it.
 End positions come from ListOffsets with the consumer's isolation level (the
-last stable offset under read_committed, the high watermark otherwise).
+last stable offset under read_committed, the high watermark otherwise). Which
+partitions a master's poll asks, and what it reuses between polls: ``kafka_poll.py``
+(on a topic of more than 250 partitions, the ends of partitions idle for 10 s are
+asked in turn, each at least once a second).
 
 A worker's consumer is assigned the shard's partition at its start, except when the
 worker's previous read finished exactly there (the next shard of the same partition,
@@ -72,14 +75,9 @@ from streamrover.sources.kafka_client import (
     watermarks,
     with_logger,
 )
+from streamrover.sources.kafka_poll import LISTED_PER_SECOND, TopicPolls
 from streamrover.sources.options import KafkaOptions, client_options
 from streamrover.sources.serde import DeadLetters, Message, decode_json, parse_schema
-
-#: A poll lists the topic's partitions (new ones are planned, a deleted topic is told) at most once per this many
-#: partitions a second: at every poll below a thousand, every 10 s at 10,000. Issue 32: one listing of 10,000
-#: partitions is 100-300 ms of the master's CPU in one call (10,000 metadata objects); at every poll (100 ms apart)
-#: it stalled the master's threads 100-300 ms about once a second (lease p99 128-378 ms at W = 1,000).
-LISTED_PER_SECOND = 1000
 
 RAW_SCHEMA = pa.schema(
     [("key", pa.binary()), ("value", pa.binary()), ("timestamp", pa.int64()), ("offset", pa.int64())]
@@ -193,7 +191,10 @@ class KafkaSource(Source):
         self._dead = TopicDeadLetters(self.rdkafka, topic) if topic else DeadLetters(self.options.dead_letter_dir)
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
-        self._listed: tuple[float, list[int]] | None = None  # the partition numbers polls ask for, and until when
+        self._polls = TopicPolls(  # (each call looked up when made: tests replace them)
+            self.topic, lambda: self._partition_numbers(), lambda numbers: self._watermarks(numbers, OFFSET_END),
+            lambda numbers: self._watermarks(numbers, OFFSET_BEGINNING), LISTED_PER_SECOND,
+        )  # fmt: skip
         self._resume: _Resume | None = None  # where the consumer is after a finished read
         self._times: RecordTimes | None = None  # the master's reader of record timestamps
         self.not_before: int | None = None  # ms: records timestamped before are skipped (history.py holds them)
@@ -249,24 +250,13 @@ class KafkaSource(Source):
         ends = self._offsets(numbers, OffsetSpec.latest())
         return [Partition(f"{self.topic}-{n}", starts[n], max(ends[n], starts[n])) for n in numbers]
 
-    def poll(self) -> list[Partition]:  # the ends in requests of 250 partitions (kafka_client.watermarks)
-        numbers, consumer = self._polled_numbers(), self._consumer_client()
-        try:
-            ends = watermarks(consumer, self.topic, numbers, OFFSET_END, self.bootstrap)
-            earliest = watermarks(consumer, self.topic, numbers, OFFSET_BEGINNING, self.bootstrap)
-        except SourceError:
-            self._listed = None  # the next poll lists the partitions again (a deleted topic is told so)
-            raise
-        return [Partition(f"{self.topic}-{n}", earliest[n], ends[n], earliest=earliest[n]) for n in numbers]
+    def poll(self) -> list[Partition]:  # what it asks and what it reuses: kafka_poll.py
+        return self._polls.poll()
 
-    def _polled_numbers(self) -> list[int]:
-        """The topic's partition numbers for a poll: listed again once ``LISTED_PER_SECOND`` of them have had a
-        second (at every poll below a thousand partitions)."""
-        now = time.monotonic()
-        if self._listed is None or now >= self._listed[0]:
-            numbers = self._partition_numbers()
-            self._listed = (now + len(numbers) / LISTED_PER_SECOND, numbers)
-        return self._listed[1]
+    def _watermarks(self, numbers: list[int], which: int) -> dict[int, int]:
+        """The end (``OFFSET_END``) or earliest (``OFFSET_BEGINNING``) offsets of ``numbers``
+        (:func:`.kafka_client.watermarks`)."""
+        return watermarks(self._consumer_client(), self.topic, numbers, which, self.bootstrap)
 
     def commit(self, positions: Mapping[str, int]) -> None:
         offsets = [TopicPartition(self.topic, self._pid(pid), pos) for pid, pos in sorted(positions.items())]

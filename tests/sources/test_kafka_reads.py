@@ -191,8 +191,8 @@ def test_a_large_topic_is_listed_once_per_period_and_again_after_a_failed_poll(
     kafka_broker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 32: listing 10,000 partitions at every poll (100 ms apart) stalled the master's answers; a poll now
-    reuses the listing for len/LISTED_PER_SECOND seconds, and a poll that fails lists again, so a deleted topic
-    is still told as gone (SourceGoneError), not only as a broker that does not answer."""
+    reuses the listing and the earliest offsets for len/LISTED_PER_SECOND seconds, and a poll that fails lists
+    again, so a deleted topic is still told as gone (SourceGoneError), not only as a broker that does not answer."""
     import time
 
     from confluent_kafka.admin import AdminClient, NewPartitions, NewTopic
@@ -213,6 +213,15 @@ def test_a_large_topic_is_listed_once_per_period_and_again_after_a_failed_poll(
         return real()
 
     source._partition_numbers = counted  # type: ignore[method-assign]
+    earliest_asked: list[int] = []  # polls that asked the partitions' earliest offsets
+    real_watermarks = kafka_module.watermarks
+
+    def watermarks(consumer: Any, topic: str, numbers: list[int], which: int, *args: Any) -> dict[int, int]:
+        if which == kafka_module.OFFSET_BEGINNING:
+            earliest_asked.append(1)
+        return real_watermarks(consumer, topic, numbers, which, *args)
+
+    monkeypatch.setattr(kafka_module, "watermarks", watermarks)
 
     def poll_until(error: type[Exception] | None, seconds: float = 60.0) -> Exception | None:
         """Poll until a poll succeeds (``error`` None) or raises ``error``; other source errors are retried."""
@@ -234,9 +243,11 @@ def test_a_large_topic_is_listed_once_per_period_and_again_after_a_failed_poll(
     try:
         poll_until(None)  # a new topic's leaders may take a moment
         listings.clear()
+        earliest_asked.clear()
         for _ in range(3):
             assert [p.id for p in source.poll()] == [f"{topic}-0", f"{topic}-1"]
         assert listings == []  # (every poll listed the topic before)
+        assert earliest_asked == []  # asked with the listing only (every poll asked them before)
         admin.create_partitions([NewPartitions(topic, 3)])[topic].result(30)
         assert len(source.poll()) == 2  # the listing is reused within its period: a new partition waits for it
         admin.delete_topics([topic])[topic].result(30)

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Mapping
 from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from streamrover.shard_service.master.bounded import SourceStuckError, SourceThread
@@ -42,6 +43,7 @@ MAX_BACKOFF = 5.0
 #: kept "Broker transport failure" for 5+ minutes after its broker's bad minute while fresh clients worked).
 REOPEN_AFTER = 3
 CLOSE_WAIT = 5.0  # seconds a stopping poller waits for its source's client to close
+_ID = attrgetter("id")
 
 
 class _DataLost(Exception):
@@ -181,7 +183,7 @@ class StreamPoller:
             if core.extend_stream(self.name, polled, force=waiting, timed=source.record_times):
                 cond.notify_all()
             ds = core.dataset(self.name)
-            planned = [p.id for p in ds.partitions]
+            planned = list(map(_ID, ds.partitions))
             untimed = [(s.id, ds.partitions[s.pindex].id, s.start, s.end) for s in core.untimed(self.name)]
             # head shards leased at once with the newest time known: their records' times, off this thread
             head = [(s.id, ds.partitions[s.pindex].id, s.start, s.end) for s in core.stream_time.to_retime(self.name)]
@@ -193,7 +195,8 @@ class StreamPoller:
                 opener = partial(open_source, spec.uri, spec.format, spec.options, spec.epochs)
                 self._head_times = HeadTimes(self.servicer, self.name, opener)
             self._head_times.offer(head)
-        gone = sorted(set(planned) - {p.id for p in polled})
+        ids = list(map(_ID, polled))
+        gone = [] if ids == planned else sorted(set(planned).difference(ids))  # (10,000 partitions: 0.2 vs 1 ms)
         if gone:
             raise _Missing(f"planned partition(s) {', '.join(gone)} missing from the source")
         self._missing_since = None
