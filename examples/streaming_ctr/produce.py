@@ -42,9 +42,11 @@ class Progress:
         self.doc: dict[str, Any] = {"sent": 0, "delivered": 0, "failed": 0, "started": time.time(), "drift_sent": {},
                                     "done": False}  # fmt: skip
 
-    def write(self) -> None:
-        if self.path is None:
+    def write(self, every: float = 0.0) -> None:
+        """Write the file (``every``: unless it was written less than that many seconds ago)."""
+        if self.path is None or time.time() - self.doc.get("written", 0.0) < every:
             return
+        self.doc["written"] = time.time()  # a reader tells a stalled producer from a slow one
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.doc))
         tmp.replace(self.path)
@@ -82,7 +84,9 @@ def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate:
                 producer.produce(topic, value=body, key=str(user).encode(), partition=p, on_delivery=delivered)
                 return
             except BufferError:  # the client's queue is full: let it drain
+                doc["queue_full"] = doc.get("queue_full", 0) + 1
                 producer.poll(0.05)
+                progress.write(every=1.0)
 
     drifts = list(stream.hidden.drift_at)
     t0 = time.monotonic()
@@ -112,16 +116,26 @@ def produce(bootstrap: str, topic: str, stream: ClickStream, records: int, rate:
         if time.time() - written >= 1.0:
             progress.write()
             written = time.time()
-    remaining = producer.flush(120)
+    remaining = _flush(producer, progress, 120)
     for user, body, p in held:  # each partition's last record, alone in its batch
         send(body, user, p)
-        remaining += producer.flush(60)
+        remaining += _flush(producer, progress, 60)
     doc["sent"] = sent
     doc["done"], doc["finished"] = remaining == 0 and doc["failed"] == 0, time.time()
     progress.write()
     if remaining or doc["failed"]:
         raise RuntimeError(f"{remaining} records undelivered and {doc['failed']} failed out of {records}")
     return progress
+
+
+def _flush(producer: Any, progress: Progress, timeout: float) -> int:
+    """``producer.flush(timeout)``, writing the progress file each second meanwhile; returns what is undelivered."""
+    deadline = time.monotonic() + timeout
+    while (remaining := int(producer.flush(min(1.0, max(0.0, deadline - time.monotonic()))))) and (
+        time.monotonic() < deadline
+    ):
+        progress.write(every=1.0)
+    return remaining
 
 
 def main(argv: list[str] | None = None) -> int:
