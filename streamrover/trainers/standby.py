@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from streamrover.trainers import storewait
+
 log = logging.getLogger(__name__)
 
 # What a torch DDP worker imports anyway; each is imported only if installed.
@@ -387,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     spec = json.loads(message)
     _become(spec, list(fds))
+    storewait.install()  # a rank that comes before the group's store server waits for it, not 0.5-1.5 s
     _run(spec)
 
 
