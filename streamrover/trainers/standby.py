@@ -371,7 +371,9 @@ def _exit_without_teardown(code: int) -> None:
     streams) but without its module teardown, which frees every object one by one: 0.6-0.75 s for a torch worker.
     A worker whose collective failed because a peer died raises; the agent stops the group's survivors and
     waits for their exits before it restarts the group, so that teardown was the restart's."""
-    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
+    wait_for_threads = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx calls first (CPython 3.x)
+    if wait_for_threads is not None:
+        wait_for_threads()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

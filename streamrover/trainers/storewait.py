@@ -67,10 +67,11 @@ def install() -> bool:
     agent_serves = getattr(rendezvous, "_agent_store_serves", None)
 
     @functools.wraps(original)
-    def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: timedelta,
+    def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: timedelta | float,
                           *args: Any, **kwargs: Any) -> Any:  # fmt: skip
         if rank != 0 and not (agent_serves is not None and agent_serves(hostname, port)):
-            wait_listening(hostname, port, timeout.total_seconds())
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+            wait_listening(hostname, port, seconds)
         return original(hostname, port, rank, world_size, timeout, *args, **kwargs)
 
     create_c10d_store._streamrover_waits = True  # type: ignore[attr-defined]
