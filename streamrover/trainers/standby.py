@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     spec = json.loads(message)
     _become(spec, list(fds))
-    storewait.install()  # a rank that comes before the group's store server waits for it, not 0.5-1.5 s
+    storewait.install()  # a rank that comes before the group's store server waits for it, not 0.3-1.5 s
     try:
         _run(spec)
     except Exception:  # uncaught: printed, exit code 1, as `python script.py` does (SystemExit passes through)

@@ -1,7 +1,7 @@
 """What a warm standby does for a fast group restart beyond its imports.
 
 * A worker started in it that reaches the group's store before its server waits for it (storewait.py). c10d's own
-  client, refused, retries after 0.5-1.5 s (its back-off); the group's restart then waited that long in
+  client, refused, retries after 0.3-1.5 s (its back-off); the group's restart then waited that long in
   ``init_process_group``. The test makes rank 1 arrive first for sure: the port is held bound but not listening
   until rank 1 has been refused, and only then does the "rank 0" server start on it.
 * Once warm, its anonymous memory is in 2 MB pages (hugepages.py): the worker it becomes dies faster.
@@ -87,7 +87,7 @@ def test_a_warm_standby_is_in_huge_pages_and_its_rank_waits_for_the_store_server
         pool.close()
     assert (tmp_path / "out.txt").read_text() == "rank 1 got world\n"
     log = err.read_text()
-    assert C10D_REFUSED not in log, "c10d's client was refused: it backs off 0.5-1.5 s before it tries again"
+    assert C10D_REFUSED not in log, "c10d's client was refused: it backs off 0.3-1.5 s before it tries again"
     assert OURS_REFUSED in log
 
 
