@@ -168,7 +168,8 @@ def breakdown(job: Job, t0: float, old: set[int]) -> dict[str, float]:
     started), hand-off (-> the workers' code runs: a warm standby becomes the worker), process group
     (init_process_group), model + DDP (built, DDP's first parameter broadcast), restore (torch.load; ours:
     attach, i.e. the snapshot loaded, the cursor reset, the state handed to the other ranks: mapped from
-    shared memory on rank 0's node, else broadcast), first step.
+    shared memory on rank 0's node, else broadcast), first batch (the data loader's first batch), first step
+    (its forward, backward and optimizer step).
     torchrun: its agent logs no times here: "to worker code" covers detection, stop, rendezvous, the
     new processes' start and their imports.
     """
@@ -195,7 +196,8 @@ def breakdown(job: Job, t0: float, old: set[int]) -> dict[str, float]:
         if m and int(m.group(2)) not in old:
             for item in m.group(3).split(","):
                 name, _, value = item.partition("=")
-                stamps[name] = max(stamps.get(name, 0.0), float(value))  # the group waits for its slowest rank
+                with contextlib.suppress(ValueError):  # a line another process's write cut into: not counted
+                    stamps[name] = max(stamps.get(name, 0.0), float(value))  # the group waits for its slowest rank
     if not stamps.get("first") or stamps["first"] < t0:
         return {}
     out: dict[str, float] = {}
@@ -211,7 +213,11 @@ def breakdown(job: Job, t0: float, old: set[int]) -> dict[str, float]:
     out["model + DDP"] = stamps["model"] - stamps["init_process_group"]
     restored = stamps.get("attach", stamps.get("torch.load", stamps["model"]))
     out["restore"] = restored - stamps["model"]  # streamrover: attach (load, cursor reset, state to the ranks)
-    out["first step"] = stamps["first"] - restored
+    if "batch" in stamps:  # the first batch read (ours: leased and read from parquet), then its step
+        out["first batch"] = stamps["batch"] - restored
+        out["first step"] = stamps["first"] - stamps["batch"]
+    else:
+        out["first step"] = stamps["first"] - restored
     return out
 
 

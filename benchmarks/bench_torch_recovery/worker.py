@@ -62,9 +62,8 @@ def main() -> None:
         session = srt.attach(net, opt, ckpt_every=args.ckpt_every)
         step = session.step
         phases.append(("attach (restore + cursor reset)", time.time()))
-        print(
-            f"rank {rank} attach: " + ", ".join(f"{k} {v:.2f} s" for k, v in session.timings.items()), file=sys.stderr
-        )
+        timings = ", ".join(f"{k} {v:.2f} s" for k, v in session.timings.items())
+        sys.stderr.write(f"rank {rank} attach: {timings}\n")
         batches = DataLoader(session.dataset("bench", args.batch_size, columns=["x", "y"]), batch_size=None)
         source = ((b["x"].float().unsqueeze(1), b["y"].float().unsqueeze(1)) for b in batches)
     else:
@@ -83,6 +82,8 @@ def main() -> None:
 
         source = synthetic()
     for x, y in source:
+        if phases:
+            phases.append(("batch (the first one read)", time.time()))
         loss = ((model(x) - y) ** 2).mean()
         opt.zero_grad()
         loss.backward()
@@ -101,9 +102,12 @@ def main() -> None:
             for name, t in phases:
                 parts.append(f"{name} {t - last:.2f} s")
                 last = t
-            print(f"rank {rank} start-up phases: " + ", ".join(parts), file=sys.stderr, flush=True)
+            # one write per line: both ranks write to the launcher's log at the same moment (print writes the
+            # text and its newline apart, and the lines interleaved)
+            sys.stderr.write(f"rank {rank} start-up phases: " + ", ".join(parts) + "\n")
             stamps = ",".join(f"{name.split(' ')[0]}={t:.4f}" for name, t in phases)
-            print(f"phase-times rank {rank} pid {os.getpid()}: {stamps}", file=sys.stderr, flush=True)
+            sys.stderr.write(f"phase-times rank {rank} pid {os.getpid()}: {stamps}\n")
+            sys.stderr.flush()
             phases = []
         if log is not None:
             log.write(f"{time.time():.4f} {step} {os.getpid()}\n")

@@ -76,3 +76,33 @@ def test_without_heartbeats_the_hang_watch_counts_every_second() -> None:
     health.start_heartbeat(5.0)  # no client: no heartbeats, nothing known of the master
     assert health.outage_age() is None
     assert stuck_ranks({0: 31.0}, 30.0, health.outage_age()) == {0: 31.0}
+
+
+class _CasMaster:
+    """A KV store with compare-and-set versions that counts the reporter's calls."""
+
+    def __init__(self) -> None:
+        self.version, self.value, self.calls = 0, b"", []  # type: ignore[var-annotated]
+
+    def kv_get(self, key: str) -> tuple[bytes, int] | None:
+        self.calls.append("get")
+        return (self.value, self.version) if self.version else None
+
+    def kv_set(self, key: str, data: bytes, version: int) -> tuple[bool, Any, int]:
+        self.calls.append("set")
+        if version != self.version:
+            return False, self.value, self.version
+        self.version, self.value = self.version + 1, data
+        return True, data, self.version
+
+
+def test_a_report_is_one_call_and_still_wins_over_another_writer() -> None:
+    master = _CasMaster()
+    health = HealthReporter(master, "run", "n0")  # type: ignore[arg-type]
+    health.report("HEALTHY", 3, 0)
+    health.report("FAILED", 3, 0)  # the agent's monitor reports this before the group restarts: one call
+    assert master.calls == ["get", "set", "set"]
+    master.version += 1  # another writer (an agent restarted under the same node id, say)
+    health.report("HEALTHY", 2, 1)
+    assert master.calls[3:] == ["set", "set"], "a stale version: the write fails once, then wins"
+    assert b'"restarts_left": 2' in master.value

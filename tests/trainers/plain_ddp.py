@@ -16,6 +16,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+def huge_page_advised(tensor: torch.Tensor) -> int:
+    """``THPeligible`` of the mapping that holds ``tensor`` (1: the kernel may back it with 2 MB pages)."""
+    address, inside = tensor.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "THPeligible:":
+                return int(line.split()[1])
+    return -1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -48,6 +62,8 @@ def main() -> None:
             os.replace(ckpt + ".tmp", ckpt)
     with open(os.path.join(args.out, f"done-{rank}"), "w") as f:
         f.write(f"{world} {local_rank} {os.environ['TORCHELASTIC_RESTART_COUNT']} {loss.item()}\n")
+    with open(os.path.join(args.out, f"malloc-{rank}"), "w") as f:  # for the test: how malloc maps a big tensor
+        f.write(f"{os.environ.get('GLIBC_TUNABLES', '-')} {huge_page_advised(torch.ones(2**22))}\n")
     dist.destroy_process_group()
 
 

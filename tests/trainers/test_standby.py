@@ -174,3 +174,31 @@ def test_a_warm_standby_whose_ready_was_never_read_runs_the_work(
     code, out, _, _ = _run(pool, tmp_path, [sys.executable, "-u", str(script), "4"], dict(os.environ))
     assert code == 4
     assert '"name": "__main__"' in out
+
+
+EXITING = textwrap.dedent(
+    """
+    import atexit, threading
+
+    class Resident:  # a module global: freed in the interpreter's module teardown, if that runs
+        def __del__(self):
+            print("module teardown", flush=True)
+
+    kept = Resident()
+    atexit.register(lambda: print("atexit ran", flush=True))
+    threading.Thread(target=lambda: (threading.Event().wait(0.2), print("thread done", flush=True))).start()
+    raise RuntimeError("boom from the script")
+    """
+)
+
+
+def test_an_uncaught_exception_exits_without_the_module_teardown(pool: StandbyPool, tmp_path: Path) -> None:
+    """A worker whose collective failed raises; a torch worker's module teardown takes 0.6-0.75 s, and a group restart
+    waits for the survivors' exits. The threads are waited for and atexit runs, as at any exit; the teardown not."""
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING)
+    pool.fill()
+    code, out, err, _ = _run(pool, tmp_path, [sys.executable, "-u", str(script)], dict(os.environ))
+    assert code == 1
+    assert "RuntimeError: boom from the script" in err
+    assert out == "thread done\natexit ran\n"

@@ -73,6 +73,7 @@ class HealthReporter:
         self._grace = 0.0  # no report for this long: the master is unreachable (start_heartbeat sets it)
         self._answered_at: float | None = None  # the master's last answer to a report
         self._back_at: float | None = None  # when it answered again after a silence longer than the grace
+        self._version: int | None = None  # the health key's version after this reporter's last write
 
     def start_heartbeat(self, interval: float) -> None:
         """Rewrite the health document every ``interval`` seconds (``heartbeat_at``): the node is alive."""
@@ -140,11 +141,15 @@ class HealthReporter:
             return
         data = json.dumps({**doc, "heartbeat_at": time.time()}).encode()
         try:
-            found = self.client.kv_get(self.key)
-            version = found[1] if found else 0
+            if self._version is None:
+                found = self.client.kv_get(self.key)
+                version = found[1] if found else 0
+            else:  # the version this reporter wrote last: one call, not two (a failed group's restart waits for it)
+                version = self._version
             while True:
                 ok, _, version = self.client.kv_set(self.key, data, version)
                 if ok:
+                    self._version = version
                     break
             now = self.clock()
             if self._answered_at is not None and self._grace and now - self._answered_at > self._grace:

@@ -124,6 +124,24 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     return args
 
 
+HUGE_PAGES = "glibc.malloc.hugetlb"  # glibc >= 2.35; older ones ignore a tunable they do not know
+
+
+def malloc_tunables(current: str | None) -> str:
+    """``GLIBC_TUNABLES`` for the workers and their standbys: ``current`` plus ``glibc.malloc.hugetlb=1`` (malloc
+    advises transparent huge pages for its heap and large chunks), unless ``current`` sets that tunable itself
+    (``glibc.malloc.hugetlb=0`` turns it off).
+
+    Why: a worker that dies takes the kernel ~45 ms per GB of its resident memory to unmap (a torch worker holds
+    ~0.4 GB after its imports, ~1 GB training), and a group restart waits for two such teardowns in a row: the
+    dead worker's (its peers learn of the death only when its sockets close, after its memory is freed) and
+    then the survivors' it stops. 2 MB pages cut it by a third to a half (bench torch_recovery: detection 0.13 ->
+    0.09 s), and make the restarted workers' first step faster too (fewer page faults)."""
+    if current and HUGE_PAGES in current:
+        return current
+    return ":".join(filter(None, [current, f"{HUGE_PAGES}=1"]))
+
+
 def _worker_environment(args: Namespace, run_id: str) -> dict[str, str]:
     """What the workers learn about streamrover (see env.py); the agent's environment passes to them."""
     out = {env.NODE_ID: args.node_id, env.RUN_ID: run_id}
@@ -143,6 +161,7 @@ def launch(config: LaunchConfig, entrypoint: Any, script_args: list[str], args: 
     run_id = config.run_id or str(uuid.uuid4().int)
     config.run_id = run_id
     os.environ.update(_worker_environment(args, run_id))
+    os.environ["GLIBC_TUNABLES"] = malloc_tunables(os.environ.get("GLIBC_TUNABLES"))  # read at each child's start
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     params = RendezvousParameters(
         backend=config.rdzv_backend,
