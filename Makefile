@@ -31,7 +31,7 @@ $(BIN)/python:
 	@$(PYTHON) -m venv $(VENV)
 	@$(BIN)/pip install $(PIP_FLAGS) -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml streamrover/ckpt/_ntcopy.c | $(BIN)/python
 	@echo "make: installing streamrover (editable) with the extras $(TEST_EXTRAS) into $(VENV);"
 	@echo "      the first time takes minutes (torch, tensorflow, ray... are large), later runs skip this step"
 	@for try in 1 2 3 4; do \

@@ -5,8 +5,9 @@ calls :meth:`CopyJob.work` takes the next chunk not yet taken until none is left
 is balanced at run time: a helper thread descheduled by other load on a busy 2-core machine
 delays the copy by at most the one chunk it holds, where a statically split parallel copy
 (``Tensor.copy_`` with 2 intra-op threads) waits for the whole half of the descheduled thread.
-The copies are ``ctypes.memmove`` calls, which release the GIL, so the chunks really run in
-parallel with each other and with the trainer's Python code.
+The copies are ctypes calls, which release the GIL, so the chunks really run in parallel with each
+other and with the trainer's Python code: :func:`copy_nt` (non-temporal stores, ``_ntcopy.c``, built
+with the package) where it was built, else ``ctypes.memmove``.
 
 A job is started with a helper thread and then either finished at once by the caller
 (:meth:`CopyJob.wait`, which helps with the chunks left: blocking saves) or left to the helper
@@ -18,6 +19,7 @@ before the job counts as done, so a waiter returns only once the snapshot is vis
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import threading
 from collections.abc import Callable
@@ -26,9 +28,42 @@ from typing import Any
 from streamrover.ckpt.api import CheckpointError
 
 CHUNK = 4 << 20
+NT_FROM = 256 << 10  # below this a copy may still be in the caches when read again: plain memmove
+
+
+def _load_nt() -> Callable[[int, int, int], Any] | None:
+    """``streamrover_copy_nt`` from the ``_ntcopy`` shared object beside this module, or None if not built."""
+    if os.environ.get("STREAMROVER_NT_COPY", "1") == "0":
+        return None
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_ntcopy*.so"))):
+        try:
+            fn = ctypes.CDLL(path).streamrover_copy_nt
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = None
+        return fn
+    return None
+
+
+_NT = _load_nt()
+NT_AVAILABLE = _NT is not None
+
+
+def copy_nt(dst: int, src: int, n: int) -> None:
+    """Copy ``n`` bytes from address ``src`` to ``dst`` (no overlap), with non-temporal stores when large.
+
+    Streaming stores skip the read-for-ownership of each destination cache line that a memcpy does:
+    about 0.8x the time of glibc's memcpy for a large copy on the VMs measured (see ``_ntcopy.c``).
+    """
+    if _NT is not None and n >= NT_FROM:
+        _NT(dst, src, n)
+    else:
+        ctypes.memmove(dst, src, n)
+
 
 # The raw copy, a module attribute so that a test can inject a failure into it.
-_memmove: Callable[[int, int, int], Any] = ctypes.memmove
+_memmove: Callable[[int, int, int], Any] = copy_nt
 
 
 def file_writer(fd: int) -> Callable[[int, int, int], None]:

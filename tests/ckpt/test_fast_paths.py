@@ -135,3 +135,19 @@ def test_a_hashing_error_fails_the_write_and_leaves_no_file(tmp_path: Path) -> N
     with pytest.raises(OSError, match="hashing thread"):
         storage.write(path, [memoryview(data)], pause=pause)
     assert sorted(p.name for p in tmp_path.iterdir()) == [], "neither the file nor its temporary is left"
+
+
+def test_non_temporal_copy_is_built_and_exact_at_any_alignment_and_length() -> None:
+    """The package install builds ``_ntcopy`` (a C compiler is part of the set-up); its copy is byte-exact."""
+    import shutil
+
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert copier.NT_AVAILABLE, "streamrover/ckpt/_ntcopy.c was not built: run `make install`"
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, size=(copier.NT_FROM * 3), dtype=np.uint8)
+    for src_off, dst_off, n in [(0, 0, copier.NT_FROM), (3, 5, copier.NT_FROM + 77), (16, 1, 2 * copier.NT_FROM + 63),
+                                (1, 15, 100), (7, 0, copier.NT_FROM * 2 + 1)]:  # fmt: skip
+        dst = np.zeros(n + 64, dtype=np.uint8)
+        copier.copy_nt(int(dst.ctypes.data) + dst_off, int(src.ctypes.data) + src_off, n)
+        assert np.array_equal(dst[dst_off : dst_off + n], src[src_off : src_off + n])
+        assert not dst[:dst_off].any() and not dst[dst_off + n :].any()  # nothing written outside the range
