@@ -128,6 +128,7 @@ class MemoryEngine:
 
     def attach(self) -> None:
         """Map buffers left by an earlier trainer of this rank (process restart on a live node)."""
+        self._join_prefault()
         for i, name in enumerate(self.names()):
             if self.buffers[i] is None:
                 self.buffers[i] = SharedBuffer.open(name, writable=True)
@@ -168,6 +169,7 @@ class MemoryEngine:
     # -- reading -------------------------------------------------------------
     def snapshots(self) -> list[Snapshot]:
         """The complete snapshots held by this rank's mapped buffers (a buffer being written holds none)."""
+        self._join_prefault()  # a buffer it grows is closed, then replaced: never read one in between
         out = []
         for i, buf in enumerate(self.buffers):
             if buf is None:

@@ -151,3 +151,31 @@ def test_non_temporal_copy_is_built_and_exact_at_any_alignment_and_length() -> N
         copier.copy_nt(int(dst.ctypes.data) + dst_off, int(src.ctypes.data) + src_off, n)
         assert np.array_equal(dst[dst_off : dst_off + n], src[src_off : src_off + n])
         assert not dst[:dst_off].any() and not dst[dst_off + n :].any()  # nothing written outside the range
+
+
+def test_a_save_while_a_grown_buffer_is_allocated_in_the_background_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that outgrows the buffers reallocates the other one in the background (closed, then created anew);
+    the next save's choice of a buffer read the closed one ("mmap closed or invalid"), seen in CI after a saver
+    SIGKILL. The background allocation is held inside ``create`` here until the next save has begun."""
+    entered, release = threading.Event(), threading.Event()
+    create = SharedBuffer.create.__func__  # type: ignore[attr-defined]
+
+    def held_create(cls: type[SharedBuffer], name: str, size: int, *args: Any, **kwargs: Any) -> SharedBuffer:
+        if threading.current_thread().name == "ckpt-prefault" and size > 4 << 20:
+            entered.set()
+            release.wait(30)  # bounded: the fixed code waits here for the release below
+        return create(cls, name, size, *args, **kwargs)  # type: ignore[no-any-return]
+
+    with Checkpointer(str(tmp_path / "ck"), saver="thread", persist_on_exit=False) as ckpt:
+        ckpt.save(1, {"w": torch.ones(16)}, persist=False)
+        ckpt.save(2, {"w": torch.ones(16)}, persist=False)  # both buffers allocated, small
+        monkeypatch.setattr(SharedBuffer, "create", classmethod(held_create))
+        big = {"w": torch.full((3 << 20,), 3.0)}  # 12 MiB: outgrows both
+        ckpt.save(3, big, persist=False)
+        assert entered.wait(30), "the grown buffer was not allocated in the background"
+        threading.Timer(0.2, release.set).start()  # lets the allocation finish while the next save waits for it
+        ckpt.save(4, {"w": torch.full((3 << 20,), 4.0)}, persist=False)
+        loaded = ckpt.load(restore=False)
+        assert loaded.step == 4 and float(loaded.state["w"][0]) == 4.0

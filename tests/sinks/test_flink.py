@@ -206,9 +206,10 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         if {"reset", "garble"} & set(proxy.cuts):
             assert "an earlier attempt landed" in log, "a commit whose answer was cut was not retried to its end"
         losses = job.losses()
-        # the loss falls fast (2.3 to ~0.15 in the first tens of steps), and the last steps' losses are noisy: CI
-        # measured the last 20 steps' mean at 1/4.8 of the first 20's
-        assert np.mean(losses[-20:]) < np.mean(losses[:20]) / 3, "the loss decreases"
+        # the loss falls within the first ~5 steps (from 0.5-2.3 to below 0.1), so a mean over the first 20 is mostly
+        # trained steps already, and the last steps' losses are noisy: CI measured that ratio at 1/4.8 and at 1/2.1.
+        # The first steps' highest loss against the last 20 steps' median (0.56 against ~0.07 in the 1/2.1 run).
+        assert np.median(losses[-20:]) < max(losses[:5]) / 3, f"the loss decreases: {losses[:5]} ... {losses[-20:]}"
     finally:
         chaos.stop.set()
         flink.kill()
