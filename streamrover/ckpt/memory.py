@@ -9,6 +9,7 @@ and reused; they grow when the state grows.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import threading
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from streamrover.ckpt.api import FORMAT_VERSION, SnapshotCopyError, SnapshotRef
-from streamrover.ckpt.copier import CopyError, CopyJob, file_writer
+from streamrover.ckpt.copier import CopyError, CopyJob
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
 from streamrover.ckpt.shm import ALIGN, DATA_START, SHM_DIR, SharedBuffer, align, check_shm_space, shm_path
 
@@ -242,8 +243,11 @@ class MemoryEngine:
             missing = sum(size_needed - (b.size if b else 0) for b in self.buffers)
             check_shm_space(missing, f"{self.num_buffers} snapshot buffers of {size_needed / (1 << 20):.1f} MiB")
             others = [i for i in range(self.num_buffers) if i != index]
-        # A buffer new at this size is created sparse and written with pwrite (no page faults, no zeroing); it is
-        # fully allocated once the copy is done and mapped in (populated) in the background after publication.
+        # A buffer new at this size is created sparse and written through its mapping by two threads: their page
+        # faults allocate its pages in parallel (1 GiB in a fresh process: 0.32-0.35 s, against 0.37-0.39 for one
+        # pwrite, which allocates without faults but on one thread: the inode lock). The space was checked just
+        # above; /dev/shm filled by another process in between would be a SIGBUS here, as in any copy into a
+        # fresh shared mapping. The rest (header, gaps) is allocated once the copy is done.
         sources = [_raw_source(entry) if entry.nbytes else None for entry in entries]
         fresh = bool(others) and all(src is not None for src, e in zip(sources, entries) if e.nbytes)
         buf = self._ensure(index, size_needed, populate=not others, allocate=not fresh)
@@ -269,13 +273,11 @@ class MemoryEngine:
         pending = SnapshotWrite(self, index, buf, odd, header, size_needed, others, on_published, fresh, paused)
         fd = os.open(shm_path(buf.name), os.O_RDWR) if fresh else -1
         try:
-            if fresh:
-                sync = CopyJob([(d - base, s, n) for d, s, n in now], keep, copy=file_writer(fd))
-            else:
-                sync = CopyJob(now, keep)
+            # Into a fresh buffer: plain stores (the kernel's freshly zeroed page is still in the cache, so they beat
+            # non-temporal ones there), and the two threads' page faults allocate the pages in parallel.
+            sync = CopyJob(now, keep, copy=ctypes.memmove) if fresh else CopyJob(now, keep)
             # A helper pays for its start (~1 ms on a loaded box) only from a few chunks on; below, one thread copies.
-            # Writes to one tmpfs file take its inode lock: a second pwriting thread would only wait for it.
-            sync.start(1 if sync.chunks > HELPER_FROM_CHUNKS and not fresh else 0, name="ckpt-copy-now")
+            sync.start(1 if sync.chunks > HELPER_FROM_CHUNKS else 0, name="ckpt-copy-now")
             sync.wait()
             if fresh:
                 buf.allocate(fd)  # the header, the gaps and the deferred tensors: never a SIGBUS writing them

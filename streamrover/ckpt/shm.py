@@ -118,9 +118,8 @@ class SharedBuffer:
         Allocating up front means a full ``/dev/shm`` is a clear error now, never a SIGBUS mid-copy.
         Pre-faulting maps every page into this process (single-threaded, ~0.3 s/GiB): worth it off the
         critical path. A buffer about to be written at once is created sparse (``allocate=False``): its
-        first copy ``pwrite``s the data, which allocates the pages with no fault and no zeroing
-        (:func:`~streamrover.ckpt.copier.file_writer`), and :meth:`allocate` then allocates the rest
-        before anything is written through the mapping beyond its first page.
+        first copy's page faults allocate the pages it writes (two threads, in parallel), and
+        :meth:`allocate` then allocates the rest (header, gaps) before anything else is written.
         """
         path = shm_path(name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -143,7 +142,7 @@ class SharedBuffer:
         return cls(name, mm, size, writable=True)
 
     def allocate(self, fd: int | None = None) -> None:
-        """Allocate every page of the buffer not allocated yet (after a sparse :meth:`create` and a ``pwrite``)."""
+        """Allocate every page of the buffer not allocated yet (after a sparse :meth:`create` and its first copy)."""
         own = fd is None
         fd = os.open(shm_path(self.name), os.O_RDWR) if fd is None else fd
         try:

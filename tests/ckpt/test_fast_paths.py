@@ -1,4 +1,4 @@
-"""The fast paths of issue 35: the first save written with pwrite, persists paused during a save."""
+"""The fast paths of issue 35: the first save into a sparse buffer, persists paused during a save."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def test_first_save_leaves_the_buffer_allocated_and_loads_back(tmp_path: Path) -
         snap = ckpt.engine.newest()
         assert snap is not None
         st = os.stat(shm_path(snap.name))
-        # written with pwrite into a sparse file, then allocated whole: no page is left to fault in (SIGBUS on a
-        # full /dev/shm) when the header or a later save writes through the mapping
+        # written into a sparse file, then allocated whole: no page is left to allocate (SIGBUS on a full
+        # /dev/shm) when the header or a later save writes through the mapping
         assert st.st_blocks * 512 >= st.st_size
         loaded = ckpt.load(zero_copy=False, restore=False)
         assert torch.equal(loaded.state["model"]["w"], state["model"]["w"])
@@ -59,7 +59,7 @@ def test_a_save_pauses_the_persist_of_the_other_buffer_until_its_copy_is_done(
         return real(dst, src, n)
 
     with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
-        ckpt.save(1, state, persist=False)  # buffer 0 (pwrite: not gated)
+        ckpt.save(1, state, persist=False)  # buffer 0 (a fresh buffer's copy: not gated)
         ckpt.save(2, state, persist=False)  # buffer 1
         first = ckpt.engine.newest()
         assert first is not None and first.step == 2
