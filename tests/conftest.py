@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,35 @@ def master(tmp_path: Path) -> Iterator[MasterProcess]:
         yield m
     finally:
         m.stop()
+
+
+_run_temp: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """What the run's processes write to temp goes into one directory of this run, removed when it ends.
+
+    Flink's mini cluster, Spark's block managers, the JVMs' extracted native libraries, SeaweedFS's logs and
+    torchelastic's run dirs otherwise stay in /tmp after every run (about 140 MB a run, on the machine that runs
+    CI). Python and Go read ``$TMPDIR``; a JVM reads ``java.io.tmpdir`` (Flink's ``io.tmp.dirs`` and Spark's
+    ``spark.local.dir`` default to it). pytest's own ``tmp_path`` directories stay where they were: it keeps the
+    last three runs' for a look after a failure.
+    """
+    if _run_temp:
+        return
+    base = tempfile.gettempdir()
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", base)
+    run = tempfile.mkdtemp(prefix="sr-", dir=base)  # short: Ray's socket paths live under it
+    _run_temp.append(run)
+    os.environ["TMPDIR"] = run
+    tempfile.tempdir = None  # Python's own temp files follow $TMPDIR from here on
+    java = os.environ.get("JAVA_TOOL_OPTIONS", "")
+    os.environ["JAVA_TOOL_OPTIONS"] = f"{java} -Djava.io.tmpdir={run}".strip()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _run_temp:
+        shutil.rmtree(_run_temp.pop(), ignore_errors=True)
 
 
 _skipped: list[str] = []

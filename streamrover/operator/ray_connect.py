@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,15 @@ PROBE_TIMEOUT = 5.0  # seconds for the cluster's GCS to answer one call
 
 
 def _ray_temp_dir() -> Path:
-    """Ray's temp directory (``$RAY_TMPDIR/ray``, default ``/tmp/ray``), where ``ray start`` records its address."""
-    return Path(os.environ.get("RAY_TMPDIR") or "/tmp") / "ray"
+    """Ray's temp directory, where ``ray start`` records its address.
+
+    Ray's own rule (``ray._common.utils.get_default_system_temp_dir``): ``$RAY_TMPDIR``, else ``$TMPDIR`` on Linux,
+    else ``/tmp``; then ``ray`` under it.
+    """
+    base = os.environ.get("RAY_TMPDIR")
+    if base is None and sys.platform.startswith("linux"):
+        base = os.environ.get("TMPDIR")
+    return Path(base or "/tmp") / "ray"
 
 
 def recorded_cluster() -> str | None:

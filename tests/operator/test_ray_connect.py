@@ -113,3 +113,20 @@ def test_an_unreachable_ray_address_fails_within_30_s_naming_it(tmp_path: Path) 
         job.stop()
         end_processes_under(temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("env", [{}, {"TMPDIR": "/tmp/a"}, {"RAY_TMPDIR": "/tmp/b", "TMPDIR": "/tmp/a"}],
+                         ids=["default", "tmpdir", "ray-tmpdir"])  # fmt: skip
+def test_the_recorded_address_is_looked_for_where_ray_records_it(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    """``ray start`` with ``$TMPDIR`` set records its address under ``$TMPDIR/ray``; the lookup uses Ray's own rule."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    from streamrover.operator.ray_connect import _ray_temp_dir
+
+    for name in ("RAY_TMPDIR", "TMPDIR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _ray_temp_dir() == Path(get_default_ray_temp_dir())
