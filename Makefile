@@ -13,6 +13,9 @@ PIP_FLAGS ?= --disable-pip-version-check --progress-bar off --only-binary=torch,
 # (pip >= 25.1, which the virtualenv's own upgrade brings) and the whole install is tried again (CI's run of
 # 2026-12-05 lost a 151 MB wheel at 127.7 MB six times in a row and failed in 20 s).
 PIP_NET_FLAGS ?= --resume-retries 30 --retries 10
+# What a first install takes on disk (the virtualenv is ~9 GB, and pip unpacks beside it): checked up front,
+# since pip out of space fails each of its tries after minutes (CI, 2026-12-05: a disk filled by other work).
+INSTALL_GB ?= 11
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),_,$(TEST_EXTRAS))
 BENCH_STAMP := $(STAMP)-bench
@@ -34,6 +37,11 @@ $(BIN)/python:
 $(STAMP): pyproject.toml streamrover/ckpt/_ntcopy.c | $(BIN)/python
 	@echo "make: installing streamrover (editable) with the extras $(TEST_EXTRAS) into $(VENV);"
 	@echo "      the first time takes minutes (torch, tensorflow, ray... are large), later runs skip this step"
+	@free=$$(df -Pk $(VENV) | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(INSTALL_GB) ]; then \
+	  echo "make: the install needs about $(INSTALL_GB) GB free on the disk of $(VENV) (the virtualenv takes 9 GB);" \
+	    "$$free GB are free (df $(VENV)): free some space, or set VENV to a disk with more" >&2; exit 1; \
+	fi
 	@for try in 1 2 3 4; do \
 	  $(BIN)/pip install $(PIP_FLAGS) $(PIP_NET_FLAGS) -q -e ".[$(TEST_EXTRAS)]" && break; \
 	  if [ $$try = 4 ]; then echo "make: the install failed 4 times; giving up" >&2; exit 1; fi; \
