@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import statistics
@@ -10,6 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from streamrover._libc import set_parent_death_signal
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 GIB = 1 << 30
@@ -46,8 +47,7 @@ def install_signal_handlers() -> None:
 
 def die_with_parent() -> None:
     """In a child, before exec: SIGTERM when the parent dies (even by SIGKILL), so nothing is orphaned."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def parse_size(text: str) -> int:

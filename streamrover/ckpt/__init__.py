@@ -38,6 +38,7 @@ from streamrover.ckpt.api import (
     SharedMemoryTooSmallError,
     SnapshotCopyError,
     SnapshotRef,
+    SnapshotRefusedError,
     StorageUnavailableError,
     UnsupportedStateError,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "SharedMemoryTooSmallError",
     "SnapshotCopyError",
     "SnapshotRef",
+    "SnapshotRefusedError",
     "StorageUnavailableError",
     "TorchCheckpoint",
     "UnsupportedStateError",

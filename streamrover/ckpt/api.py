@@ -55,6 +55,13 @@ class SaverError(CheckpointError):
     """The saver process could not be started or reached, or reported a failed persist."""
 
 
+class SnapshotRefusedError(CheckpointError):
+    """Raised by a binder, not by this package: :meth:`CursorBinder.restore_cursor` refuses a shared-memory snapshot's
+    cursor (``from_memory``) because the snapshot is not of the binder's run. :meth:`Checkpointer.load` then
+    discards it and loads storage. ``ShardClient`` raises a subclass that is also the shard service's
+    ``FailedPreconditionError``."""
+
+
 class LoadedFrom(enum.Enum):
     """Where a loaded checkpoint came from."""
 
@@ -84,8 +91,8 @@ class CursorBinder(Protocol):
       (``from_memory``) it names the snapshot's cut (``snapshot_cut``) and run (``snapshot_run``) when the
       snapshot has them: a binder with a ``run_id`` attribute (the run its cuts are prepared in, read after each
       :meth:`prepare_cut`) has it recorded in each snapshot. A snapshot that is not of the binder's run (it
-      outlived an earlier run of the job on this node) must be refused with an error whose ``code`` is
-      ``"FAILED_PRECONDITION"``: :meth:`Checkpointer.load` then discards it and loads storage instead.
+      outlived an earlier run of the job on this node) must be refused with :class:`SnapshotRefusedError`:
+      :meth:`Checkpointer.load` then discards it and loads storage instead (any other error it raises).
     """
 
     def prepare_cut(self, step: int | None, *, persisting: bool = False) -> tuple[int, DataCursor]:

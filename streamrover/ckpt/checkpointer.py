@@ -26,6 +26,7 @@ from streamrover.ckpt.api import (
     PersistResult,
     RetentionPolicy,
     SaverError,
+    SnapshotRefusedError,
 )
 from streamrover.ckpt.layout import complete_steps, read_manifest, read_part
 from streamrover.ckpt.link import SaverLink
@@ -312,8 +313,8 @@ class Checkpointer:
         rank's memory snapshots of later steps are invalidated: training resumes from the loaded
         step, and a snapshot of the abandoned run must not be persisted or loaded later.
 
-        A shared-memory snapshot the shard service refuses to restore (``FAILED_PRECONDITION``: it is not of
-        this run, e.g. left on this node by an earlier run of the job with the same URL and job name) is
+        A shared-memory snapshot the shard service refuses to restore (:class:`SnapshotRefusedError`: it is not
+        of this run, e.g. left on this node by an earlier run of the job with the same URL and job name) is
         discarded with every snapshot of its rank, and storage is loaded instead (:class:`NoCheckpointError`
         when storage holds none: start fresh).
         """
@@ -326,9 +327,7 @@ class Checkpointer:
             try:
                 self.binder.restore_cursor(loaded.cursor, from_memory=True, **named)
                 return loaded
-            except Exception as exc:
-                if getattr(exc, "code", None) != "FAILED_PRECONDITION":
-                    raise
+            except SnapshotRefusedError as exc:
                 log.warning("the shared-memory snapshot of step %d (cut %s of run %s, rank %d) is refused by the "
                             "shard service: %s; it is not of this run: discarded (with this rank's other "
                             "snapshots), loading from storage instead (starting fresh when storage holds none)",

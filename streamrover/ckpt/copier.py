@@ -19,7 +19,7 @@ before the job counts as done, so a waiter returns only once the snapshot is vis
 from __future__ import annotations
 
 import ctypes
-import glob
+import importlib.util
 import os
 import threading
 from collections.abc import Callable
@@ -32,18 +32,20 @@ NT_FROM = 256 << 10  # below this a copy may still be in the caches when read ag
 
 
 def _load_nt() -> Callable[[int, int, int], Any] | None:
-    """``streamrover_copy_nt`` from the ``_ntcopy`` shared object beside this module, or None if not built."""
+    """``streamrover_copy_nt`` from the built ``_ntcopy`` extension (the file the import system would load for
+    this interpreter), or None if it is not built or ``STREAMROVER_NT_COPY=0``."""
     if os.environ.get("STREAMROVER_NT_COPY", "1") == "0":
         return None
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_ntcopy*.so"))):
-        try:
-            fn = ctypes.CDLL(path).streamrover_copy_nt
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = None
-        return fn
-    return None
+    spec = importlib.util.find_spec("streamrover.ckpt._ntcopy")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        fn = ctypes.CDLL(spec.origin).streamrover_copy_nt
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    fn.restype = None
+    return fn
 
 
 _NT = _load_nt()

@@ -35,6 +35,7 @@ import time
 import zlib
 from typing import Any
 
+from streamrover._libc import madvise
 from streamrover.ckpt.api import SharedMemoryTooSmallError
 
 SHM_DIR = "/dev/shm"
@@ -48,9 +49,6 @@ MAX_PAUSE = 10.0  # a reader never waits longer than this in one pause, whatever
 PAUSE_POLL = 0.002
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
 
 
 def align(n: int, to: int = ALIGN) -> int:
@@ -163,7 +161,9 @@ class SharedBuffer:
         except (TypeError, ValueError, BufferError):  # closed, or mapped read-only: nothing to populate for writes
             return
         try:
-            _libc.madvise(ctypes.addressof(view), self.size, MADV_POPULATE_WRITE)  # failure: the copy faults instead
+            madvise(ctypes.addressof(view), self.size, MADV_POPULATE_WRITE)
+        except OSError:  # not this kernel (EINVAL), or no memory left to map: the copy faults the pages in instead
+            pass
         finally:
             del view  # the export must go before the mapping can be closed
 

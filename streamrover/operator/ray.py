@@ -24,12 +24,12 @@ Calls into actors pass plain values (strings, numbers, lists, dicts).
 
 from __future__ import annotations
 
-import ctypes
 import signal
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from streamrover._libc import set_parent_death_signal
 from streamrover.operator.api import (
     LaunchError,
     MasterInfo,
@@ -46,7 +46,7 @@ from streamrover.operator.local import LocalPlatform
 
 
 def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    set_parent_death_signal(signal.SIGKILL)
 
 
 class _Host:

@@ -410,7 +410,9 @@ class ShardService(Protocol):
         hold, so upstream commits stay at the newest durable checkpoint's; ``snapshot_cut`` and
         ``snapshot_run`` are that snapshot's cut id and the run id its cut was prepared in (:attr:`run_id`),
         and a snapshot of another run (another journal: a new run of the job on the same node) is refused
-        with :class:`FailedPreconditionError`, as is one whose cut the service never prepared. An empty cursor while
+        with :class:`FailedPreconditionError`, as is one whose cut the service never prepared (``ShardClient`` raises
+        its subclass :class:`~streamrover.shard_service.client.refused.SnapshotRefusedError`, also the checkpoints'
+        ``streamrover.ckpt.SnapshotRefusedError``, for any refusal of a ``from_memory`` restore). An empty cursor while
         progress is committed raises :class:`FailedPreconditionError` unless ``discard_committed``;
         a cursor naming what the service lacks raises :class:`InvalidArgumentError`.
         """

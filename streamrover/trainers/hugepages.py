@@ -16,8 +16,9 @@ turns this off too.
 
 from __future__ import annotations
 
-import ctypes
 import os
+
+from streamrover._libc import madvise
 
 MADV_COLLAPSE = 25
 HUGE = 2 << 20
@@ -43,14 +44,16 @@ def collapse() -> int:
     try:
         with open(f"/proc/{os.getpid()}/maps") as f:
             maps = f.read()
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+    except OSError:
         return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done = 0
     for low, high in _private_anonymous(maps):
         start, end = -(-low // HUGE) * HUGE, high // HUGE * HUGE  # whole 2 MB pages inside the mapping
-        if end > start and madvise(start, end - start, MADV_COLLAPSE) == 0:
-            done += end - start
+        if end <= start:
+            continue
+        try:
+            madvise(start, end - start, MADV_COLLAPSE)
+        except OSError:  # refused: advice only
+            continue
+        done += end - start
     return done

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import importlib
 import json
 import logging
@@ -48,6 +47,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from streamrover._libc import set_parent_death_signal
 from streamrover.trainers import hugepages, storewait
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,6 @@ WARM_MODULES = (
     "pyarrow",
     "streamrover.trainers.torch",
 )
-_PR_SET_PDEATHSIG = 1
 _MAX_MESSAGE = 4 << 20  # what a standby accepts
 _MAX_SEND = 100_000  # what the pool sends (a Unix datagram must fit the socket buffer); larger: a fresh process
 _READY = b"ready"
@@ -71,8 +70,8 @@ _READY = b"ready"
 
 def _set_parent_death_signal(sig: int) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-    except (OSError, AttributeError):  # not Linux: an orphaned standby exits when its socket closes
+        set_parent_death_signal(sig)
+    except OSError:  # not Linux: an orphaned standby exits when its socket closes
         pass
 
 

@@ -17,6 +17,7 @@ from streamrover.ckpt import (
     NoCheckpointError,
     RetentionPolicy,
     SharedMemoryTooSmallError,
+    SnapshotRefusedError,
     namespace_for,
     purge_shared_memory,
 )
@@ -294,15 +295,16 @@ class Refused(Exception):
 
 
 class RunBinder(FakeShardService):
-    """A fake shard service of one run (``run_id``): a memory snapshot of another run is refused with ``code``."""
+    """A fake shard service of one run (``run_id``): a memory snapshot of another run is refused with ``error``
+    (by default :class:`SnapshotRefusedError`, as the binder contract says)."""
 
-    def __init__(self, run_id: str, code: str = "FAILED_PRECONDITION") -> None:
+    def __init__(self, run_id: str, error: Exception | None = None) -> None:
         super().__init__()
-        self.run_id, self.code = run_id, code
+        self.run_id, self.error = run_id, error or SnapshotRefusedError("not of this run")
 
     def restore_cursor(self, cursor: DataCursor, *, from_memory: bool = False, **snapshot: object) -> None:
         if from_memory and snapshot.get("snapshot_run") != self.run_id:
-            raise Refused(self.code)
+            raise self.error
         super().restore_cursor(cursor, from_memory=from_memory)
 
 
@@ -317,8 +319,11 @@ def test_a_snapshot_the_shard_service_refuses_is_discarded_and_storage_loaded(ro
     same = RunBinder("run-1")  # the run's master restarted on its journal: takes its snapshot
     loaded = Checkpointer(root, binder=same, saver="thread").load()
     assert (loaded.source, loaded.step, same.restored) == (LoadedFrom.MEMORY, 4, [first.cuts[2]])
-    with pytest.raises(Refused):  # not a refusal of the snapshot (the master is away): raised, nothing discarded
-        Checkpointer(root, binder=RunBinder("run-2", "UNAVAILABLE"), saver="thread").load()
+    for code in ("UNAVAILABLE", "FAILED_PRECONDITION"):  # not a SnapshotRefusedError: raised, nothing discarded
+        with pytest.raises(Refused):
+            Checkpointer(root, binder=RunBinder("run-2", Refused(code)), saver="thread").load()
+    kept = ckpt.engine.newest()
+    assert kept is not None and kept.step == 4, "a load that raised must not discard the snapshot"
 
     other = RunBinder("run-2")  # a new run: storage's checkpoint, and the old run's snapshots are gone
     loaded = Checkpointer(root, binder=other, saver="thread").load()

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamrover.ckpt import Checkpointer, LoadedFrom, namespace_for, purge_shared_memory
+from streamrover.ckpt import Checkpointer, LoadedFrom, SnapshotRefusedError, namespace_for, purge_shared_memory
 from streamrover.cursor import DataCursor
 from streamrover.shard_service import DatasetSpec, FailedPreconditionError, LeaseLostError, ShardClient
 from streamrover.shard_service.master.core import ShardCore
@@ -110,6 +110,9 @@ def test_a_new_run_never_restores_an_old_runs_snapshot(tmp_path: Path, caplog: p
         # Run 2: same checkpoint URL and job name on this node, a fresh master.
         new.start()
         client, ckpt = _run(new, data, url)
+        with pytest.raises(SnapshotRefusedError, match="not of this run") as refused:  # what Checkpointer.load catches
+            client.restore_cursor(DataCursor(), from_memory=True, snapshot_run="0123456789abcdef")
+        assert isinstance(refused.value, FailedPreconditionError), "still the shard service's error too"
         with caplog.at_level(logging.WARNING, logger="streamrover.ckpt.checkpointer"):
             step, state, source = _restore(client, ckpt)
         assert source == "fresh", f"run 2 restored run 1's snapshot of step {step} (from {source})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from streamrover.cursor import DataCursor
 from streamrover.shard_service import convert
+from streamrover.shard_service.api import FailedPreconditionError
 from streamrover.shard_service.client.admin import AdminClient
 from streamrover.shard_service.client.client_acks import AckFailure, AckQueue
 from streamrover.shard_service.client.lease_table import LeaseTable
@@ -90,7 +91,9 @@ class CursorClient(AdminClient):
         ``from_memory``: the cursor is of a shared-memory snapshot that storage does not hold, so offsets
         committed upstream stay at the newest durable checkpoint's; a snapshot whose cut (``snapshot_cut``)
         or run (``snapshot_run``, the :attr:`run_id` its cut was prepared in) is not of the master's journal
-        is refused (``FailedPreconditionError``). An empty ``cursor`` while the service
+        is refused: :class:`~streamrover.shard_service.client.refused.SnapshotRefusedError` (a
+        ``FailedPreconditionError`` and the checkpoints' ``SnapshotRefusedError``, as is every
+        ``FAILED_PRECONDITION`` answer to a ``from_memory`` restore). An empty ``cursor`` while the service
         has committed progress is refused (``FailedPreconditionError``) unless ``discard_committed``:
         that throws away every committed cut, and every record is read again.
 
@@ -105,7 +108,14 @@ class CursorClient(AdminClient):
             snapshot_cut_id=snapshot_cut or 0,
             snapshot_run_id=snapshot_run or "",
         )
-        resp = self._call(self._stub.Restore, request)
+        try:
+            resp = self._call(self._stub.Restore, request)
+        except FailedPreconditionError as exc:
+            if not from_memory:
+                raise
+            from streamrover.shard_service.client.refused import SnapshotRefusedError  # see its module docstring
+
+            raise SnapshotRefusedError(str(exc)) from exc
         self.leases.forget_all()
         return resp
 

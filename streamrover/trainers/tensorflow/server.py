@@ -9,18 +9,18 @@ the chief restores the variables.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import sys
 
+from streamrover._libc import set_parent_death_signal
 from streamrover.trainers.tensorflow.api import CLUSTER, ClusterConfigError, ClusterSpec
 
 
 def _die_with_parent() -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux
+        set_parent_death_signal(signal.SIGKILL)
+    except OSError:  # not Linux
         return
     if os.getppid() == 1:
         os._exit(1)

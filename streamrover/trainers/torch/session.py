@@ -39,7 +39,6 @@ reported last goes into each checkpoint, and so into its version's lineage.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -51,6 +50,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from streamrover._libc import set_parent_death_signal
 from streamrover.ckpt import (
     Checkpointer,
     CursorBinder,
@@ -79,9 +79,8 @@ LEAVE_FLUSH_TIMEOUT = 10.0  # seconds a leaving rank waits for its queued acks (
 def _die_with_agent() -> None:
     """Under dlrover-run, a worker whose agent is SIGKILLed dies too (no orphan keeps stale leases or sockets)."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: orphans are fenced by the lease attempt anyway
+        set_parent_death_signal(signal.SIGKILL)
+    except OSError:  # not Linux: orphans are fenced by the lease attempt anyway
         return
     if os.getppid() == 1:
         os._exit(1)
