@@ -84,7 +84,7 @@ def _free_leaked_shared_memory() -> Iterator[None]:
     recent = time.time() - 10.0
     for leftover in set(shm.glob("srckpt-*")) - before if shm.is_dir() else ():
         try:
-            namespace = re.sub(r"-r\d+-b\d+$", "", leftover.name.removeprefix("srckpt-"))
+            namespace = re.sub(r"-r\d+-b\d+(-tail)?$", "", leftover.name.removeprefix("srckpt-"))
             if str(leftover) not in in_use and namespace not in served and leftover.stat().st_mtime < recent:
                 leftover.unlink(missing_ok=True)
         except FileNotFoundError:

@@ -26,7 +26,7 @@ from typing import Any
 from streamrover.ckpt import wire
 from streamrover.ckpt.api import RetentionPolicy
 from streamrover.ckpt.persist import PersistTarget, SupersededError, already_persisted, persist_buffer
-from streamrover.ckpt.shm import SharedBuffer, shm_path
+from streamrover.ckpt.shm import SharedBuffer, shm_path, unlink_buffer
 from streamrover.ckpt.storage import CHECKSUM_ALGO, Storage
 
 log = logging.getLogger(__name__)
@@ -283,10 +283,7 @@ class CheckpointSaver:
             names = [n for names in self._orphans.values() for n in names]
             self._orphans.clear()
         for name in names:
-            try:
-                os.unlink(shm_path(name))
-            except FileNotFoundError:
-                pass
+            unlink_buffer(name)
 
 
 def main(argv: list[str] | None = None) -> int:

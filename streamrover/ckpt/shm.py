@@ -2,8 +2,8 @@
 
 Layout of a buffer (all integers little-endian)::
 
-    0      8      16             24           32       36    40            48      4096
-    | magic | gen | header_offset | header_len | hdr_crc | ... | pause_until | ...   | tensor data ... | header JSON |
+    0      8      16             24           32       36    40            48      56    4096
+    | magic | gen | header_offset | header_len | hdr_crc | ... | pause_until | split | ... | tensor data | header JSON |
 
 ``gen`` is a seqlock generation: odd while a snapshot is being written, even once it
 is complete. A writer sets it odd, copies the tensors, writes the header JSON and its
@@ -15,6 +15,11 @@ trainer killed mid-copy leaves ``gen`` odd, so its torn snapshot is never used.
 reading it until then: the trainer sets it on its other buffers while it copies a new snapshot, so the
 copy has the node's cores and memory bandwidth to itself, and clears it when done. A trainer that dies
 mid-copy leaves a deadline that passes by itself.
+
+``split`` (0: none) says the buffer is two files: its bytes from ``split`` on are the pages of a second file,
+``NAME-tail``, mapped right after the first's (``MAP_FIXED``), so every reader still sees one contiguous buffer.
+A large buffer created for a first save is split (:data:`SPLIT_FROM`): writes to one tmpfs file take its inode
+lock, so two threads ``pwrite`` a new buffer in parallel only into two files (1 GiB: 0.22 s against 0.40 s).
 
 Buffers live in ``/dev/shm`` (Linux POSIX shm) under a deterministic name, so a
 restarted trainer or the saver can open them by name; they outlive the process that
@@ -35,7 +40,9 @@ import time
 import zlib
 from typing import Any
 
-from streamrover._libc import madvise
+import numpy as np
+
+from streamrover._libc import madvise, map_file_over
 from streamrover.ckpt.api import SharedMemoryTooSmallError
 
 SHM_DIR = "/dev/shm"
@@ -45,6 +52,9 @@ ALIGN = 64
 _GEN = struct.Struct("<Q")
 _HDR = struct.Struct("<QQI")  # header_offset, header_len, header_crc
 _PAUSE_AT = 40
+_SPLIT_AT = 48
+TAIL = "-tail"  # the second file of a split buffer: NAME-tail
+SPLIT_FROM = 64 << 20  # a buffer created sparse (a first save) at least this large is split in two files
 MAX_PAUSE = 10.0  # a reader never waits longer than this in one pause, whatever a buffer says
 PAUSE_POLL = 0.002
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
@@ -59,6 +69,23 @@ def align(n: int, to: int = ALIGN) -> int:
 def shm_path(name: str) -> str:
     """The ``/dev/shm`` path of shared-memory object ``name``."""
     return os.path.join(SHM_DIR, name)
+
+
+def tail_name(name: str) -> str:
+    """The name of the second file of split buffer ``name``."""
+    return name + TAIL
+
+
+def unlink_buffer(name: str) -> bool:
+    """Remove buffer ``name`` (and its tail file, if split) from ``/dev/shm``; whether it was there."""
+    found = False
+    for path in (shm_path(name), shm_path(tail_name(name))):
+        try:
+            os.unlink(path)
+            found = True
+        except FileNotFoundError:
+            pass
+    return found
 
 
 def check_shm_space(extra_bytes: int, what: str) -> None:
@@ -78,6 +105,8 @@ def check_shm_space(extra_bytes: int, what: str) -> None:
 
 
 def _fallocate(fd: int, name: str, size: int, current: int) -> None:
+    if size <= 0:
+        return
     try:
         os.posix_fallocate(fd, 0, size)  # tmpfs: allocates the pages now, or fails with ENOSPC
     except OSError as exc:
@@ -102,11 +131,12 @@ def _too_small_message(needed: int, free: int, total: int, what: str) -> str:
 class SharedBuffer:
     """A named, memory-mapped ``/dev/shm`` file holding at most one snapshot."""
 
-    def __init__(self, name: str, mm: mmap.mmap, size: int, writable: bool) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, size: int, writable: bool, split: int = 0) -> None:
         self.name = name
         self.mm = mm
         self.size = size
         self.writable = writable
+        self.split = split  # 0, or where the tail file's pages start
 
     # -- lifecycle -----------------------------------------------------------
     @classmethod
@@ -115,39 +145,70 @@ class SharedBuffer:
 
         Allocating up front means a full ``/dev/shm`` is a clear error now, never a SIGBUS mid-copy.
         Pre-faulting maps every page into this process (single-threaded, ~0.3 s/GiB): worth it off the
-        critical path. A buffer about to be written at once is created sparse (``allocate=False``): its
-        first copy's page faults allocate the pages it writes (two threads, in parallel), and
-        :meth:`allocate` then allocates the rest (header, gaps) before anything else is written.
+        critical path. A buffer about to be written at once is created sparse (``allocate=False``) and, from
+        :data:`SPLIT_FROM` bytes, split in two files: its first copy ``pwrite``s each file on a thread of its own
+        (the kernel allocates each page as it copies into it; no page fault, no zeroing, a full ``/dev/shm`` is
+        ``ENOSPC``), and :meth:`allocate` then allocates the rest (header, gaps) before anything else is written.
         """
-        path = shm_path(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(shm_path(name), os.O_RDWR | os.O_CREAT, 0o600)
+        tail = -1
         try:
             current = os.fstat(fd).st_size
+            split = _read_split(fd) if current >= DATA_START else 0
+            new_split = current == 0 and not allocate and size >= SPLIT_FROM
+            if new_split:
+                split = align(size // 2, 1 << 21)
+            if split:
+                tail = os.open(shm_path(tail_name(name)), os.O_RDWR | os.O_CREAT, 0o600)
             if size > current:
                 check_shm_space(size - current, f"a {size / (1 << 20):.1f} MiB snapshot buffer {name!r}")
-                if allocate:
+                if split:  # the tail first: a reader that sees the first file's new size finds the tail as large
+                    tail_now = os.fstat(tail).st_size
+                    if allocate:
+                        _fallocate(tail, name, size - split, tail_now)
+                        _fallocate(fd, name, split, min(current, split))
+                    os.ftruncate(tail, max(size - split, tail_now))
+                    os.ftruncate(fd, size)  # a hole beyond ``split``: the tail's pages are mapped there
+                elif allocate:
                     _fallocate(fd, name, size, current)
                 else:
                     os.ftruncate(fd, size)
             size = max(size, current)
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            if split and os.fstat(tail).st_size < size - split:  # a tail removed behind our back: holes, no SIGBUS
+                os.ftruncate(tail, size - split)
+            # the first file of a split buffer is never populated beyond ``split`` (that would allocate its hole)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate and not split else 0)
             mm = mmap.mmap(fd, size, flags=flags)
+            if split:
+                _map_tail(mm, split, size - split, mmap.PROT_READ | mmap.PROT_WRITE, tail)
         finally:
             os.close(fd)
+            if tail >= 0:
+                os.close(tail)
+        if new_split:
+            _GEN.pack_into(mm, _SPLIT_AT, split)  # before the magic: no reader maps a half-made buffer
         if mm[:8] != MAGIC:
             mm[:8] = MAGIC
             _GEN.pack_into(mm, 8, 0)
-        return cls(name, mm, size, writable=True)
+        buf = cls(name, mm, size, writable=True, split=split)
+        if populate and split:
+            buf.populate()
+        return buf
 
-    def allocate(self, fd: int | None = None) -> None:
+    def allocate(self) -> None:
         """Allocate every page of the buffer not allocated yet (after a sparse :meth:`create` and its first copy)."""
-        own = fd is None
-        fd = os.open(shm_path(self.name), os.O_RDWR) if fd is None else fd
-        try:
-            _fallocate(fd, self.name, self.size, 0)
-        finally:
-            if own:
+        for name, size in self.files():
+            fd = os.open(shm_path(name), os.O_RDWR)
+            try:
+                _fallocate(fd, self.name, size, 0)
+            finally:
                 os.close(fd)
+
+    def files(self) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of the file(s) holding the buffer: the first up to ``split``, then the tail."""
+        if not self.split:
+            return [(self.name, self.size)]
+        return [(self.name, self.split), (tail_name(self.name), self.size - self.split)]
 
     def populate(self) -> None:
         """Map every page into this process (``MADV_POPULATE_WRITE``), so the next copy takes no page faults;
@@ -183,10 +244,11 @@ class SharedBuffer:
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
-        if mm[:8] != MAGIC:
+        split = _GEN.unpack_from(mm, _SPLIT_AT)[0] if mm[:8] == MAGIC else -1
+        if split and not _open_tail(mm, name, split, size, prot):
             mm.close()
             return None
-        return cls(name, mm, size, writable)
+        return cls(name, mm, size, writable, split)
 
     def close(self) -> None:
         """Unmap; tolerates live zero-copy views (the mapping then lives until they are gone)."""
@@ -197,10 +259,7 @@ class SharedBuffer:
 
     def unlink(self) -> None:
         """Remove the buffer from ``/dev/shm`` (mappings stay valid until closed); gone already is fine."""
-        try:
-            os.unlink(shm_path(self.name))
-        except FileNotFoundError:
-            pass
+        unlink_buffer(self.name)
 
     # -- seqlock ---------------------------------------------------------------
     def generation(self) -> int:
@@ -271,3 +330,34 @@ class SharedBuffer:
     def still_valid(self, gen: int) -> bool:
         """True while the snapshot read at generation ``gen`` has not been overwritten."""
         return self.generation() == gen
+
+
+def _read_split(fd: int) -> int:
+    """The ``split`` field of the buffer file ``fd`` (0: one file)."""
+    value: int = _GEN.unpack(os.pread(fd, _GEN.size, _SPLIT_AT).ljust(_GEN.size, b"\0"))[0]
+    return value
+
+
+def _map_tail(mm: mmap.mmap, split: int, length: int, prot: int, fd: int) -> None:
+    """Map the tail file ``fd`` over bytes ``split`` to ``split + length`` of ``mm`` (unmapped with ``mm``)."""
+    view = np.frombuffer(mm, dtype=np.uint8)  # the mapping's address, even for a read-only mapping
+    address = int(view.ctypes.data)
+    del view
+    map_file_over(address + split, length, prot, fd)
+
+
+def _open_tail(mm: mmap.mmap, name: str, split: int, size: int, prot: int) -> bool:
+    """Map the tail of split buffer ``name`` into ``mm``; False if the buffer is not whole (no snapshot buffer)."""
+    if split < 0 or not DATA_START <= split < size:
+        return False
+    try:
+        fd = os.open(shm_path(tail_name(name)), os.O_RDWR if prot & mmap.PROT_WRITE else os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        if os.fstat(fd).st_size < size - split:
+            return False
+        _map_tail(mm, split, size - split, prot, fd)
+    finally:
+        os.close(fd)
+    return True

@@ -1,4 +1,5 @@
-"""The fast paths of issue 35: the first save into a sparse buffer, persists paused during a save."""
+"""The fast paths of issue 35: the first save into a sparse buffer (two files from a size on), persists paused
+during a save."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from streamrover.ckpt import Checkpointer, copier, memory
-from streamrover.ckpt.shm import SharedBuffer, shm_path
+from streamrover.ckpt import Checkpointer, copier, memory, shm
+from streamrover.ckpt.memory import purge_shared_memory
+from streamrover.ckpt.shm import SharedBuffer, shm_path, tail_name
 
 
 def make_state() -> dict[str, Any]:
@@ -43,6 +45,46 @@ def test_first_save_leaves_the_buffer_allocated_and_loads_back(tmp_path: Path) -
         ckpt.save(3, state, persist=False)  # the first buffer again, through its (populated) mapping
         assert ckpt.load(zero_copy=False, restore=False).step == 3
         ckpt.close(unlink=True)
+
+
+def test_a_large_first_save_is_two_files_written_in_parallel_and_read_as_one_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From ``SPLIT_FROM`` bytes a first save's buffer is two files (one inode lock each, so two threads pwrite in
+    parallel); every reader maps the tail file's pages right after the first file's, and no byte is allocated in
+    both. 1 GiB is the size this is for; 4 MiB here exercises the same paths, a tensor across the split included."""
+    monkeypatch.setattr(shm, "SPLIT_FROM", 4 << 20)
+    torch.manual_seed(1)
+    state: dict[str, Any] = {"a": torch.randn(1 << 20), "b": torch.randn(1 << 19).double(), "np": np.arange(5e3)}
+    root = str(tmp_path / "ck")
+    with Checkpointer(root, saver="thread") as ckpt:
+        ckpt.save(1, state)
+        buf = ckpt.engine.buffers[0]
+        assert buf is not None and buf.split, "not split"
+        head, tail = os.stat(shm_path(buf.name)), os.stat(shm_path(tail_name(buf.name)))
+        assert head.st_size == buf.size and tail.st_size == buf.size - buf.split
+        # every page allocated once: the first file up to the split (a hole after it), the tail whole
+        assert (head.st_blocks * 512, tail.st_blocks * 512) == (buf.split, buf.size - buf.split)
+        snap = ckpt.engine.newest()
+        assert snap is not None
+        spans = [(int(r["offset"]), int(r["offset"]) + int(r["nbytes"])) for r in snap.header["tensors"]]
+        assert any(start < buf.split < end for start, end in spans), "no tensor crosses the split"
+        for step in (2, 3):  # the second buffer (one file, allocated in the background), then this one again
+            state["a"].add_(1.0)
+            ckpt.save(step, state)
+        ckpt.wait()
+        again = Checkpointer(root, saver="thread")  # maps the buffers afresh, the tail included
+        loaded = again.load(zero_copy=True, restore=False)
+        assert loaded.step == 3
+        assert torch.equal(loaded.state["a"], state["a"]) and torch.equal(loaded.state["b"], state["b"])
+        np.testing.assert_array_equal(loaded.state["np"], state["np"])
+        del loaded
+        ns = ckpt.namespace
+        removed = purge_shared_memory(ns)  # the names go now; both processes' mappings stay valid until closed
+        assert sorted(removed) == sorted([f"srckpt-{ns}-r0-b0", f"srckpt-{ns}-r0-b0-tail", f"srckpt-{ns}-r0-b1"])
+        again.close()
+    stored = Checkpointer(root, saver="thread").load(zero_copy=False, restore=False)  # from storage now
+    assert stored.step == 3 and torch.equal(stored.state["a"], state["a"])
 
 
 def test_a_save_pauses_the_persist_of_the_other_buffer_until_its_copy_is_done(

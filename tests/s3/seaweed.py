@@ -48,6 +48,7 @@ class SeaweedS3:
         self.root = root
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
         self.port = s3
+        self._grpc_ports = {"master": master_grpc, "volume": volume_grpc, "filer": filer_grpc, "s3": s3_grpc}
         self.endpoint = f"http://127.0.0.1:{s3}"
         (root / "data").mkdir(parents=True, exist_ok=True)
         config = root / "s3.json"
@@ -105,6 +106,9 @@ class SeaweedS3:
 
     def stop(self) -> None:
         self.proc.stop(timeout=15)
+        # weed binds a unix socket beside each gRPC port at a fixed /tmp path (not $TMPDIR) and leaves it behind
+        for name, port in self._grpc_ports.items():
+            Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)
 
     def kill(self) -> None:
         self.proc.kill()
