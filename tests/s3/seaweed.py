@@ -106,12 +106,16 @@ class SeaweedS3:
 
     def stop(self) -> None:
         self.proc.stop(timeout=15)
-        # weed binds a unix socket beside each gRPC port at a fixed /tmp path (not $TMPDIR) and leaves it behind
-        for name, port in self._grpc_ports.items():
-            Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)
+        self._remove_sockets()
 
     def kill(self) -> None:
         self.proc.kill()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """weed binds a unix socket beside each gRPC port at a fixed /tmp path (not $TMPDIR) and leaves it behind."""
+        for name, port in self._grpc_ports.items():
+            Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)
 
     def check_alive(self) -> None:
         if not self.proc.running():
