@@ -346,8 +346,14 @@ def _pwrite_files(
     jobs = [CopyJob(part, keep, copy=file_writer(fd)) for part, fd in zip(parts, fds) if part]
     if len(jobs) == 2:
         jobs[1].start(1, name="ckpt-copy-tail")
-    for job in jobs:
-        job.wait()  # works through its chunks (the first file's, then helps with the tail's), then waits
+    failed: CopyError | None = None
+    for job in jobs:  # every job to its end, failed or not: the caller closes the files they write
+        try:
+            job.wait()  # works through its chunks (the first file's, then helps with the tail's), then waits
+        except CopyError as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
 
 
 def _raw_source(entry: TensorEntry) -> tuple[int, Any] | None:

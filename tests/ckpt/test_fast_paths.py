@@ -87,6 +87,43 @@ def test_a_large_first_save_is_two_files_written_in_parallel_and_read_as_one_buf
     assert stored.step == 3 and torch.equal(stored.state["a"], state["a"])
 
 
+def test_a_failed_first_save_returns_only_once_neither_file_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first file's writes fail at once while the tail's thread still has 5 chunks to write: the save fails,
+    and only after the tail's writer stopped (the files it writes are closed on return: a late write would hit a
+    closed, or reused, descriptor)."""
+    monkeypatch.setattr(shm, "SPLIT_FROM", 4 << 20)
+    real = memory.file_writer
+    returned = threading.Event()
+    late: list[int] = []
+
+    def writer(fd: int) -> Any:
+        write = real(fd)
+        tail = os.readlink(f"/proc/self/fd/{fd}").endswith(shm.TAIL)
+
+        def copy(dst: int, src: int, n: int) -> None:
+            if not tail:
+                raise OSError(5, "injected: the first file's write fails")
+            try:
+                write(dst, src, n)
+            finally:
+                if returned.is_set():
+                    late.append(n)
+
+        return copy
+
+    monkeypatch.setattr(memory, "file_writer", writer)
+    state = {"w": torch.randn(10 << 20)}  # 40 MiB: a tail of ~20 MiB, 5 chunks
+    with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
+        with pytest.raises(memory.SnapshotCopyError, match="injected"):
+            ckpt.save(1, state, persist=False)
+        returned.set()
+        assert ckpt.engine.newest() is None
+        ckpt.close(unlink=True)
+    assert late == [], f"{len(late)} tail chunk(s) written after the failed save returned"
+
+
 def test_a_save_pauses_the_persist_of_the_other_buffer_until_its_copy_is_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
