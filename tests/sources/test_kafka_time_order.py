@@ -66,8 +66,9 @@ def _kafka_backlog(broker: Any) -> Backlog:
         f.result(30)
     base = int(time.time() * 1000) - 3_600_000  # an hour ago: inside the broker's timestamp window
     stamps = base + np.arange(n) * GAP_MS
-    # one request in flight: a retried batch cannot land after a later one (each partition's log in time order)
-    producer = Producer(broker.client_config(acks="all", **{"max.in.flight.requests.per.connection": 1}))
+    # idempotent: each partition's log in produce (= time) order, retries included. max.in.flight=1 alone was not
+    # enough: a rehearsal's partition 1 held ids 1833-4645 and then 1-1832 (its first batches written last).
+    producer = Producer(broker.client_config(acks="all", **{"enable.idempotence": True}))
     for i, p in enumerate(_partitions(n)):
         producer.produce(topic, json.dumps({"id": i}).encode(), partition=p, timestamp=int(stamps[i]))
     assert producer.flush(60) == 0
