@@ -8,7 +8,9 @@ Peers, on the same state (float32 tensors of random values):
 * ``torch.distributed.checkpoint.async_save`` (blocking part);
 * DLRover's flash checkpoint (``DdpCheckpointer``, run from its own venv by ``bench_ckpt/dlrover_peer.py``);
 * restore after a process restart: ours from shared memory in a fresh process against
-  ``torch.load(weights_only=True)`` of the ``torch.save`` file, both copied into an already built model.
+  ``torch.load(weights_only=True)`` of the ``torch.save`` file, both copied into an already built model
+  (a module): ours with ``load_module_state`` (what ``TorchCheckpoint.load`` calls), torch's with
+  ``load_state_dict``; ours through ``load_state_dict`` is shown beside it.
 
 Method: every timed operation runs ``--warmups`` untimed times first, then ``--repeats`` timed times; the
 median is reported (with min-max). Our memory saves and the memcpy peers run interleaved, one of each per

@@ -108,18 +108,27 @@ def make_state(nbytes: int, tensors: int) -> dict[str, Any]:
     return {f"layer{i}.weight": torch.randn(n) for i in range(tensors)}
 
 
-def empty_model(nbytes: int, tensors: int) -> dict[str, Any]:
-    """The restarted trainer's model, already built (pages touched), that a restore copies into."""
+def empty_model(nbytes: int, tensors: int) -> Any:
+    """The restarted trainer's model, already built (pages touched), that a restore copies into: a module whose
+    parameters are named like :func:`make_state`'s tensors (``layer{i}.weight``)."""
     import torch
 
     n = nbytes // 4 // tensors
-    return {f"layer{i}.weight": torch.zeros(n) for i in range(tensors)}
+    model = torch.nn.Module()
+    for i in range(tensors):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.zeros(n))
+        model.add_module(f"layer{i}", layer)
+    return model
 
 
-def into_model(state: dict[str, Any], model: dict[str, Any]) -> None:
-    """What ``load_state_dict`` does: copy into the live parameters."""
-    import torch
+def into_model(state: dict[str, Any], model: Any) -> None:
+    """A torch user's restore: ``load_state_dict`` copies into the live parameters."""
+    model.load_state_dict(state)
 
-    with torch.no_grad():
-        for k, v in state.items():
-            model[k].copy_(v)
+
+def into_model_ours(state: dict[str, Any], model: Any) -> None:
+    """Ours: :func:`~streamrover.ckpt.load_module_state`, what ``TorchCheckpoint.load`` and the HF trainer call."""
+    from streamrover.ckpt import load_module_state
+
+    load_module_state(model, state)

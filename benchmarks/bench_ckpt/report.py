@@ -172,6 +172,7 @@ def time_rows(r: dict[str, Any]) -> list[list[Any]]:
             ("our restore, zero-copy views", ("restore_ours", "zero_copy")),
             ("our restore, private copy", ("restore_ours", "copied")),
             ("our restore + copy into model", ("restore_ours", "into_model")),
+            ("our restore + load_state_dict's copy_", ("restore_ours", "into_model_torch_copy")),
             ("torch.load (page cache)", ("restore_torch", "load")),
             ("torch.load + copy into model (page cache)", ("restore_torch", "into_model")),
             ("torch.load + copy into model (from disk)", ("restore_torch", "cold_into_model")),

@@ -52,6 +52,7 @@ from streamrover.ckpt.torch_adapter import (
     TorchCheckpoint,
     fsdp_sharded_state,
     load_fsdp_sharded_state,
+    load_module_state,
     load_torch_state,
     torch_state,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "fsdp_sharded_state",
     "list_checkpoints",
     "load_fsdp_sharded_state",
+    "load_module_state",
     "load_shared",
     "load_tf_variables_state",
     "load_torch_state",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -29,26 +30,32 @@ from streamrover.ckpt.api import CheckpointError
 
 CHUNK = 4 << 20
 NT_FROM = 256 << 10  # below this a copy may still be in the caches when read again: plain memmove
+PREFAULT_STRIDE = 64 << 10  # one read fault maps this much of a tmpfs file (the kernel's default fault-around)
+PREFAULT_FROM = 16 << 20  # a copy out of a mapping this large or larger has its source faulted in ahead
 
 
-def _load_nt() -> Callable[[int, int, int], Any] | None:
-    """``streamrover_copy_nt`` from the built ``_ntcopy`` extension (the file the import system would load for
-    this interpreter), or None if it is not built or ``STREAMROVER_NT_COPY=0``."""
+def _load_ext() -> ctypes.CDLL | None:
+    """The built ``_ntcopy`` extension (the file the import system would load for this interpreter), or None if
+    it is not built or ``STREAMROVER_NT_COPY=0``."""
     if os.environ.get("STREAMROVER_NT_COPY", "1") == "0":
         return None
     spec = importlib.util.find_spec("streamrover.ckpt._ntcopy")
     if spec is None or spec.origin is None:
         return None
     try:
-        fn = ctypes.CDLL(spec.origin).streamrover_copy_nt
+        lib = ctypes.CDLL(spec.origin)
+        lib.streamrover_copy_nt.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        lib.streamrover_copy_nt.restype = None
+        lib.streamrover_prefault.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        lib.streamrover_prefault.restype = ctypes.c_uint64
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    fn.restype = None
-    return fn
+    return lib
 
 
-_NT = _load_nt()
+_EXT = _load_ext()
+_NT: Callable[[int, int, int], Any] | None = _EXT.streamrover_copy_nt if _EXT is not None else None
+_PREFAULT: Callable[[int, int, int], Any] | None = _EXT.streamrover_prefault if _EXT is not None else None
 NT_AVAILABLE = _NT is not None
 
 
@@ -62,6 +69,45 @@ def copy_nt(dst: int, src: int, n: int) -> None:
         _NT(dst, src, n)
     else:
         ctypes.memmove(dst, src, n)
+
+
+def _overlapping(ranges: list[tuple[int, int, int]]) -> bool:
+    """Whether two of the ranges write the same destination bytes (their order then matters)."""
+    spans = sorted((dst, dst + n) for dst, _, n in ranges if n)
+    return any(b_start < a_end for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+
+
+def copy_from_mapping(ranges: list[tuple[int, int, int]]) -> None:
+    """Copy ``(dst_address, src_address, nbytes)`` ranges out of a freshly mapped snapshot buffer.
+
+    A fresh mapping of 1 GiB is 16,384 page faults (the kernel maps a tmpfs file's pages 16 at a time), over half
+    as long as the copy itself; taken inside the copy, they serialise with it. Here a second thread takes them
+    ahead of the copy (``streamrover_prefault`` of the C extension, one read per :data:`PREFAULT_STRIDE`, no
+    GIL) while the caller copies behind it with non-temporal stores, then helps with the chunks left. 1 GiB into
+    a built model: 0.057-0.065 s, against 0.079-0.091 s for ``load_state_dict``'s ``Tensor.copy_`` (2 intra-op
+    threads faulting as they go) on the 2-core VMs measured. Ranges that write the same bytes are copied by
+    the caller alone, in order, so the later wins as with successive ``copy_`` calls.
+    """
+    total = sum(n for _, _, n in ranges)
+    job = CopyJob(ranges, [])
+    ahead = None
+    if _PREFAULT is not None and total >= PREFAULT_FROM:
+        prefault = _PREFAULT
+        helps = not _overlapping(ranges)  # two threads copy in no set order
+
+        def run() -> None:
+            for _, src, n in ranges:
+                prefault(src, n, PREFAULT_STRIDE)
+            if helps:
+                job.work()
+
+        ahead = threading.Thread(target=run, name="ckpt-prefault", daemon=True)
+        ahead.start()
+    try:
+        job.wait()
+    finally:
+        if ahead is not None:
+            ahead.join()  # it reads the source mapping: the caller may unmap it once this returns
 
 
 # The raw copy, a module attribute so that a test can inject a failure into it.

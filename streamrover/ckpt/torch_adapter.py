@@ -7,11 +7,12 @@ safe: nothing keeps a view of the snapshot buffer afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from streamrover.ckpt.api import LoadedCheckpoint
 from streamrover.ckpt.checkpointer import Checkpointer
+from streamrover.ckpt.copier import copy_from_mapping
 from streamrover.cursor import DataCursor
 
 
@@ -44,9 +45,85 @@ def torch_state(model: Any, optimizer: Any | None = None, extra: dict[str, Any] 
     return state
 
 
+def _plain_targets(module: Any) -> dict[str, Any]:
+    """The parameters and persistent buffers of ``module`` whose loading is ``Module._load_from_state_dict``'s plain
+    ``copy_``: neither their module nor any module above it overrides it or has a load pre-hook, which may rename,
+    transform or skip entries."""
+    import torch
+
+    plain_load = torch.nn.Module._load_from_state_dict
+    custom: list[str] = []  # prefixes of the modules whose subtree loads its own way
+    targets: dict[str, Any] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        if any(prefix.startswith(c) for c in custom):
+            continue
+        if type(sub)._load_from_state_dict is not plain_load or sub._load_state_dict_pre_hooks:
+            custom.append(prefix)
+            continue
+        for key, t in [*sub._parameters.items(), *sub._buffers.items()]:
+            if t is not None and key not in sub._non_persistent_buffers_set:
+                targets[prefix + key] = t
+    return targets
+
+
+def _raw_copyable(dst: Any, src: Any) -> bool:
+    """Whether the bytes of CPU tensor ``src`` are what ``dst.copy_(src)`` would write into ``dst``."""
+    import torch
+
+    return (
+        isinstance(dst, torch.Tensor)
+        and type(src) is torch.Tensor
+        and type(dst) in (torch.Tensor, torch.nn.Parameter)
+        and dst.device.type == src.device.type == "cpu"
+        and dst.layout == src.layout == torch.strided
+        and dst.dtype == src.dtype
+        and not dst.is_quantized
+        and dst.shape == src.shape
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and not (dst.is_conj() or src.is_conj() or dst.is_neg() or src.is_neg())
+        and dst.numel() > 0
+    )
+
+
+def load_module_state(module: Any, state: Mapping[str, Any], strict: bool = True) -> Any:
+    """``module.load_state_dict(state, strict)``, with the bytes copied out of a snapshot at memory speed.
+
+    Each CPU tensor of ``state`` that a parameter or buffer would take with a plain ``copy_`` (same dtype and
+    shape, both contiguous, loaded by ``Module``'s own ``_load_from_state_dict`` with no pre-hook) is copied
+    first, in the state's order, by :func:`~streamrover.ckpt.copier.copy_from_mapping` (non-temporal stores,
+    the page faults of a fresh mapping taken ahead on another core); ``load_state_dict`` is then given the
+    parameter itself for it, whose ``copy_`` onto itself is a no-op. Everything else (the key check, hooks,
+    GPU tensors, other dtypes, the returned missing and unexpected keys) is ``load_state_dict``'s own.
+    """
+    import collections
+
+    import torch
+
+    targets = _plain_targets(module)
+    ranges: list[tuple[int, int, int]] = []
+    copied: dict[str, Any] = {}
+    for key, src in state.items():
+        dst = targets.get(key)
+        if dst is not None and _raw_copyable(dst, src):
+            ranges.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
+            copied[key] = dst
+    if copied:
+        copy_from_mapping(ranges)
+        torch.autograd.graph.increment_version(list(copied.values()))  # as copy_ would: autograd sees the write
+        given = state
+        state = collections.OrderedDict((k, copied.get(k, v)) for k, v in state.items())
+        metadata = getattr(given, "_metadata", None)
+        if metadata is not None:
+            state._metadata = metadata  # type: ignore[attr-defined]
+    return module.load_state_dict(state, strict=strict)
+
+
 def load_torch_state(state: dict[str, Any], model: Any, optimizer: Any | None = None) -> dict[str, Any]:
-    """Copy ``state`` (from :func:`torch_state`) into ``model`` and ``optimizer``; return its ``extra``."""
-    _unwrap(model).load_state_dict(state["model"])
+    """Copy ``state`` (from :func:`torch_state`) into ``model`` (:func:`load_module_state`) and ``optimizer``;
+    return its ``extra``."""
+    load_module_state(_unwrap(model), state["model"])
     if optimizer is not None and "optimizer" in state:
         # Optimizer.load_state_dict keeps the given tensors when dtype and device match: clone them,
         # or its state would alias the snapshot buffer that a later save overwrites.

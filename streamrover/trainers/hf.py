@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from streamrover.ckpt.torch_adapter import _clone_tensors
+from streamrover.ckpt.torch_adapter import _clone_tensors, load_module_state
 from streamrover.trainers.flash import FlashRun
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's name for it
@@ -120,7 +120,7 @@ class FlashTrainer(Trainer):
         if state is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
-        _unwrap(model if model is not None else self.model).load_state_dict(state["model"])
+        load_module_state(_unwrap(model if model is not None else self.model), state["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
         state = self._flash(checkpoint)

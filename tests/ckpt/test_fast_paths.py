@@ -235,15 +235,15 @@ def test_non_temporal_copy_is_built_and_exact_at_any_alignment_and_length() -> N
 def test_the_non_temporal_copy_is_found_by_the_import_system_and_off_when_switched_off_or_not_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``_load_nt`` loads the file the import system finds for ``streamrover.ckpt._ntcopy``; none: memmove."""
+    """``_load_ext`` loads the file the import system finds for ``streamrover.ckpt._ntcopy``; none: memmove."""
     import streamrover.ckpt
 
-    assert (copier._load_nt() is not None) == copier.NT_AVAILABLE
+    assert (copier._load_ext() is not None) == copier.NT_AVAILABLE
     monkeypatch.setattr(streamrover.ckpt, "__path__", [str(tmp_path)])  # a package directory without the extension
-    assert copier._load_nt() is None
+    assert copier._load_ext() is None
     monkeypatch.undo()
     monkeypatch.setenv("STREAMROVER_NT_COPY", "0")
-    assert copier._load_nt() is None
+    assert copier._load_ext() is None
 
 
 def test_a_save_while_a_grown_buffer_is_allocated_in_the_background_waits_for_it(

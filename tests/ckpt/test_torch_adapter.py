@@ -142,3 +142,99 @@ def test_fsdp2_sharded_state_each_rank_its_shard(root: str, tmp_path: Path) -> N
     for rank in range(2):
         assert (Path(root) / step_dir(2) / part_names(rank)[0]).exists()
     assert not any(os.path.exists(os.path.join(SHM, n)) for n in shm_names(namespace_for(root)))
+
+
+class _Scaled(torch.nn.Module):
+    """A module that loads its own way: it halves the weight it is given (its own ``_load_from_state_dict``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(5000))
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        state_dict = {**state_dict, prefix + "weight": state_dict[prefix + "weight"] / 2}
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def _mixed_model(seed: int) -> torch.nn.Module:
+    """Plain parameters (one tied to another), batch-norm buffers (an int64 counter, a non-persistent buffer),
+    a module with its own loading, one under a load pre-hook, and a bfloat16 layer."""
+    torch.manual_seed(seed)
+    model = torch.nn.Module()
+    model.big = torch.nn.Linear(2048, 1024)  # 8 MiB of weights: the copy is large enough to be faulted ahead
+    model.tied = torch.nn.Linear(1024, 2048, bias=False)
+    model.tied.weight = torch.nn.Parameter(torch.randn(2048, 1024))
+    model.tied2 = torch.nn.Linear(1024, 2048, bias=False)
+    model.tied2.weight = model.tied.weight
+    model.bn = torch.nn.BatchNorm1d(300)
+    model.bn.register_buffer("scratch", torch.randn(10), persistent=False)
+    model.scaled = _Scaled()
+    model.hooked = torch.nn.Linear(40, 30)
+    model.hooked.register_load_state_dict_pre_hook(
+        lambda module, sd, prefix, *_: sd.__setitem__(prefix + "bias", sd[prefix + "bias"] + 1)
+    )
+    model.half = torch.nn.Linear(512, 512).to(torch.bfloat16)
+    return model
+
+
+def test_load_module_state_equals_load_state_dict_and_copies_the_plain_tensors_itself(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamrover.ckpt import copier, load_module_state
+
+    copied: list[int] = []
+    raw = copier._memmove
+    monkeypatch.setattr(copier, "_memmove", lambda dst, src, n: (copied.append(n), raw(dst, src, n)))
+    source = _mixed_model(seed=1)
+    with torch.no_grad():
+        source.bn.running_mean.uniform_()
+        source.bn.num_batches_tracked.fill_(7)
+    with Checkpointer(root, saver="thread") as ckpt:
+        ckpt.save(1, source.state_dict(), persist=False)
+        state = ckpt.load(zero_copy=True, restore=False).state  # views of the shared-memory buffer
+        ours, theirs = _mixed_model(seed=2), _mixed_model(seed=2)
+        versions = {k: p._version for k, p in ours.named_parameters()}
+        result = load_module_state(ours, state)
+        theirs.load_state_dict(state)
+        del state
+    assert result.missing_keys == result.unexpected_keys == []
+    ours_state, theirs_state = ours.state_dict(), theirs.state_dict()
+    assert ours_state.keys() == theirs_state.keys()
+    for key in ours_state:
+        torch.testing.assert_close(ours_state[key], theirs_state[key], rtol=0, atol=0, msg=key)
+    assert ours.tied2.weight is ours.tied.weight  # still tied
+    assert torch.equal(ours.scaled.weight, source.scaled.weight / 2)  # its own loading ran on the snapshot's bytes
+    assert torch.equal(ours.hooked.bias, source.hooked.bias + 1)  # and the pre-hook
+    own_way = ("scaled.", "hooked.", "bn.")  # batch norm has its own _load_from_state_dict too
+    plain = [t for k, t in source.state_dict().items() if not k.startswith(own_way)]
+    big = [t.numel() * t.element_size() for t in plain if t.numel() * t.element_size() >= copier.NT_FROM]
+    assert sum(copied) == sum(t.numel() * t.element_size() for t in plain)  # every plain tensor, by our copy
+    assert sum(big) >= copier.PREFAULT_FROM  # large enough that its source was faulted in ahead
+    assert all(p._version > versions[k] for k, p in ours.named_parameters())
+
+
+def test_load_module_state_keeps_load_state_dict_s_key_checks() -> None:
+    from streamrover.ckpt import load_module_state
+
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {"weight": torch.randn(3, 4), "extra": torch.zeros(2)}
+    with pytest.raises(RuntimeError, match="(?s)Missing key.*bias.*Unexpected key.*extra"):
+        load_module_state(model, state)
+    result = load_module_state(model, state, strict=False)
+    assert result.missing_keys == ["bias"] and result.unexpected_keys == ["extra"]
+    assert torch.equal(model.weight, state["weight"]) and torch.equal(model.bias, before[1])
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_module_state(model, {"weight": torch.randn(4, 4), "bias": torch.zeros(3)})
+
+
+def test_copy_from_mapping_copies_in_order_when_ranges_write_the_same_bytes() -> None:
+    from streamrover.ckpt import copier
+
+    assert copier._overlapping([(0, 0, 10), (10, 0, 5)]) is False
+    assert copier._overlapping([(0, 0, 10), (9, 0, 5)]) is True
+    n = copier.PREFAULT_FROM
+    dst = torch.zeros(n, dtype=torch.uint8)
+    first, second = torch.full((n,), 1, dtype=torch.uint8), torch.full((n // 2,), 2, dtype=torch.uint8)
+    copier.copy_from_mapping([(dst.data_ptr(), first.data_ptr(), n), (dst.data_ptr(), second.data_ptr(), n // 2)])
+    assert int(dst[: n // 2].min()) == 2 and int(dst[n // 2 :].max()) == 1
