@@ -119,7 +119,9 @@ def file_writer(fd: int) -> Callable[[int, int, int], None]:
 
     Into a ``/dev/shm`` file not mapped yet this is about twice as fast as a copy through a fresh mapping:
     the kernel allocates each page and copies into it, with no page fault per 4 KiB page and no zeroing of
-    pages that are written whole. A full ``/dev/shm`` is an ``OSError`` (ENOSPC) here, never a SIGBUS.
+    pages that are written whole. A full ``/dev/shm`` is an ``OSError`` (ENOSPC) here, never a SIGBUS. Writes
+    to one tmpfs file take its inode lock one at a time, so a first save's split buffer (``shm.SPLIT_FROM``)
+    has one writer per file, on its own thread (``memory._pwrite_files``).
     """
 
     def write(dst: int, src: int, n: int) -> None:

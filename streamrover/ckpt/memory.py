@@ -284,7 +284,8 @@ class MemoryEngine:
             if fresh:
                 fds = [os.open(shm_path(name), os.O_RDWR) for name, _ in buf.files()]
                 _pwrite_files(now, base, buf, fds, keep)
-                buf.allocate()  # the header, the gaps and the deferred tensors: never a SIGBUS writing them
+                # the header, the gaps and the deferred tensors: never a SIGBUS writing them
+                buf.allocate([(dst - base, n) for dst, _, n in now])
             else:
                 sync = CopyJob(now, keep)
                 # A helper pays for its start (~1 ms on a loaded box) only from a few chunks on; below, one copies.

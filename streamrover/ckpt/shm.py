@@ -38,6 +38,7 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -76,10 +77,15 @@ def tail_name(name: str) -> str:
     return name + TAIL
 
 
+def tail_path(name: str) -> str:
+    """The ``/dev/shm`` path of the second file of split buffer ``name``."""
+    return shm_path(tail_name(name))
+
+
 def unlink_buffer(name: str) -> bool:
     """Remove buffer ``name`` (and its tail file, if split) from ``/dev/shm``; whether it was there."""
     found = False
-    for path in (shm_path(name), shm_path(tail_name(name))):
+    for path in (shm_path(name), tail_path(name)):
         try:
             os.unlink(path)
             found = True
@@ -105,15 +111,23 @@ def check_shm_space(extra_bytes: int, what: str) -> None:
 
 
 def _fallocate(fd: int, name: str, size: int, current: int) -> None:
-    if size <= 0:
+    _fallocate_range(fd, name, 0, size, size - current)
+
+
+def _fallocate_range(fd: int, name: str, offset: int, length: int, missing: int | None = None) -> None:
+    """Allocate bytes ``offset`` to ``offset + length`` of tmpfs file ``fd`` now (``missing`` of them new), or raise
+    :class:`SharedMemoryTooSmallError` when ``/dev/shm`` cannot hold them."""
+    if length <= 0:
         return
     try:
-        os.posix_fallocate(fd, 0, size)  # tmpfs: allocates the pages now, or fails with ENOSPC
+        os.posix_fallocate(fd, offset, length)  # tmpfs: allocates the pages now, or fails with ENOSPC
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             st = os.statvfs(SHM_DIR)
             raise SharedMemoryTooSmallError(
-                _too_small_message(size - current, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, name)
+                _too_small_message(
+                    length if missing is None else missing, st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, name
+                )
             ) from exc
         raise
 
@@ -159,7 +173,7 @@ class SharedBuffer:
             if new_split:
                 split = align(size // 2, 1 << 21)
             if split:
-                tail = os.open(shm_path(tail_name(name)), os.O_RDWR | os.O_CREAT, 0o600)
+                tail = os.open(tail_path(name), os.O_RDWR | os.O_CREAT, 0o600)
             if size > current:
                 check_shm_space(size - current, f"a {size / (1 << 20):.1f} MiB snapshot buffer {name!r}")
                 if split:  # the tail first: a reader that sees the first file's new size finds the tail as large
@@ -195,12 +209,29 @@ class SharedBuffer:
             buf.populate()
         return buf
 
-    def allocate(self) -> None:
-        """Allocate every page of the buffer not allocated yet (after a sparse :meth:`create` and its first copy)."""
-        for name, size in self.files():
+    def allocate(self, written: Sequence[tuple[int, int]] = ()) -> None:
+        """Allocate every page of the buffer not allocated yet (after a sparse :meth:`create` and its first copy).
+
+        ``written``: ``(offset, bytes)`` ranges the first copy wrote, whose pages the kernel allocated then; only
+        the pages outside them are allocated here (``fallocate`` over 1 GiB already written walks its 262,144
+        pages: 0.04-0.1 s here, a fifth of a first save).
+        """
+        page = mmap.PAGESIZE
+        gaps: list[tuple[int, int]] = []
+        at = 0
+        for off, n in [*sorted((o, n) for o, n in written if n > 0), (self.size, 0)]:
+            start, end = -(-at // page) * page, off // page * page  # the whole pages between two writes
+            if end > start:
+                gaps.append((start, end))
+            at = max(at, off + n)
+        split = self.split or self.size
+        for (name, size), base in zip(self.files(), (0, split)):
             fd = os.open(shm_path(name), os.O_RDWR)
             try:
-                _fallocate(fd, self.name, size, 0)
+                for start, end in gaps:
+                    start, end = max(start, base) - base, min(end, base + size) - base
+                    if end > start:
+                        _fallocate_range(fd, self.name, start, end - start)
             finally:
                 os.close(fd)
 
@@ -351,7 +382,7 @@ def _open_tail(mm: mmap.mmap, name: str, split: int, size: int, prot: int) -> bo
     if split < 0 or not DATA_START <= split < size:
         return False
     try:
-        fd = os.open(shm_path(tail_name(name)), os.O_RDWR if prot & mmap.PROT_WRITE else os.O_RDONLY)
+        fd = os.open(tail_path(name), os.O_RDWR if prot & mmap.PROT_WRITE else os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:

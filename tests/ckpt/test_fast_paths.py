@@ -47,6 +47,34 @@ def test_first_save_leaves_the_buffer_allocated_and_loads_back(tmp_path: Path) -
         ckpt.close(unlink=True)
 
 
+def test_a_first_save_allocates_every_page_its_copy_did_not_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a first save's pwrite, only the pages it did not write are allocated (the header page, the header JSON,
+    the tensors deferred to the background copy); they are all allocated before the save returns."""
+    monkeypatch.setattr(shm, "SPLIT_FROM", 4 << 20)
+    state: dict[str, Any] = {"a": torch.randn(1 << 20), "later": torch.randn(1 << 19), "b": torch.randn(3 << 18)}
+    ranges: list[list[tuple[int, int]]] = []
+    allocate = shm.SharedBuffer.allocate
+    monkeypatch.setattr(
+        shm.SharedBuffer,
+        "allocate",
+        lambda self, written=(): (ranges.append(list(written)), allocate(self, written))[1],
+    )
+    with Checkpointer(str(tmp_path / "ck"), saver="thread") as ckpt:
+        ckpt.save(1, state, persist=False, defer=lambda t: t is state["later"])
+        buf = ckpt.engine.buffers[0]
+        assert buf is not None and buf.split
+        head, tail = os.stat(shm_path(buf.name)), os.stat(shm_path(tail_name(buf.name)))
+        assert (head.st_blocks * 512, tail.st_blocks * 512) == (buf.split, buf.size - buf.split)
+        ckpt.wait_snapshot()
+        loaded = ckpt.load(zero_copy=True, restore=False)
+        assert all(torch.equal(loaded.state[k], v) for k, v in state.items())
+        del loaded
+        ckpt.close(unlink=True)
+    assert [sorted(n for _, n in r) for r in ranges] == [sorted([state["a"].nbytes, state["b"].nbytes])]
+
+
 def test_a_large_first_save_is_two_files_written_in_parallel_and_read_as_one_buffer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
