@@ -88,10 +88,9 @@ def copy_from_mapping(ranges: list[tuple[int, int, int]]) -> None:
     threads faulting as they go) on the 2-core VMs measured. Ranges that write the same bytes are copied by
     the caller alone, in order, so the later wins as with successive ``copy_`` calls.
     """
-    total = sum(n for _, _, n in ranges)
     job = CopyJob(ranges, [])
     ahead = None
-    if _PREFAULT is not None and total >= PREFAULT_FROM:
+    if _PREFAULT is not None and job.nbytes >= PREFAULT_FROM:
         prefault = _PREFAULT
         helps = not _overlapping(ranges)  # two threads copy in no set order
 

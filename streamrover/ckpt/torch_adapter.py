@@ -72,8 +72,7 @@ def _raw_copyable(dst: Any, src: Any) -> bool:
     import torch
 
     return (
-        isinstance(dst, torch.Tensor)
-        and type(src) is torch.Tensor
+        type(src) is torch.Tensor
         and type(dst) in (torch.Tensor, torch.nn.Parameter)
         and dst.device.type == src.device.type == "cpu"
         and dst.layout == src.layout == torch.strided
