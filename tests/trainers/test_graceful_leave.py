@@ -54,7 +54,10 @@ def test_a_leaving_node_hands_its_leases_back_and_the_ledger_is_exact(tmp_path: 
         handed_back = time.monotonic() - signalled
         print(f"\nSIGTERM -> the leaving worker's leases handed back and it left the master: {handed_back:.2f} s")
         assert job.agents["n1"].wait(timeout=120) is not None
-        assert "left on SIGTERM: acks flushed" in (tmp_path / "agent-n1.log").read_text(errors="replace")
+        agent_log = (tmp_path / "agent-n1.log").read_text(errors="replace")
+        assert "left on SIGTERM: acks flushed" in agent_log, (  # the end of the log says how the worker ended
+            "n1's worker did not log its graceful leave; its log ends:\n" + "\n".join(agent_log.splitlines()[-40:])
+        )
         wait_until(lambda: job.agents["n0"].poll() is not None, 400, "the remaining node to finish")
         assert job.agents["n0"].returncode == 0, job.logs()
         ledger = job.ledger()

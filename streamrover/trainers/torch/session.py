@@ -192,6 +192,7 @@ class StreamSession:
 
     def _leave_and_exit(self) -> None:
         started = time.monotonic()
+        log.warning("rank %d leaving on SIGTERM: flushing its queued acks, then handing its leases back", self.rank)
         try:
             self.client.flush(timeout=LEAVE_FLUSH_TIMEOUT)
         except Exception as exc:  # refused or still unanswered: those records are replayed after the restore
