@@ -43,7 +43,7 @@ from typing import Any
 
 from benchmarks._common import load as load_average
 from benchmarks._common import table
-from benchmarks.bench_ckpt.measure import Interrupted, install_signal_handlers, parse_size
+from benchmarks.bench_ckpt.measure import Interrupted, install_signal_handlers, page_reporting, parse_size
 from benchmarks.bench_ckpt.parent import fits, run_size
 from benchmarks.bench_ckpt.report import goal_lines, issue35_lines, ratio_rows, time_rows
 from benchmarks.bench_ckpt.size import restore_ours_main, restore_torch_main, size_main
@@ -90,6 +90,8 @@ def parent_main(a: argparse.Namespace) -> int:
         f"{a.warmups} warm-up(s) + median of {a.repeats} repeats per operation; one fresh process per size",
         flush=True,
     )
+    if (reporting := page_reporting()) is not None:
+        print(reporting, flush=True)
     results: dict[str, dict[str, Any]] = {}
     status = 0
     try:
