@@ -63,7 +63,7 @@ from streamrover.ckpt import (
 from streamrover.ckpt.flatten import TensorEntry, copy_into, flatten, make_tensor, unflatten
 from streamrover.ckpt.torch_adapter import TorchCheckpoint, load_torch_state, torch_state
 from streamrover.serving.tables import TOUCHED_KEY
-from streamrover.shard_service import ShardClient
+from streamrover.shard_service import AckFailedError, ShardClient
 from streamrover.trainers.api import flush_before_cut, restore_before_lease
 from streamrover.trainers.torch import env
 from streamrover.trainers.torch.dataset import StreamDataset, StreamStateLostError
@@ -201,6 +201,9 @@ class StreamSession:
             returned = self.client.leave()
             log.warning("rank %d left on SIGTERM: acks flushed, %d lease(s) handed back in %.2f s", self.rank,
                         returned, time.monotonic() - started)  # fmt: skip
+        except AckFailedError as exc:  # raised once the leave is done: its leases went back, some earlier acks did not
+            log.warning("rank %d left on SIGTERM, its leases handed back in %.2f s, but %s: those records are replayed "
+                        "after the restore", self.rank, time.monotonic() - started, exc)  # fmt: skip
         except Exception as exc:
             log.warning("rank %d leaving: the shard service did not take the leases back (%s)", self.rank, exc)
         finally:
