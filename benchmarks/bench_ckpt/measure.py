@@ -147,9 +147,10 @@ def page_reporting() -> str | None:
         reported = int((params / "reported_kib").read_text())
     except (OSError, ValueError):
         return None
-    extra = ""
-    if (params / "min_free_ms").exists():
+    try:  # not in every kernel's page reporting
         extra = f", reported after {(params / 'min_free_ms').read_text().strip()} ms free"
+    except OSError:
+        extra = ""
     return (
         f"VM free page reporting: on (blocks of order {order}{extra}; {reported / (1 << 20):,.0f} GiB reported since "
         "boot): a first touch of memory the host took back faults on the host too (first saves vary with it)"
