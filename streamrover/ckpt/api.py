@@ -4,7 +4,8 @@ A *snapshot* is one rank's state at one training step, held in shared memory. A
 *checkpoint* is a set of snapshots of the same step (one *part* per rank) persisted
 to storage with a manifest; it exists exactly when its manifest exists. The manifest
 holds the data cursor of that step, so a model state is never restored without the
-positions whose effect is in it.
+positions whose effect is in it. A checkpoint's files never change once written: a
+step saved to persist is not saved to persist again (the next one is numbered on).
 
 Reading this module alone tells what the package promises; the rest is mechanism.
 """

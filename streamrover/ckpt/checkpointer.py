@@ -116,6 +116,7 @@ class Checkpointer:
         self._failures: list[PersistResult] = []
         self._lost: str | None = None
         self._pending: SnapshotWrite | None = None
+        self._persisted_step: int | None = None  # the last step saved with persist
 
     # -- save ------------------------------------------------------------------------
     def prepare(self, state: Any) -> None:
@@ -147,6 +148,9 @@ class Checkpointer:
         ``overlap=True`` uses this safely: it defers only the optimizer's parameters and state, and an
         optimizer step pre-hook calls :meth:`wait_snapshot` before they are mutated.
         """
+        if persist and step == self._persisted_step:  # its files would change under readers (exports, restores)
+            raise CheckpointError(f"step {step} was already saved to persist: a durable checkpoint is never "
+                                  "rewritten in place; save the next step")  # fmt: skip
         self.wait_snapshot()
         cut_id: int | None = None
         run_id: str | None = None
@@ -175,6 +179,8 @@ class Checkpointer:
                 defer=defer,
                 on_published=lambda snap: self._published(snap, persist),
             )
+        if persist:
+            self._persisted_step = step
         if not self._pending.deferred:  # nothing left to the background: published already
             self.wait_snapshot()
 

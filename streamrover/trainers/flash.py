@@ -263,6 +263,10 @@ class FlashRun:
         self._saves += 1
         if persist is None:
             persist = self._saves % self.persist_every == 0
+        if persist and step == self.last_persisted:
+            # durable already (Lightning's own checkpoint callback at the same global step): this snapshot goes to
+            # shared memory only, since a durable checkpoint's files never change once written
+            persist = False
         self.checkpointer.save(step, state, persist=persist)
         if persist:
             self.last_persisted = step

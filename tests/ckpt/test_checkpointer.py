@@ -12,6 +12,7 @@ import torch
 
 from streamrover.ckpt import (
     Checkpointer,
+    CheckpointError,
     CheckpointFallbackWarning,
     LoadedFrom,
     NoCheckpointError,
@@ -51,6 +52,19 @@ def test_load_prefers_memory_when_newer_and_storage_otherwise(root: str) -> None
     fresh = Checkpointer(root, saver="thread", job="other-node")
     fresh.storage = ckpt.storage
     assert fresh.load().step == 1
+
+
+def test_a_persisted_step_is_never_saved_to_persist_again(root: str) -> None:
+    """Its files would change under a reader (an export, a restore) and a crash mid-rewrite would corrupt it."""
+    with Checkpointer(root, saver="thread") as ckpt:
+        save_persisted(ckpt, [1])
+        part = Path(root) / step_dir(1) / part_names(0)[1]
+        before = part.read_bytes()
+        with pytest.raises(CheckpointError, match="step 1 was already saved to persist"):
+            ckpt.save(1, state_at(1))
+        ckpt.save(1, state_at(1), persist=False)  # to shared memory alone it may
+        save_persisted(ckpt, [2])
+        assert part.read_bytes() == before and complete_steps(ckpt.storage) == [1, 2]
 
 
 @pytest.mark.parametrize("algo", ["crc32", "sha256"])

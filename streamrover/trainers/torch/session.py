@@ -168,6 +168,8 @@ class StreamSession:
         self.restored_from: str | None = None
         self.state_via: str | None = None  # how ranks other than 0 got the state: "shared memory" or "broadcast"
         self._restore()
+        # the step whose durable checkpoint this session holds (close() never takes it a second time)
+        self._persisted = self.step if (self.restored_from or "").startswith("storage:") else None
         # the straggler watch's evidence (pace.py) and the agent's hang watch (--hang-timeout)
         self.pace = StepPace(lambda values, step: self.client.report(values, step=step))
         # one rank alone cannot hang in a collective, and waits for records without lockstep rounds: no marks
@@ -329,6 +331,8 @@ class StreamSession:
             self.tracker.sync()  # a collective: any rank's lookup changed the row everywhere
         if self._ckpt is not None:
             self._ckpt.save(self.step, persist=persist, **self._serving_extra())
+        if persist:
+            self._persisted = self.step
 
     def _serving_extra(self) -> dict[str, Any]:
         out: dict[str, Any] = {"meta": {"reported": dict(self._reported, step=self.step)}}
@@ -355,7 +359,7 @@ class StreamSession:
         an empty step). Two durable checkpoints then hold the final cursor, and a fallback from a corrupt
         newest one still finds everything it needs.
         """
-        if final_checkpoint:
+        if final_checkpoint and self._persisted != self.step:  # a durable checkpoint is never taken twice
             self.checkpoint()
         if self._ckpt is not None:
             self._ckpt.checkpointer.wait(timeout=300)
