@@ -33,8 +33,11 @@ pull of that one message per shard (:meth:`RocketMQSource.first_times`).
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import importlib.util
 import os
 import re
+import sys
 import threading
 import time
 import weakref
@@ -72,6 +75,22 @@ MINS_EVERY = 1.0  # seconds between polls of the queues' min offsets (to see rec
 _TOPIC_RE = re.compile(r"^[%|A-Za-z0-9_-]{1,127}$")
 # librocketmq's CPullStatus
 _FOUND, _NO_NEW_MSG, _NO_MATCHED_MSG, _OFFSET_ILLEGAL, _BROKER_TIMEOUT = range(5)
+
+
+def librocketmq() -> Any:
+    """``rocketmq.ffi`` (its ``dll``), the library loaded with ``RTLD_DEEPBIND`` first: call before any other use of
+    the ``rocketmq`` package. librocketmq bundles libraries whose symbols TensorFlow also exports to the whole
+    process; bound to those, its first send or pull crashes the process (SIGSEGV) wherever TensorFlow was
+    imported before it (a TF trainer reading a topic). Deep-bound, it calls its own."""
+    if "rocketmq.ffi" not in sys.modules and hasattr(os, "RTLD_DEEPBIND"):
+        spec = importlib.util.find_spec("rocketmq")
+        packaged = os.path.join(os.path.dirname(spec.origin), "librocketmq.so") if spec and spec.origin else ""
+        path = packaged if os.path.exists(packaged) else ctypes.util.find_library("rocketmq")
+        if path:  # the path rocketmq.ffi loads: its own load then finds this one
+            ctypes.CDLL(path, mode=os.RTLD_DEEPBIND | os.RTLD_LOCAL)
+    from rocketmq import ffi
+
+    return ffi
 
 
 def parse_uri(uri: str) -> tuple[list[str], str]:
@@ -310,9 +329,9 @@ class _Puller:
     def __init__(self, namesrvs: list[str], group: str) -> None:
         self._key = (";".join(namesrvs), group)
         self._pulling = threading.Lock()  # one Pull at a time on the shared handle
-        from rocketmq.ffi import _CMessageQueue, dll  # lazily: loads librocketmq
-
-        self._dll, self._mq_type = dll, _CMessageQueue
+        ffi = librocketmq()  # lazily
+        dll = ffi.dll
+        self._dll, self._mq_type = dll, ffi._CMessageQueue
         # MQMessage::getBody() returns the body as a std::string (binary-safe); the C API's
         # GetMessageBody returns a char* and cuts a body at its first NUL byte.
         self._get_body = dll._ZNK8rocketmq9MQMessage7getBodyEv

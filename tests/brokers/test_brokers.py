@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 
+from streamrover.sources.rocketmq import librocketmq
 from tests.brokers.kafka import KafkaBroker
 from tests.brokers.pulsar import PulsarLiteBroker
 from tests.brokers.rocketmq import RocketMQBroker
@@ -211,6 +212,7 @@ def _rocketmq_pull_all(namesrv: str, topic: str) -> dict[int, list[tuple[int, by
     Its ``PullConsumer.pull`` keeps offsets in a class-level dict shared by all instances, so this
     drives the library's ``Pull(mq, expression, offset, max)`` call directly: pull by explicit offset.
     """
+    librocketmq()  # first: the library deep-bound (TensorFlow may be loaded in this process)
     from rocketmq.client import PullConsumer, RecvMessage
     from rocketmq.exceptions import ffi_check
     from rocketmq.ffi import _CMessageQueue, _CPullStatus, dll
@@ -247,7 +249,8 @@ def _rocketmq_pull_all(namesrv: str, topic: str) -> dict[int, list[tuple[int, by
 
 
 def test_rocketmq_produce_and_pull_by_offset(rocketmq_broker: RocketMQBroker) -> None:
-    pytest.importorskip("rocketmq.client", reason="rocketmq 0.4.4 (4.x remoting client) is not installed")
+    pytest.importorskip("rocketmq", reason="rocketmq 0.4.4 (4.x remoting client) is not installed")
+    librocketmq()  # first: the library deep-bound (TensorFlow may be loaded in this process)
     from rocketmq.client import Message, Producer
 
     n = 500

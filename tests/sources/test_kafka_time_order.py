@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from streamrover.shard_service import DatasetSpec, ShardClient
+from streamrover.sources.rocketmq import librocketmq
 from streamrover.testing.procs import MasterProcess
 
 pytestmark = pytest.mark.slow
@@ -104,6 +105,7 @@ def _pulsar_backlog(broker: Any) -> Backlog:
 
 
 def _rocketmq_backlog(broker: Any) -> Backlog:
+    librocketmq()  # first: the library deep-bound (TensorFlow may be loaded in this process)
     from rocketmq.client import Message, Producer
 
     n, shard = SIZES["rocketmq"]

@@ -9,7 +9,10 @@ broker (read back with QUERY_CONSUMER_OFFSET) must equal the committed cursor.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -19,17 +22,19 @@ import pytest
 
 from streamrover.cursor import IntervalSet, PartitionKey
 from streamrover.sources.api import SourceGoneError, open_source
+from streamrover.sources.rocketmq import librocketmq
 from streamrover.sources.rocketmq_remoting import RemotingClient
 from tests.brokers.rocketmq import RocketMQBroker
 from tests.helpers import wait_until
 from tests.sources.stream_job import StreamJob
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-pytest.importorskip("rocketmq.client", reason="rocketmq 0.4.4 (the 4.x remoting client) is not installed")
+pytest.importorskip("rocketmq", reason="rocketmq 0.4.4 (the 4.x remoting client) is not installed")
 
 
 def _produce(broker: RocketMQBroker, topic: str, ids: range, body: Callable[[int], bytes] | None = None) -> None:
     """Send ``{"id": i}`` (or ``body(i)``) for each id, synchronously (the producer spreads them over the queues)."""
+    librocketmq()  # first: the library deep-bound (TensorFlow may be loaded in this process)
     from rocketmq.client import Message, Producer
     from rocketmq.ffi import dll
 
@@ -141,6 +146,28 @@ def test_rocketmq_source_binary_bodies_dead_letters_and_start_positions(
         latest.close()
     with pytest.raises(SourceGoneError, match="does not exist"):
         open_source(f"rocketmq://{rocketmq_broker.namesrv_address}/no-such-{topic}").poll()
+
+
+_READ_AFTER_TENSORFLOW = """
+import sys
+import tensorflow  # first, as a TF trainer does: its libraries' symbols are the process's from here on
+from streamrover.sources.api import open_source
+source = open_source(sys.argv[1], options={"sr.format": "json", "sr.schema": "id:int64"})
+ids = [i for p in source.partitions() for b in source.read(p, 0, p.end, 50) for i in b.records.column("id").to_pylist()]
+source.close()
+print(sorted(ids) == list(range(int(sys.argv[2]))), len(ids))
+"""
+
+
+def test_a_process_that_imported_tensorflow_first_reads_a_rocketmq_topic(rocketmq_broker: RocketMQBroker) -> None:
+    """librocketmq bound to TensorFlow's symbols crashed its first pull (SIGSEGV): the reader loads it deep-bound."""
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    rocketmq_broker.create_topic(topic, 2)
+    _produce(rocketmq_broker, topic, range(300))
+    uri = f"rocketmq://{rocketmq_broker.namesrv_address}/{topic}"
+    done = subprocess.run([sys.executable, "-c", _READ_AFTER_TENSORFLOW, uri, "300"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["True", "300"], (done.returncode, done.stderr[-3000:])
 
 
 @pytest.mark.parametrize("with_namesrv", [False, True], ids=["broker", "broker+namesrv"])

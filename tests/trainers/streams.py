@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from streamrover.sources.rocketmq import librocketmq
 from tests.trainers.cluster import records_table
 
 PARTITIONS = 4
@@ -137,6 +138,7 @@ class RocketMQTopic(BrokerTopic):
         self.uri = f"rocketmq://{broker.namesrv_address}/{self.topic}"
 
     def produce(self, ids: np.ndarray) -> None:
+        librocketmq()  # first: the library deep-bound (TensorFlow may be loaded in this process)
         from rocketmq.client import Message, Producer
         from rocketmq.ffi import dll
 
