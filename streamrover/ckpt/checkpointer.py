@@ -327,6 +327,8 @@ class Checkpointer:
         self.wait_snapshot()  # the caller will mutate what an overlapped save may still be copying
         part = self.rank if part is None else part
         loaded = self._load(part, zero_copy, memory)
+        if restore:  # training goes on from the loaded step: a step it reaches again is saved anew
+            self._persisted_step = None
         if loaded.source == LoadedFrom.MEMORY and restore and self.binder is not None:
             run = loaded.extra.get("run_id")  # the snapshot's cut and run, named when it has them (CursorBinder)
             named: dict[str, Any] = {"snapshot_cut": loaded.cut_id, "snapshot_run": run} if loaded.cut_id or run else {}

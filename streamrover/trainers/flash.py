@@ -226,6 +226,8 @@ class FlashRun:
         if loaded is not None:
             self.restored_from = f"{loaded.source.value}:{loaded.step}"
             self.last_saved = self._acked_step = loaded.step
+            if loaded.source == LoadedFrom.STORAGE:  # durable: never persisted a second time
+                self.last_persisted = loaded.step
         log.warning("streamrover flash checkpoint: rank %d resumes %s", self.rank,
                     f"at step {loaded.step} from {loaded.source.value}" if loaded else "from scratch")  # fmt: skip
         return loaded
