@@ -206,10 +206,10 @@ def test_pyflink_job_feeds_dlrover_run_exactly_once(tmp_path: Path, kafka_broker
         if {"reset", "garble"} & set(proxy.cuts):
             assert "an earlier attempt landed" in log, "a commit whose answer was cut was not retried to its end"
         losses = job.losses()
-        # the loss falls within the first ~5 steps (from 0.5-2.3 to below 0.1), so a mean over the first 20 is mostly
-        # trained steps already, and the last steps' losses are noisy: CI measured that ratio at 1/4.8 and at 1/2.1.
-        # The first steps' highest loss against the last 20 steps' median (0.56 against ~0.07 in the 1/2.1 run).
-        assert np.median(losses[-20:]) < max(losses[:5]) / 3, f"the loss decreases: {losses[:5]} ... {losses[-20:]}"
+        # the model learned: an untrained one's loss is 0.5-2.3 here, a trained one's last 20 steps' median ~0.07.
+        # Ratios against the first steps failed CI three times (1/4.8, 1/2.1, and a run whose first 5 logged steps
+        # were all below 0.1 already): the loss falls within a few steps, and how many of them are logged varies.
+        assert np.median(losses[-20:]) < 0.25, f"the model learned: {losses[:5]} ... {losses[-20:]}"
     finally:
         chaos.stop.set()
         flink.kill()
