@@ -149,8 +149,7 @@ class Checkpointer:
         optimizer step pre-hook calls :meth:`wait_snapshot` before they are mutated.
         """
         if persist and step == self._persisted_step:  # its files would change under readers (exports, restores)
-            raise CheckpointError(f"step {step} was already saved to persist: a durable checkpoint is never "
-                                  "rewritten in place; save the next step")  # fmt: skip
+            raise CheckpointError(f"step {step} was already saved to persist: a durable checkpoint is never rewritten")
         self.wait_snapshot()
         cut_id: int | None = None
         run_id: str | None = None
@@ -179,8 +178,7 @@ class Checkpointer:
                 defer=defer,
                 on_published=lambda snap: self._published(snap, persist),
             )
-        if persist:
-            self._persisted_step = step
+        self._persisted_step = step if persist else self._persisted_step
         if not self._pending.deferred:  # nothing left to the background: published already
             self.wait_snapshot()
 
@@ -327,8 +325,7 @@ class Checkpointer:
         self.wait_snapshot()  # the caller will mutate what an overlapped save may still be copying
         part = self.rank if part is None else part
         loaded = self._load(part, zero_copy, memory)
-        if restore:  # training goes on from the loaded step: a step it reaches again is saved anew
-            self._persisted_step = None
+        self._persisted_step = None if restore else self._persisted_step  # a step reached again is saved anew
         if loaded.source == LoadedFrom.MEMORY and restore and self.binder is not None:
             run = loaded.extra.get("run_id")  # the snapshot's cut and run, named when it has them (CursorBinder)
             named: dict[str, Any] = {"snapshot_cut": loaded.cut_id, "snapshot_run": run} if loaded.cut_id or run else {}

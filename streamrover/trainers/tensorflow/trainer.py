@@ -266,10 +266,8 @@ class PSTrainer:
 
     # -- checkpoints ----------------------------------------------------------------------
     def _save(self, persist: bool = True) -> None:
-        if self.step <= self._last_ckpt_step:
-            # no step since the last checkpoint or the restore (acks of gaps alone, the end): numbered one on, an
-            # empty step, since a checkpoint's files never change once written
-            self.step = self._last_ckpt_step + 1
+        # no step since the last checkpoint or restore (acks of gaps, the end): one on, as checkpoints never change
+        self.step = max(self.step, self._last_ckpt_step + 1)
         self.checkpointer.save(self.step, {"vars": variables_state(self._state)}, persist=persist)
         self._last_ckpt_step = self.step
 
