@@ -6,6 +6,8 @@ Peers, on the same state (float32 tensors of random values):
   ``Tensor.copy_`` (torch's intra-op threads) and libc ``memmove`` (one thread);
 * ``torch.save`` to local disk, with ``fsync`` (durable, like our persist) and without (page cache);
 * ``torch.distributed.checkpoint.async_save`` (blocking part);
+* the kernel floor of a first save: the same bytes ``pwrite``n into two fresh ``/dev/shm`` files on two threads,
+  no streamrover code (our first save does that plus its header), measured just before our first save;
 * DLRover's flash checkpoint (``DdpCheckpointer``, run from its own venv by ``bench_ckpt/dlrover_peer.py``);
 * restore after a process restart: ours from shared memory in a fresh process against
   ``torch.load(weights_only=True)`` of the ``torch.save`` file, both copied into an already built model
@@ -144,4 +146,3 @@ def parent_main(a: argparse.Namespace) -> int:
     print(f"\n== issue 35 acceptance (load average now {load_average()}; judged on a quiet machine) ==", flush=True)
     print("\n".join(issue35_lines(results)), flush=True)
     return status
-
