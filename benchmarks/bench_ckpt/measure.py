@@ -10,8 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from streamrover._libc import set_parent_death_signal
-
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
@@ -43,11 +41,6 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
 def install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, _raise_interrupted)
     signal.signal(signal.SIGINT, _raise_interrupted)
-
-
-def die_with_parent() -> None:
-    """In a child, before exec: SIGTERM when the parent dies (even by SIGKILL), so nothing is orphaned."""
-    set_parent_death_signal(signal.SIGTERM)
 
 
 def parse_size(text: str) -> int:

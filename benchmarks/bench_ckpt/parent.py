@@ -23,10 +23,10 @@ from benchmarks.bench_ckpt.measure import (
     MEMORY_MARGIN,
     PEAK_FACTOR,
     REPO,
-    die_with_parent,
     free_bytes,
     meminfo,
 )
+from streamrover.operator import die_with_parent
 
 
 class Run:
@@ -40,7 +40,9 @@ class Run:
         self.namespaces: list[str] = []
 
     def start(self, cmd: list[str], **kwargs: Any) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(cmd, cwd=REPO, text=True, start_new_session=True, preexec_fn=die_with_parent, **kwargs)
+        # SIGTERM when this process dies (even by SIGKILL): the child cleans up; no preexec_fn (die_with_parent.py)
+        argv = die_with_parent.wrap(cmd, sig=signal.SIGTERM)
+        proc = subprocess.Popen(argv, cwd=REPO, text=True, start_new_session=True, **kwargs)
         self.procs.append(proc)
         return proc
 

@@ -21,11 +21,11 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from streamrover.operator import die_with_parent
 from streamrover.operator.api import (
     LaunchError,
     MasterInfo,
@@ -62,17 +62,18 @@ class LocalPlatform(Platform):
     name = "local"
 
     def __init__(self, workdir: str | Path, cgroups: bool = True, watch_interval: float = 0.25,
-                 preexec: Callable[[], None] | None = None, reap: bool = True,
+                 die_with_parent: bool = False, reap: bool = True,
                  standby_agents: int = 0, standby_workers: int = 0) -> None:  # fmt: skip
         self.workdir = Path(workdir)
-        # warm agents (torch imported) a scale-out or relaunch starts its nodes in; not with a preexec (ray). Each
+        # warm agents (torch imported) a scale-out or relaunch starts its nodes in; not under ray. Each
         # warms ``standby_workers`` standbys for its agent's workers meanwhile: a scale-out's new workers started
         # in standbys still importing torch, and the whole new group waited for them in init_process_group
         self._standby: StandbyPool | None = None
-        if standby_agents > 0 and preexec is None:
+        if standby_agents > 0 and not die_with_parent:
             self._standby = StandbyPool(standby_agents, flags=(), warm=AGENT_MODULES, env=_env({}),
                                         children=standby_workers)  # fmt: skip
-        self._preexec = preexec  # run in each child before exec (the ray platform: die with the actor)
+        # the ray platform: each process started through operator/die_with_parent.py, so it dies with the actor
+        self._die_with_parent = die_with_parent
         self.workdir.mkdir(parents=True, exist_ok=True)
         # what this platform started, so a successor on the same workdir can end what a killed controller left
         self._pids: Path | None = self.workdir / "pids" if reap else None
@@ -98,8 +99,8 @@ class LocalPlatform(Platform):
         launch.state_dir.mkdir(parents=True, exist_ok=True)
         with open(self.workdir / "master.log", "ab") as logf:
             env = _env({"STREAMROVER_TOKEN": launch.token})
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, env=env, start_new_session=True,
-                                    preexec_fn=self._preexec)  # fmt: skip
+            proc = subprocess.Popen(self._argv(cmd), stdout=subprocess.PIPE, stderr=logf, env=env,
+                                    start_new_session=True)  # fmt: skip
         assert proc.stdout is not None
         with selectors.DefaultSelector() as sel:  # the master prints its address once it listens
             sel.register(proc.stdout, selectors.EVENT_READ)
@@ -160,8 +161,8 @@ class LocalPlatform(Platform):
             with open(workdir / f"node-{launch.node_id}.log", "ab") as logf:
                 proc = self._start_warm(launch, env, logf, workdir)
                 if proc is None:
-                    proc = subprocess.Popen(command, env=_env(env), stdout=logf, stderr=subprocess.STDOUT,
-                                            cwd=workdir, start_new_session=True, preexec_fn=self._preexec)  # fmt: skip
+                    proc = subprocess.Popen(self._argv(command), env=_env(env), stdout=logf, stderr=subprocess.STDOUT,
+                                            cwd=workdir, start_new_session=True)  # fmt: skip
         except OSError as exc:
             if cgroup is not None:
                 cgroup.remove()
@@ -173,6 +174,9 @@ class LocalPlatform(Platform):
         if cgroup is None and launch.memory is not None:
             self._start_watchdog()
         return self.observe(launch.node_id)
+
+    def _argv(self, command: list[str]) -> list[str]:
+        return die_with_parent.wrap(command) if self._die_with_parent else command
 
     def _start_warm(self, launch: NodeLaunch, env: dict[str, str], logf: IO[bytes],
                     workdir: Path) -> subprocess.Popen[bytes] | None:  # fmt: skip

@@ -24,12 +24,10 @@ Calls into actors pass plain values (strings, numbers, lists, dicts).
 
 from __future__ import annotations
 
-import signal
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from streamrover._libc import set_parent_death_signal
 from streamrover.operator.api import (
     LaunchError,
     MasterInfo,
@@ -45,15 +43,11 @@ from streamrover.operator.api import (
 from streamrover.operator.local import LocalPlatform
 
 
-def _die_with_parent() -> None:
-    set_parent_death_signal(signal.SIGKILL)
-
-
 class _Host:
     """Inside a Ray actor: a local platform on this Ray node, serving one master or one trainer node."""
 
     def __init__(self, workdir: str) -> None:
-        self.local = LocalPlatform(workdir, preexec=_die_with_parent, reap=False)  # hosts share the workdir
+        self.local = LocalPlatform(workdir, die_with_parent=True, reap=False)  # hosts share the workdir
 
     def node_ip(self) -> str:
         import ray
