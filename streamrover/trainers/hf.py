@@ -34,14 +34,10 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from streamrover.ckpt.torch_adapter import _clone_tensors, load_module_state
+from streamrover.ckpt.torch_adapter import _clone_tensors, _unwrap, load_module_state
 from streamrover.trainers.flash import FlashRun
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's name for it
-
-
-def _unwrap(model: Any) -> Any:
-    return model.module if hasattr(model, "module") else model
 
 
 class _SaveCallback(TrainerCallback):
