@@ -202,16 +202,18 @@ class FlashRun:
         for ds in self.datasets:
             ds.batch_trained()
 
-    def restore(self) -> LoadedCheckpoint | None:
-        """Rule 1 on every rank: the newest checkpoint (its state a fresh copy), or None; a collective."""
+    def restore(self, zero_copy: bool = False) -> LoadedCheckpoint | None:
+        """Rule 1 on every rank: the newest checkpoint, or None; a collective. Its state is a fresh copy, or with
+        ``zero_copy`` on rank 0 views of shared memory where it came from there (valid until the next save: the
+        caller copies out what it keeps; a restore then skips a private copy of the whole state)."""
         loaded: LoadedCheckpoint | None = None
         if self.checkpointer is not None:
             ckpt = self.checkpointer
             if self.client is not None:
-                loaded = restore_before_lease(lambda: ckpt.load(zero_copy=False, restore=True), self.client)
+                loaded = restore_before_lease(lambda: ckpt.load(zero_copy=zero_copy, restore=True), self.client)
             else:
                 try:
-                    loaded = ckpt.load(zero_copy=False)
+                    loaded = ckpt.load(zero_copy=zero_copy)
                 except NoCheckpointError:
                     loaded = None
         if _distributed():

@@ -89,7 +89,9 @@ class FlashTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         self.flash.open(self.args.process_index)
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
-            loaded = self.flash.restore()
+            # zero-copy: the overrides below copy each part out (the weights straight into the model) before the
+            # first step's save can reuse the buffer; a private copy of the whole state first doubled the copying
+            loaded = self.flash.restore(zero_copy=True)
             if loaded is not None:
                 # The Trainer resumes from a directory: one holding only trainer_state.json (the snapshot's); the
                 # weights, optimizer, scheduler and RNG come from the snapshot through the overrides below.
@@ -126,7 +128,7 @@ class FlashTrainer(Trainer):
         assert self.optimizer is not None  # created before the Trainer loads a checkpoint's optimizer state
         self.optimizer.load_state_dict(_clone_tensors(state["optimizer"]))
         if self.lr_scheduler is not None and state.get("scheduler") is not None:
-            self.lr_scheduler.load_state_dict(state["scheduler"])
+            self.lr_scheduler.load_state_dict(_clone_tensors(state["scheduler"]))
 
     def _load_scaler(self, checkpoint: Any) -> None:
         if self._flash(checkpoint) is None:

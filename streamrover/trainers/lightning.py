@@ -30,10 +30,30 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from streamrover.ckpt.torch_adapter import _clone_tensors
 from streamrover.trainers.flash import FlashRun, TrainedOnly
+
+
+def _weights_as_views(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A zero-copy checkpoint as Lightning may keep it: the weights (``state_dict``) stay views of shared memory,
+    which ``load_state_dict`` copies into the model before the first step; every other tensor is copied out
+    (``Optimizer.load_state_dict`` keeps the tensors it is given, and so may a callback's state)."""
+    return {k: v if k == "state_dict" else _copied(v) for k, v in checkpoint.items()}
+
+
+def _copied(node: Any) -> Any:
+    """``node`` (dicts, lists, tuples: what a snapshot holds) with every torch tensor and numpy array copied."""
+    if isinstance(node, np.ndarray):
+        return node.copy()
+    if isinstance(node, dict):
+        return {k: _copied(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_copied(v) for v in node)
+    return _clone_tensors(node)
 
 
 class FlashCheckpointIO(CheckpointIO):
@@ -92,11 +112,11 @@ class FlashCheckpoint(Callback):
             return
         self.io.rank = trainer.global_rank
         self.run.open(trainer.global_rank)
-        loaded = self.run.restore()
+        loaded = self.run.restore(zero_copy=True)
         if loaded is not None:
             # Lightning restores the model, callbacks, optimizers, schedulers and loops from the checkpoint its
             # connector holds once ``setup`` returns (``fit(ckpt_path=...)`` replaces it: the user's path wins).
-            trainer._checkpoint_connector._loaded_checkpoint = loaded.state
+            trainer._checkpoint_connector._loaded_checkpoint = _weights_as_views(loaded.state)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.run.batch_trained()

@@ -1,9 +1,10 @@
 """A plain Hugging Face Trainer script, with the two lines the README changes (marked ``# streamrover``).
 
 Trains a tiny GPT-2 (built from a config: nothing is downloaded) on random tokens for ``--max-steps``
-steps. A callback of the script appends each step's global step to ``steps-<restart>.txt`` in
-``--out``; at step ``--pause-at`` of the first run it writes its pid to ``paused`` and blocks there
-(mid-epoch), for the test to SIGKILL it.
+steps. A callback of the script appends each step's global step and a fingerprint of the weights, the
+optimizer state and the learning rate (:func:`fingerprint`) to ``steps-<restart>.txt`` in ``--out``; at
+step ``--pause-at`` of the first run it writes its pid to ``paused`` and blocks there (mid-epoch), for the
+test to SIGKILL it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from streamrover.trainers.hf import FlashTrainer  # streamrover
+from tests.trainers.fingerprint import fingerprint
 
 
 class StepLog(TrainerCallback):
@@ -27,7 +29,7 @@ class StepLog(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         with open(self.file, "a") as f:
-            f.write(f"{state.global_step}\n")
+            f.write(f"{state.global_step} {fingerprint(kwargs['model'], kwargs['optimizer'])}\n")
         if state.global_step == self.pause_at and not (self.out / "paused").exists():
             (self.out / "paused").write_text(str(os.getpid()))
             threading.Event().wait()  # killed here

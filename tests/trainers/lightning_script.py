@@ -1,8 +1,9 @@
 """A plain Lightning script, with the two lines the README adds (marked ``# streamrover``).
 
-Fits a tiny regressor for ``--max-steps`` steps. Each training step appends the global step to
-``steps-<restart>.txt`` in ``--out``; at step ``--pause-at`` of the first run it writes its pid to
-``paused`` and blocks there (mid-epoch), for the test to SIGKILL it.
+Fits a tiny regressor for ``--max-steps`` steps. Each training step appends the global step and a
+fingerprint of the weights, the optimizer state and the learning rate to ``steps-<restart>.txt`` in
+``--out``; at step ``--pause-at`` of the first run it writes its pid to ``paused`` and blocks there
+(mid-epoch), for the test to SIGKILL it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from streamrover.trainers.lightning import FlashCheckpoint  # streamrover
+from tests.trainers.fingerprint import fingerprint
 
 
 class Regressor(L.LightningModule):
@@ -29,7 +31,7 @@ class Regressor(L.LightningModule):
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         with open(self.log_file, "a") as f:
-            f.write(f"{self.global_step}\n")
+            f.write(f"{self.global_step} {fingerprint(self, self.trainer.optimizers[0])}\n")
         if self.global_step == self.pause_at and not (self.out / "paused").exists():
             (self.out / "paused").write_text(str(os.getpid()))
             threading.Event().wait()  # killed here
