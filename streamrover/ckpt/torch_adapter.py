@@ -22,10 +22,14 @@ def _unwrap(model: Any) -> Any:
 
 
 def _clone_tensors(node: Any) -> Any:
+    """``node`` with every torch tensor and numpy array copied (a snapshot's views of shared memory included)."""
+    import numpy as np
     import torch
 
     if isinstance(node, torch.Tensor):
         return node.clone()
+    if isinstance(node, np.ndarray):
+        return node.copy()
     if isinstance(node, dict):
         return {k: _clone_tensors(v) for k, v in node.items()}
     if isinstance(node, list):

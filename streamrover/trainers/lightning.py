@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import CheckpointIO
 
@@ -42,18 +41,7 @@ def _weights_as_views(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """A zero-copy checkpoint as Lightning may keep it: the weights (``state_dict``) stay views of shared memory,
     which ``load_state_dict`` copies into the model before the first step; every other tensor is copied out
     (``Optimizer.load_state_dict`` keeps the tensors it is given, and so may a callback's state)."""
-    return {k: v if k == "state_dict" else _copied(v) for k, v in checkpoint.items()}
-
-
-def _copied(node: Any) -> Any:
-    """``node`` (dicts, lists, tuples: what a snapshot holds) with every torch tensor and numpy array copied."""
-    if isinstance(node, np.ndarray):
-        return node.copy()
-    if isinstance(node, dict):
-        return {k: _copied(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(_copied(v) for v in node)
-    return _clone_tensors(node)
+    return {k: v if k == "state_dict" else _clone_tensors(v) for k, v in checkpoint.items()}
 
 
 class FlashCheckpointIO(CheckpointIO):
